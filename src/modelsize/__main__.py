@@ -1,0 +1,7 @@
+"""``python -m modelsize``."""
+
+import sys
+
+from modelsize.cli import main
+
+sys.exit(main())

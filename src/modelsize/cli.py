@@ -1,0 +1,106 @@
+"""The ``modelsize`` command: parse arguments, call the library, render. No logic of its own.
+
+Every :class:`~modelsize.errors.ModelSizeError` leaves through :func:`main` as one line on
+stderr and its exit code (2 for bad input), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from modelsize import __version__
+from modelsize.errors import ModelSizeError, printable
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from modelsize.inspection import inspect
+    from modelsize.report.text import render_inspect
+
+    report = inspect(args.path)
+    if args.json:
+        print(json.dumps(report.to_dict(top=args.top if args.top_given else None), indent=2))
+    else:
+        sys.stdout.write(render_inspect(report, top=args.top))
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from modelsize.estimate import command
+
+    return command.run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from modelsize.demo import run_demo
+
+    return run_demo(args.dir, sections=args.only)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (sub-commands inspect, estimate, demo)."""
+    parser = argparse.ArgumentParser(
+        prog="modelsize",
+        description="Why is this model file so big, how much memory will this model need, "
+        "and how to make it smaller.",
+    )
+    parser.add_argument("--version", action="version", version=f"modelsize {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="account for every byte of a saved model file")
+    p.add_argument("path", help="a model file, a checkpoint directory or prefix")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--top", type=int, default=None, help="largest tensors to list (default 10)")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("estimate", help="exact memory a PyTorch model needs (inference, training)")
+    try:
+        from modelsize.estimate import command as estimate_command
+    except ImportError:  # the estimate feature is optional while it is being built
+        estimate_command = None
+    if estimate_command is not None:
+        estimate_command.add_arguments(p)
+    p.set_defaults(func=_estimate)
+
+    p = sub.add_parser("demo", help="build example checkpoints on the spot and explain them")
+    p.add_argument("--dir", default=None, help="keep the example files here (default: a temp dir)")
+    p.add_argument("--only", action="append", default=None,
+                   help="run only this section (inspect, estimate); repeatable")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None) == "inspect":
+        args.top_given = args.top is not None
+        if args.top is None:
+            args.top = 10
+    try:
+        return int(args.func(args))
+    except ModelSizeError as exc:
+        print(f"modelsize: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("modelsize: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        if os.environ.get("MODELSIZE_DEBUG"):
+            raise
+        print(
+            f"modelsize: internal error: {type(exc).__name__}: {printable(str(exc))} "
+            "(a modelsize bug: rerun with MODELSIZE_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

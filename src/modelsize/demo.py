@@ -1,0 +1,143 @@
+"""``modelsize demo``: build the seed stories on the spot (nothing downloaded) and explain them.
+
+Each story is a real file written by the real framework, showing one of the ways a saved model
+grows far beyond its weights.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from modelsize.errors import MissingDependencyError
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingDependencyError("torch", "modelsize demo", extra="demo") from exc
+    return torch
+
+
+def seed_cnn() -> Any:
+    """The small MNIST-style CNN of the PyTorch examples (1.2 M parameters)."""
+    torch = _torch()
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Dropout(0.25), nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Dropout(0.5),
+        nn.Linear(128, 10),
+    )
+
+
+def _train_checkpoint(out: Path) -> Path:
+    torch = _torch()
+    torch.manual_seed(0)
+    model = seed_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    loss = torch.nn.functional.cross_entropy(model(images), labels)
+    loss.backward()
+    opt.step()
+    path = out / "train.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, path)
+    return path
+
+
+def _slice(out: Path) -> Path:
+    torch = _torch()
+    table = torch.randn(50_000, 64)  # an embedding table
+    path = out / "first_rows.pt"
+    torch.save(table[:10], path)  # saves the whole 12.8 MB storage for 2.5 kB of rows
+    return path
+
+
+def _float64(out: Path) -> Path:
+    torch = _torch()
+    torch.manual_seed(0)
+    model = seed_cnn().double()
+    path = out / "model_f64.pt"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def _whole_module(out: Path) -> Path:
+    torch = _torch()
+    torch.manual_seed(0)
+    model = seed_cnn()
+    def keep(module: Any, inputs: Any, output: Any) -> None:
+        module.last_output = output.detach()  # what debugging code often leaves behind
+
+    for layer in model:
+        layer.register_forward_hook(keep)
+    model(torch.randn(16, 1, 28, 28))
+    for layer in model:
+        layer._forward_hooks.clear()  # hooks are closures: torch.save cannot pickle them
+    path = out / "whole_model.pt"
+    torch.save(model, path)
+    return path
+
+
+def _tied_clone(out: Path) -> Path:
+    torch = _torch()
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise MissingDependencyError("safetensors", "this demo story", extra="demo") from exc
+    torch.manual_seed(0)
+    emb = torch.randn(5_000, 128)
+    tensors = {
+        "wte.weight": emb,
+        "lm_head.weight": emb.clone(),  # tied weights, cloned because safetensors refuses shared ones
+        "ln_f.weight": torch.ones(128),
+        "ln_f.bias": torch.zeros(128),
+    }
+    path = out / "tied.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+STORIES: tuple[tuple[str, Callable[[Path], Path]], ...] = (
+    ("A training checkpoint: a small CNN after one Adam step, saved with its optimizer", _train_checkpoint),
+    ("A slice of a big tensor saved with torch.save", _slice),
+    ("The same CNN's weights saved in float64", _float64),
+    ("A model pickled whole, with activations cached in its modules", _whole_module),
+    ("Tied embeddings cloned before saving to safetensors", _tied_clone),
+)
+
+
+def inspect_section(out: Path) -> str:
+    """Write every story's file into ``out``, inspect each, and return the reports."""
+    from modelsize.inspection import inspect
+    from modelsize.report.text import render_inspect
+
+    parts = []
+    for i, (title, make) in enumerate(STORIES, 1):
+        path = make(out)
+        parts.append(f"== {i}. {title}\n\n" + render_inspect(inspect(path), top=5))
+    return "\n".join(parts)
+
+
+def run_demo(directory: str | None = None, sections: list[str] | None = None) -> int:
+    """Print the demo; files go to ``directory`` (kept) or a temporary one (removed)."""
+    wanted = set(sections or ["inspect", "estimate"])
+    with tempfile.TemporaryDirectory(prefix="modelsize-demo-") as tmp:
+        out = Path(directory) if directory else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        if "inspect" in wanted:
+            sys.stdout.write("modelsize inspect: why is this file so big?\n\n")
+            sys.stdout.write(inspect_section(out))
+            sys.stdout.flush()
+        if "estimate" in wanted:
+            try:
+                from modelsize.estimate.command import demo_section
+            except ImportError:
+                demo_section = None
+            if demo_section is not None:
+                sys.stdout.write("\nmodelsize estimate: how much memory will it need?\n\n")
+                sys.stdout.write(demo_section())
+    return 0

@@ -1,0 +1,212 @@
+"""The counter: a fake-tensor mode that keeps the live bytes of every storage the program creates.
+
+Every tensor op runs on fake tensors (metadata only, no data, no real memory). After each op
+the tracker registers the storages of its outputs that it has not seen yet and attaches a
+weak-reference finalizer to each, so a storage is counted from the op that allocated it until
+the moment Python or C++ drops its last reference: views share a storage and count once, and
+frees happen exactly where the real allocator would see them. Bytes that no tensor owns (kernel
+scratch, see :mod:`modelsize.estimate.scratch`) are added for the duration of the op.
+
+Known limitations (checked against the CPU profiler in tests/estimate, see the docs there):
+
+* fake tensors are "tensor-subclass-like", so ATen composites that test
+  ``isTensorSubclassLike`` take their out-of-place branch (``linear`` adds its bias with
+  ``add`` instead of ``add_``; a few backward formulas do the same). :mod:`.inplace` maps those
+  back to the in-place behaviour of a real run;
+* memory allocated outside ATen (BLAS, oneDNN scratch pads, the Python heap) is invisible, as
+  it is to the PyTorch allocator and its profiler.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+ScratchFn = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], int]
+
+
+class Origin(str, Enum):
+    """Where a counted storage came from (the estimator turns this into a category)."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    OTHER = "other"
+
+
+@dataclass(slots=True)
+class Allocation:
+    """One counted storage: its size and lifetime in ticks (one tick per op)."""
+
+    nbytes: int
+    origin: Origin
+    created: int
+    phase: int
+    module: str
+    freed: int = -1
+    is_grad: bool = False
+    is_state: bool = False
+    saved: bool = False
+    recomputed: bool = False
+
+    def live_at(self, tick: int) -> bool:
+        """Whether this storage held memory right after the op at ``tick`` allocated."""
+        return self.created <= tick and (self.freed < 0 or self.freed >= tick)
+
+
+@dataclass(slots=True)
+class Phase:
+    """A named stretch of the program (``forward`` of step 1, micro-batch 1, ...)."""
+
+    name: str
+    step: int
+    micro_batch: int
+    start: int
+    end: int = -1
+
+
+def _tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list)):
+                yield from _tensors(item)
+
+
+class CountingFakeMode(FakeTensorMode):
+    """A :class:`FakeTensorMode` that counts the bytes of live storages after every op."""
+
+    def __init__(self, scratch: dict[Any, ScratchFn] | None = None) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.scratch = scratch or {}
+        self.allocations: list[Allocation] = []
+        self.phases: list[Phase] = []
+        self.live: dict[int, Allocation] = {}
+        self.live_bytes = 0
+        self.tick = 0
+        self.peak_bytes = 0
+        self.peak_tick = 0
+        self.peak_scratch = 0
+        self.peak_scratch_op = ""
+        self.timeline: list[int] = []
+        self.ops: list[Any] = []
+        self.modules: list[str] = []
+        self.origin = Origin.OTHER
+        self.counting = True
+        self.depth = 0
+        self._composite: dict[Any, bool] = {}
+
+    # -- registration -----------------------------------------------------------------------
+
+    def track(self, tensor: torch.Tensor, origin: Origin) -> Allocation:
+        """Count ``tensor``'s storage from now on (no-op if it is already counted)."""
+        st = tensor.untyped_storage()
+        key = st._cdata
+        rec = self.live.get(key)
+        if rec is not None:
+            return rec
+        rec = Allocation(
+            nbytes=st.nbytes(),
+            origin=origin,
+            created=self.tick,
+            phase=len(self.phases) - 1,
+            module=self.modules[-1] if self.modules else "",
+        )
+        self.live[key] = rec
+        self.allocations.append(rec)
+        self.live_bytes += rec.nbytes
+        weakref.finalize(st, self._free, key)
+        return rec
+
+    def allocation_of(self, tensor: torch.Tensor) -> Allocation | None:
+        """The live record of ``tensor``'s storage, if counted."""
+        return self.live.get(tensor.untyped_storage()._cdata)
+
+    def _free(self, key: int) -> None:
+        rec = self.live.pop(key, None)
+        if rec is not None:
+            rec.freed = self.tick
+            self.live_bytes -= rec.nbytes
+
+    def begin_phase(self, name: str, step: int, micro_batch: int = 0) -> None:
+        """Start a named phase; the previous one ends here."""
+        if self.phases and self.phases[-1].end < 0:
+            self.phases[-1].end = self.tick
+        self.phases.append(Phase(name, step, micro_batch, self.tick + 1))
+
+    def end_phase(self) -> None:
+        """End the current phase."""
+        if self.phases and self.phases[-1].end < 0:
+            self.phases[-1].end = self.tick
+
+    def _is_composite(self, func: Any) -> bool:
+        known = self._composite.get(func)
+        if known is None:
+            try:
+                known = torch._C._dispatch_has_kernel_for_dispatch_key(
+                    func.name(), "CompositeImplicitAutograd"
+                )
+            except RuntimeError:  # prim:: ops are not registered with the dispatcher
+                known = False
+            self._composite[func] = known
+        return known
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def __torch_dispatch__(  # type: ignore[override]
+        self,
+        func: Any,
+        types: Any,
+        args: Any = (),
+        kwargs: Any = None,
+    ) -> Any:
+        # A Python decomposition of an op that has a real kernel: count the op, not its parts.
+        nested = not self._is_composite(func)
+        self.depth += nested
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs or {})
+        finally:
+            self.depth -= nested
+        if not self.counting or self.depth:
+            return out
+        counted = False
+        for t in _tensors(out):
+            if not isinstance(t, FakeTensor):
+                continue
+            if not counted:
+                self.tick += 1
+                self.ops.append(func)
+                counted = True
+            st = t.untyped_storage()
+            rec = self.live.get(st._cdata)
+            if rec is None:
+                self.track(t, self.origin)
+            elif rec.nbytes != st.nbytes():  # resize_ and friends
+                self.live_bytes += st.nbytes() - rec.nbytes
+                rec.nbytes = st.nbytes()
+        if not counted:
+            return out
+        extra = 0
+        fn = self.scratch.get(func)
+        if fn is not None:
+            extra = fn(func, args, kwargs or {}, out)
+        high = self.live_bytes + extra
+        self.timeline.append(high)
+        if high > self.peak_bytes:
+            self.peak_bytes = high
+            self.peak_tick = self.tick
+            self.peak_scratch = extra
+            self.peak_scratch_op = str(func) if extra else ""
+        return out

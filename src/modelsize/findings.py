@@ -1,0 +1,233 @@
+"""What a user should do about an :class:`~modelsize.inventory.Inventory`: findings + explanation.
+
+A finding names a problem, what fixing it saves (``bytes``), a message and the command that fixes
+it. The explanation is the paragraph a report opens with: where the bytes went, in one breath.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from modelsize.categories import Category
+from modelsize.dtypes import DTYPES
+from modelsize.inventory import Inventory, TensorRecord
+from modelsize.report.units import human_bytes, percent
+
+
+class FindingKind(str, Enum):
+    """The closed set of things ``inspect`` can find."""
+
+    UNSAFE_CODE = "unsafe_code"
+    OPTIMIZER_STATE = "optimizer_state"
+    GRADIENTS = "gradients"
+    ACTIVATIONS = "activations"
+    UNUSED_STORAGE = "unused_storage"
+    DUPLICATES = "duplicates"
+    EMA = "ema"
+    WIDE_DTYPE = "wide_dtype"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: ``bytes`` is what fixing it saves; ``action`` the command that fixes it."""
+
+    kind: FindingKind
+    bytes: int
+    message: str
+    action: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"kind": self.kind.value, "bytes": self.bytes, "message": self.message,
+                "action": self.action}
+
+
+#: Optimizer slot names -> the optimizer that writes them (torch, TF, Keras spellings).
+_SLOT_OWNERS: tuple[tuple[frozenset[str], str], ...] = (
+    (frozenset({"exp_avg", "exp_avg_sq"}), "Adam"),
+    (frozenset({"adam", "adam_1"}), "Adam"),
+    (frozenset({"m", "v"}), "Adam"),
+    (frozenset({"momentum_buffer"}), "SGD momentum"),
+    (frozenset({"momentum"}), "momentum"),
+    (frozenset({"square_avg"}), "RMSprop"),
+    (frozenset({"rmsprop"}), "RMSprop"),
+    (frozenset({"sum"}), "Adagrad"),
+    (frozenset({"exp_avg", "exp_inf"}), "Adamax"),
+)
+
+_GENERIC_NAME = {"step", "state", "param_groups", "lr", "iterations", "iteration", "global_step"}
+
+
+def _slot(t: TensorRecord) -> str:
+    """The slot a tensor stands for: last component of its name that is not a number."""
+    parts = [p for p in t.name.replace("/", ".").split(".") if p and not p.isdigit()]
+    return parts[-1] if parts else t.name
+
+
+def optimizer_description(inv: Inventory) -> str:
+    """``Adam optimizer state (exp_avg, exp_avg_sq)``, from the slots present."""
+    tensors = inv.tensors_in(Category.OPTIMIZER_STATE)
+    sizes: dict[str, int] = {}
+    for t in tensors:
+        sizes[_slot(t)] = sizes.get(_slot(t), 0) + t.stored_nbytes
+    big = [s for s, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n and s not in _GENERIC_NAME]
+    name = inv.facts.get("optimizer")
+    if not name:
+        lowered = {s.lower() for s in sizes}
+        for slots, owner in _SLOT_OWNERS:
+            if slots <= lowered:
+                name = owner
+                break
+    head = f"{name} optimizer state" if name else "optimizer state"
+    return f"{head} ({', '.join(big[:4])})" if big else head
+
+
+def _out_name(path: Path) -> str:
+    suffix = "".join(path.suffixes[-1:]) if path.is_file() else ""
+    stem = path.name[: -len(suffix)] if suffix else path.name
+    return str(path.with_name(f"{stem}.slim{suffix}"))
+
+
+def _slim(inv: Inventory, *flags: str) -> str:
+    path = inv.path
+    args = ["modelsize", "slim", str(path), *flags, "-o", _out_name(path)]
+    return shlex.join(args)
+
+
+def find(inv: Inventory) -> list[Finding]:
+    """Every finding for an inventory, largest saving first (unsafe code always first)."""
+    by = inv.bytes_by_category
+    out: list[Finding] = []
+    if inv.unsafe_globals:
+        names = ", ".join(inv.unsafe_globals[:6]) + (" ..." if len(inv.unsafe_globals) > 6 else "")
+        out.append(Finding(
+            FindingKind.UNSAFE_CODE, 0,
+            f"loading this file with pickle / torch.load(weights_only=False) imports and calls "
+            f"{names}",
+            "never load it with weights_only=False; convert the tensors to safetensors: "
+            + _slim(inv, "--to", "safetensors"),
+        ))
+    if by[Category.OPTIMIZER_STATE]:
+        out.append(Finding(
+            FindingKind.OPTIMIZER_STATE, by[Category.OPTIMIZER_STATE],
+            f"{human_bytes(by[Category.OPTIMIZER_STATE])} is {optimizer_description(inv)}, "
+            "only needed to resume training",
+            _slim(inv, "--drop", "optimizer_state"),
+        ))
+    if by[Category.GRADIENTS]:
+        out.append(Finding(
+            FindingKind.GRADIENTS, by[Category.GRADIENTS],
+            f"{human_bytes(by[Category.GRADIENTS])} is gradients saved with the model; neither "
+            "inference nor resuming training needs them",
+            _slim(inv, "--drop", "gradients"),
+        ))
+    if by[Category.ACTIVATIONS]:
+        out.append(Finding(
+            FindingKind.ACTIVATIONS, by[Category.ACTIVATIONS],
+            f"{human_bytes(by[Category.ACTIVATIONS])} is activations cached by the last forward/"
+            "backward pass (outputs, gradInput, attributes of modules); clear them before saving",
+            _slim(inv, "--drop", "activations"),
+        ))
+    if by[Category.UNUSED_STORAGE]:
+        out.append(Finding(
+            FindingKind.UNUSED_STORAGE, by[Category.UNUSED_STORAGE],
+            f"{human_bytes(by[Category.UNUSED_STORAGE])} of saved storage is reached by no tensor: "
+            "a view (slice, narrow, chunk) was saved together with the whole tensor it came from; "
+            "save view.clone() instead",
+            _slim(inv),
+        ))
+    if by[Category.DUPLICATES]:
+        dups = inv.tensors_in(Category.DUPLICATES)
+        pairs = ", ".join(f"{t.name} = {t.duplicate_of}" for t in dups[:3] if t.duplicate_of)
+        out.append(Finding(
+            FindingKind.DUPLICATES, by[Category.DUPLICATES],
+            f"{human_bytes(by[Category.DUPLICATES])} is second copies of identical tensors "
+            f"stored separately ({pairs}{', ...' if len(dups) > 3 else ''}); tied weights "
+            "cloned before saving are the usual cause",
+            _slim(inv, "--dedupe"),
+        ))
+    ema = [t for t in inv.tensors if "ema" in t.tags and t.category == Category.WEIGHTS]
+    if ema:
+        n = sum(t.stored_nbytes for t in ema)
+        out.append(Finding(
+            FindingKind.EMA, n,
+            f"{human_bytes(n)} of the weights is an EMA copy of the model ({len(ema)} tensors); "
+            "inference needs one set: keep the EMA weights or the raw ones, not both",
+            _slim(inv, "--drop", "ema"),
+        ))
+    wide = [t for t in inv.tensors if t.dtype == "float64" and t.stored_nbytes
+            and t.category not in (Category.DUPLICATES, Category.UNUSED_STORAGE)]
+    if wide:
+        n = sum(t.stored_nbytes for t in wide)
+        floats = [t for t in inv.tensors if DTYPES.get(t.dtype, DTYPES["int8"]).floating]
+        every = len(wide) == len(floats)
+        which = "every floating-point tensor is" if every else f"{len(wide)} tensors are"
+        out.append(Finding(
+            FindingKind.WIDE_DTYPE, n // 2,
+            f"{which} float64 ({human_bytes(n)}); deep-learning models train and serve in float32 "
+            "or narrower, and float32 halves these bytes",
+            _slim(inv, "--cast", "float32"),
+        ))
+    first = out[:1] if out and out[0].kind == FindingKind.UNSAFE_CODE else []
+    rest = sorted(out[len(first):], key=lambda f: -f.bytes)
+    return first + rest
+
+
+_DESCRIBE: dict[Category, str] = {
+    Category.BUFFERS: "buffers (BatchNorm running statistics and other non-trainable state)",
+    Category.GRADIENTS: "gradients saved with the weights, needed neither for inference nor to resume",
+    Category.ACTIVATIONS: "activations cached by the last forward/backward pass, not needed at all",
+    Category.UNUSED_STORAGE: "storage no tensor reaches: a view was saved with the whole tensor "
+    "it came from",
+    Category.DUPLICATES: "second copies of identical tensors stored separately",
+    Category.GRAPH: "model structure (pickled module objects, code, graph definitions)",
+    Category.METADATA: "headers, names and container structure",
+    Category.OTHER: "other data",
+}
+
+
+def explain(inv: Inventory, findings: list[Finding]) -> str:
+    """The paragraph a report opens with: where the bytes went and what to do about it."""
+    total = inv.file_bytes
+    by = inv.bytes_by_category
+    name = inv.path.name or str(inv.path)
+    files = f" in {len(inv.files)} files" if len(inv.files) > 1 else ""
+    w = by[Category.WEIGHTS]
+    sentences = [
+        f"{name} is {human_bytes(total)}{files}; the model's weights are "
+        f"{human_bytes(w)} ({percent(w, total)})."
+    ]
+    if total == 0:
+        return sentences[0]
+    rest = sorted(
+        ((c, n) for c, n in by.items() if c != Category.WEIGHTS and n and n * 100 >= total),
+        key=lambda cn: -cn[1],
+    )
+    for cat, n in rest[:4]:
+        if cat == Category.OPTIMIZER_STATE:
+            what = f"{optimizer_description(inv)}, only needed to resume training"
+        else:
+            what = _DESCRIBE[cat]
+        sentences.append(f"{human_bytes(n)} ({percent(n, total)}) is {what}.")
+    unsafe = [f for f in findings if f.kind == FindingKind.UNSAFE_CODE]
+    if unsafe:
+        sentences.insert(0, f"Warning: {unsafe[0].message}.")
+    fixable = [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE]
+    if fixable:
+        saved = sum(f.bytes for f in fixable)
+        saved = min(saved, total)
+        sentences.append(
+            f"Dropping what inference does not need would save {human_bytes(saved)} "
+            f"({percent(saved, total)}): {fixable[0].action}"
+            + (" (see findings for the rest)." if len(fixable) > 1 else ".")
+        )
+    elif not unsafe:
+        sentences.append("Nothing to slim: every byte is needed to load the model.")
+    return " ".join(sentences)

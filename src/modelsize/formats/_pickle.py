@@ -1,0 +1,933 @@
+"""A pickle virtual machine that parses and never loads.
+
+:func:`scan` runs the opcodes of one pickle (protocols 0-5) and builds the object tree out of
+placeholders: a reference to ``module.name`` becomes a :class:`Global` (nothing is imported), a
+call becomes a :class:`Call` (nothing is called), a persistent id a :class:`PersistentId`, a
+bytes payload a :class:`Blob` (its place in the data, not a copy of it). Dicts, lists, tuples
+and sets are real Python containers of those placeholders.
+
+While it parses, the machine judges every callable the real unpickler would import and call:
+anything not on a short allowlist of known-safe rebuild functions is *unsafe*
+(``posix.system``, ``builtins.eval``, ``__main__.Net``). Loading such a file runs that code.
+
+Every length is checked against the data before slicing, and the memo, the stack, the opcode
+count, ``LONG`` sizes and the nesting of hashed values are bounded: malformed input ends in one
+:class:`PickleError` naming the opcode and offset, never in a ``RecursionError`` or a hang.
+"""
+
+from __future__ import annotations
+
+import codecs
+import mmap
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+Data = Union[bytes, bytearray, memoryview, mmap.mmap]
+
+#: Tuples, frozensets and persistent ids nested deeper than this are refused: hashing them
+#: recurses in C, where Python's recursion limit does not protect the stack.
+MAX_DEPTH = 100
+#: Ceilings on work and memory that no real checkpoint pickle comes near.
+MAX_OPS = 50_000_000
+MAX_MEMO = 10_000_000
+MAX_STACK = 10_000_000
+MAX_LONG_BYTES = 1 << 16
+MAX_LINE = 1 << 20
+HIGHEST_PROTOCOL = 5
+
+
+class PickleError(ValueError):
+    """A malformed pickle. ``offset`` is where parsing stopped; ``unsafe`` what it found before."""
+
+    def __init__(
+        self, message: str, offset: int, unsafe: Iterable[str] = (), globals: Iterable[str] = ()
+    ) -> None:
+        super().__init__(message)
+        self.offset = offset
+        self.unsafe = list(unsafe)
+        self.globals = list(globals)
+
+
+@dataclass(frozen=True)
+class Global:
+    """A ``module.name`` reference (``GLOBAL``, ``STACK_GLOBAL``, ``INST``); never imported."""
+
+    module: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+@dataclass(eq=False)
+class Call:
+    """What ``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ`` or ``INST`` would have built.
+
+    ``state`` is what ``BUILD`` passed; ``items`` and ``dictitems`` collect ``APPEND(S)`` and
+    ``SETITEM(S)`` applied to the object. ``kind`` names the opcode family (``reduce``,
+    ``newobj``, ``obj``, ``inst``). Calls compare and hash by identity, like the objects they
+    stand for.
+    """
+
+    func: object
+    args: tuple[Any, ...]
+    state: object = None
+    items: list[object] = field(default_factory=list)
+    dictitems: list[tuple[object, object]] = field(default_factory=list)
+    kind: str = "reduce"
+    kwargs: dict[Any, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PersistentId:
+    """A ``PERSID``/``BINPERSID`` payload, left for the caller to interpret."""
+
+    value: object
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A bytes payload (``BINBYTES``, ``BYTEARRAY8``...): where it lies in the data, not a copy.
+
+    Keeping offsets instead of bytes keeps tensor data out of memory and lets readers account
+    for it exactly. :meth:`read` fetches the bytes when a caller really needs them.
+    """
+
+    offset: int
+    nbytes: int
+    kind: str = "bytes"
+
+    def read(self, data: Data) -> bytes:
+        """The payload's bytes from the data the pickle was scanned in."""
+        return bytes(memoryview(data)[self.offset : self.offset + self.nbytes])
+
+
+@dataclass(eq=False)
+class UnhashableKey:
+    """Stands in for a dict key or set item that cannot be hashed (a list, a dict...)."""
+
+    value: object
+
+
+@dataclass
+class PickleScan:
+    """The result of scanning one pickle.
+
+    ``value`` is the unpickled placeholder tree, ``end`` the offset just after ``STOP``,
+    ``globals`` every referenced global (first-seen order), ``unsafe`` the names of the
+    callables that loading would import and call and that are not known to be safe.
+    """
+
+    value: object
+    end: int
+    globals: list[Global]
+    unsafe: list[str]
+    start: int = 0
+    protocol: int = 0
+    error: str | None = None
+
+
+# -- what is safe to call -------------------------------------------------------------------
+
+_TORCH_REBUILD = frozenset(
+    f"torch._utils.{n}"
+    for n in (
+        "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+        "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
+        "_rebuild_sparse_csr_tensor", "_rebuild_nested_tensor",
+        "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass",
+        "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor",
+    )
+)
+#: Builtin types and helpers that only convert their arguments. Their direct arguments must
+#: not be globals: ``set(SomeClass)`` iterates a class, which can run its metaclass's code.
+_CONVERTERS = frozenset(
+    {
+        "builtins.set", "builtins.frozenset", "builtins.list", "builtins.tuple",
+        "builtins.dict", "builtins.bytes", "builtins.bytearray", "builtins.int",
+        "builtins.float", "builtins.bool", "builtins.str", "builtins.complex",
+        "builtins.slice", "builtins.range", "collections.OrderedDict", "collections.Counter",
+        "collections.deque", "_codecs.encode", "torch.Size", "torch.device",
+    }
+)
+_NUMPY = frozenset(
+    f"numpy.{core}.{n}"
+    for core in ("core.multiarray", "_core.multiarray", "core.numeric", "_core.numeric")
+    for n in ("_reconstruct", "scalar", "_frombuffer")
+) | {"numpy.dtype", "numpy.ndarray"}
+#: Callables a torch checkpoint, a NumPy pickle or a TorchScript archive legitimately calls.
+SAFE_CALLS: frozenset[str] = (
+    _TORCH_REBUILD
+    | _CONVERTERS
+    | _NUMPY
+    | {
+        "torch._tensor._rebuild_from_type_v2",
+        "torch.serialization._get_layout",
+        "torch.nn.parameter.Parameter",
+        "torch.Tensor",
+        "copyreg._reconstructor",
+        "builtins.object",
+        "torch.jit._pickle.build_intlist",
+        "torch.jit._pickle.build_tensorlist",
+        "torch.jit._pickle.build_doublelist",
+        "torch.jit._pickle.build_boollist",
+        "torch.jit._pickle.build_tensor_from_id",
+        "torch.jit._pickle.restore_type_tag",
+    }
+)
+_TENSOR_TYPES = frozenset(
+    {
+        "torch.Tensor", "torch.nn.parameter.Parameter", "torch.nn.parameter.Buffer",
+        "torch.nn.parameter.UninitializedParameter", "torch.nn.parameter.UninitializedBuffer",
+    }
+)
+
+
+def is_module_class(ref: Global) -> bool:
+    """A ``torch.nn`` layer class (``torch.nn.modules.linear.Linear``), safe to instantiate.
+
+    Unpickling creates it with ``__new__`` and fills it through ``Module.__setstate__``: no
+    constructor of a user's class runs.
+    """
+    return (
+        ref.module.startswith("torch.nn.modules.")
+        and ref.name.isidentifier()
+        and ref.name[:1].isupper()
+    )
+
+
+def is_safe_class(ref: Global) -> bool:
+    """Whether instantiating ``ref`` (``NEWOBJ``, ``copyreg._reconstructor``) runs only torch code."""
+    name = str(ref)
+    return is_module_class(ref) or name in _TENSOR_TYPES or (
+        name in SAFE_CALLS and name not in _TORCH_REBUILD
+    )
+
+
+# -- the machine ----------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+_MARK = object()
+
+
+def _name(obj: object) -> str:
+    if isinstance(obj, Global):
+        return str(obj)
+    if isinstance(obj, Call):
+        return f"<object returned by {_name(obj.func)}>"
+    if isinstance(obj, PersistentId):
+        return "<persistent object>"
+    return f"<{type(obj).__name__}>"
+
+
+def _dynamic(obj: object) -> str:
+    return f"<{obj}>" if isinstance(obj, Global) else _name(obj)
+
+
+class _Machine:
+    def __init__(
+        self, data: Data, offset: int, persistent_load: Callable[[object], object] | None
+    ) -> None:
+        if isinstance(data, memoryview):
+            data = data.tobytes()
+        self.data = data
+        self.view = memoryview(data)
+        self.size = len(data)
+        self.pos = offset
+        self.start = offset
+        self.persistent_load = persistent_load
+        self.stack: list[Any] = []
+        self.metastack: list[list[Any]] = []
+        self.memo: dict[int, Any] = {}
+        self.proto = 0
+        self.globals: dict[Global, None] = {}
+        self.unsafe: dict[str, None] = {}
+        # id -> (depth, obj) for hashable nested values; the object is kept so ids stay unique.
+        self.depths: dict[int, tuple[int, object]] = {}
+        self.op_pos = offset
+        self.op_name = ""
+
+    # -- helpers -----------------------------------------------------------------------
+    def fail(self, reason: str) -> PickleError:
+        where = f"{self.op_name} at offset {self.op_pos}" if self.op_name else f"offset {self.op_pos}"
+        return PickleError(
+            f"{reason} ({where})", self.op_pos, self.unsafe, (str(g) for g in self.globals)
+        )
+
+    def read(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(
+                f"needs {n} bytes but only {max(0, self.size - self.pos)} remain in the data"
+            )
+        out = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def read_uint(self, fmt: str) -> int:
+        s = struct.calcsize(fmt)
+        value: int = struct.unpack(fmt, self.read(s))[0]
+        return value
+
+    def readline(self) -> bytes:
+        stop = min(self.size, self.pos + MAX_LINE)
+        nl = self.data.find(b"\n", self.pos, stop)
+        if nl < 0:
+            raise self.fail("line argument has no end of line")
+        line = bytes(self.view[self.pos : nl])
+        self.pos = nl + 1
+        return line
+
+    def push(self, obj: object) -> None:
+        if len(self.stack) >= MAX_STACK:
+            raise self.fail(f"more than {MAX_STACK} items on the stack")
+        self.stack.append(obj)
+
+    def pop(self) -> Any:
+        if not self.stack:
+            raise self.fail("stack underflow")
+        return self.stack.pop()
+
+    def top(self) -> Any:
+        if not self.stack:
+            raise self.fail("stack underflow")
+        return self.stack[-1]
+
+    def pop_mark(self) -> list[Any]:
+        if not self.metastack:
+            raise self.fail("no MARK to return to")
+        items = self.stack
+        self.stack = self.metastack.pop()
+        return items
+
+    def depth(self, obj: object) -> int:
+        entry = self.depths.get(id(obj))
+        return entry[0] if entry is not None and entry[1] is obj else 1
+
+    def nested(self, obj: Any, children: Iterable[object]) -> Any:
+        d = 1 + max((self.depth(c) for c in children), default=0)
+        if d > MAX_DEPTH:
+            raise self.fail(f"values nested more than {MAX_DEPTH} levels deep")
+        self.depths[id(obj)] = (d, obj)
+        return obj
+
+    def key(self, obj: object) -> object:
+        try:
+            hash(obj)
+        except TypeError:
+            return UnhashableKey(obj)
+        return obj
+
+    def text(self, raw: memoryview | bytes, encoding: str, errors: str = "strict") -> str:
+        try:
+            return str(raw, encoding, errors)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise self.fail(f"undecodable text ({exc})") from exc
+
+    def flag(self, name: str) -> None:
+        self.unsafe.setdefault(name, None)
+
+    def make_global(self, module: str, name: str) -> Global:
+        if self.proto < 3:
+            if (module, name) in NAME_MAPPING:
+                module, name = NAME_MAPPING[(module, name)]
+            elif module in IMPORT_MAPPING:
+                module = IMPORT_MAPPING[module]
+        ref = Global(module, name)
+        self.globals.setdefault(ref, None)
+        return ref
+
+    # -- the safety judgement --------------------------------------------------------
+    def judge_class(self, cls: object) -> None:
+        if isinstance(cls, Global):
+            if not is_safe_class(cls):
+                self.flag(str(cls))
+        else:
+            self.judge_call(cls, ())
+
+    def judge_call(self, func: object, args: object) -> None:
+        """Record ``func`` as unsafe unless calling it with ``args`` is known to be harmless."""
+        if isinstance(func, PersistentId):
+            value = func.value
+            if isinstance(value, tuple) and len(value) > 1 and isinstance(value[1], Global):
+                self.judge_class(value[1])
+            else:
+                self.flag(_name(func))
+            return
+        if isinstance(func, Call):
+            if _name(func.func) not in self.unsafe:
+                self.flag(_name(func))
+            return
+        if not isinstance(func, Global):
+            return  # calling a str or an int fails on load: nothing runs
+        name = str(func)
+        if name not in SAFE_CALLS:
+            self.flag(name)
+            return
+        argv = args if isinstance(args, tuple) else ()
+        if name in _CONVERTERS:
+            for a in argv:
+                if isinstance(a, Global):
+                    self.flag(str(a))
+        elif name == "copyreg._reconstructor" and argv:
+            self.judge_class(argv[0])
+            if len(argv) > 1 and argv[1] != Global("builtins", "object"):
+                self.judge_class(argv[1])
+        elif name == "torch._tensor._rebuild_from_type_v2" and len(argv) > 2:
+            self.judge_call(argv[0], argv[2])
+            self.judge_tensor_type(argv[1])
+        elif name == "torch._utils._rebuild_wrapper_subclass" and argv:
+            self.judge_tensor_type(argv[0])
+        elif name.endswith("._reconstruct") and argv:
+            if argv[0] != Global("numpy", "ndarray"):
+                self.judge_class(argv[0])
+
+    def judge_tensor_type(self, cls: object) -> None:
+        if not (isinstance(cls, Global) and str(cls) in _TENSOR_TYPES):
+            self.flag(_name(cls))
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self) -> object:
+        dispatch = _DISPATCH
+        ops = 0
+        try:
+            while True:
+                if self.pos >= self.size:
+                    self.op_pos, self.op_name = self.pos, ""
+                    raise self.fail("data ends before the pickle's STOP opcode")
+                self.op_pos = self.pos
+                code = self.data[self.pos]
+                self.pos += 1
+                handler = dispatch.get(code)
+                if handler is None:
+                    self.op_name = ""
+                    raise self.fail(f"unknown opcode {bytes([code])!r}")
+                self.op_name = handler[0]
+                ops += 1
+                if ops > MAX_OPS:
+                    raise self.fail(f"more than {MAX_OPS} opcodes")
+                handler[1](self)
+        except _Stop:
+            return self.stack.pop() if self.stack else None
+        except (struct.error, OverflowError, MemoryError, RecursionError) as exc:
+            raise self.fail(f"{type(exc).__name__}: {exc}") from exc
+
+    # -- opcodes -----------------------------------------------------------------------
+    def op_proto(self) -> None:
+        proto = self.read(1)[0]
+        if proto > HIGHEST_PROTOCOL:
+            raise self.fail(f"unsupported pickle protocol {proto}")
+        self.proto = proto
+
+    def op_frame(self) -> None:
+        n = self.read_uint("<Q")
+        if self.pos + n > self.size:
+            raise self.fail(f"frame of {n} bytes runs past the end of the data")
+
+    def op_stop(self) -> None:
+        if not self.stack:
+            raise self.fail("STOP with an empty stack")
+        raise _Stop
+
+    def op_mark(self) -> None:
+        if len(self.metastack) >= MAX_STACK:
+            raise self.fail("too many MARKs")
+        self.metastack.append(self.stack)
+        self.stack = []
+
+    def op_pop(self) -> None:
+        if self.stack:
+            self.stack.pop()
+        else:
+            self.pop_mark()
+
+    def op_pop_mark(self) -> None:
+        self.pop_mark()
+
+    def op_dup(self) -> None:
+        self.push(self.top())
+
+    # constants and numbers
+    def op_none(self) -> None:
+        self.push(None)
+
+    def op_newtrue(self) -> None:
+        self.push(True)
+
+    def op_newfalse(self) -> None:
+        self.push(False)
+
+    def op_int(self) -> None:
+        line = self.readline()
+        if line == b"00":
+            self.push(False)
+        elif line == b"01":
+            self.push(True)
+        else:
+            self.push(self.parse_int(line))
+
+    def parse_int(self, line: bytes) -> int:
+        if len(line) > 4000:
+            raise self.fail("integer literal longer than 4000 digits")
+        try:
+            return int(line.rstrip(b"L"), 0 if line[:2] in (b"0x", b"0o") else 10)
+        except ValueError as exc:
+            raise self.fail(f"bad integer literal {line[:40]!r}") from exc
+
+    def op_long(self) -> None:
+        self.push(self.parse_int(self.readline()))
+
+    def op_binint(self) -> None:
+        self.push(self.read_uint("<i"))
+
+    def op_binint1(self) -> None:
+        self.push(self.read(1)[0])
+
+    def op_binint2(self) -> None:
+        self.push(self.read_uint("<H"))
+
+    def op_long1(self) -> None:
+        n = self.read(1)[0]
+        self.push(int.from_bytes(self.read(n), "little", signed=True))
+
+    def op_long4(self) -> None:
+        n = self.read_uint("<i")
+        if n < 0 or n > MAX_LONG_BYTES:
+            raise self.fail(f"LONG4 of {n} bytes (at most {MAX_LONG_BYTES} accepted)")
+        self.push(int.from_bytes(self.read(n), "little", signed=True))
+
+    def op_float(self) -> None:
+        line = self.readline()
+        try:
+            self.push(float(line))
+        except ValueError as exc:
+            raise self.fail(f"bad float literal {line[:40]!r}") from exc
+
+    def op_binfloat(self) -> None:
+        self.push(struct.unpack(">d", self.read(8))[0])
+
+    # strings and bytes
+    def op_string(self) -> None:
+        line = self.readline().rstrip(b"\r")
+        if len(line) < 2 or line[:1] != line[-1:] or line[:1] not in (b"'", b'"'):
+            raise self.fail("STRING argument is not quoted")
+        try:
+            raw = codecs.escape_decode(line[1:-1])[0]
+        except ValueError as exc:
+            raise self.fail(f"bad STRING escape ({exc})") from exc
+        self.push(raw.decode("latin-1"))
+
+    def op_binstring(self) -> None:
+        n = self.read_uint("<i")
+        self.push(self.text(self.read(n), "latin-1"))
+
+    def op_short_binstring(self) -> None:
+        n = self.read(1)[0]
+        self.push(self.text(self.read(n), "latin-1"))
+
+    def op_unicode(self) -> None:
+        self.push(self.text(self.readline(), "raw-unicode-escape"))
+
+    def op_binunicode(self) -> None:
+        n = self.read_uint("<I")
+        self.push(self.text(self.read(n), "utf-8", "surrogatepass"))
+
+    def op_short_binunicode(self) -> None:
+        n = self.read(1)[0]
+        self.push(self.text(self.read(n), "utf-8", "surrogatepass"))
+
+    def op_binunicode8(self) -> None:
+        n = self.read_uint("<Q")
+        self.push(self.text(self.read(n), "utf-8", "surrogatepass"))
+
+    def blob(self, n: int, kind: str = "bytes") -> None:
+        offset = self.pos
+        self.read(n)
+        self.push(Blob(offset, n, kind))
+
+    def op_binbytes(self) -> None:
+        self.blob(self.read_uint("<I"))
+
+    def op_short_binbytes(self) -> None:
+        self.blob(self.read(1)[0])
+
+    def op_binbytes8(self) -> None:
+        self.blob(self.read_uint("<Q"))
+
+    def op_bytearray8(self) -> None:
+        self.blob(self.read_uint("<Q"), "bytearray")
+
+    def op_out_of_band(self) -> None:
+        raise self.fail("out-of-band buffers (protocol 5) cannot be read from a file")
+
+    # containers
+    def op_empty_list(self) -> None:
+        self.push([])
+
+    def op_empty_dict(self) -> None:
+        self.push({})
+
+    def op_empty_set(self) -> None:
+        self.push(set())
+
+    def op_empty_tuple(self) -> None:
+        self.push(())
+
+    def tuple_of(self, items: list[Any]) -> tuple[Any, ...]:
+        return self.nested(tuple(items), items)  # type: ignore[no-any-return]
+
+    def op_tuple(self) -> None:
+        self.push(self.tuple_of(self.pop_mark()))
+
+    def op_tuple1(self) -> None:
+        self.push(self.tuple_of([self.pop()]))
+
+    def op_tuple2(self) -> None:
+        b, a = self.pop(), self.pop()
+        self.push(self.tuple_of([a, b]))
+
+    def op_tuple3(self) -> None:
+        c, b, a = self.pop(), self.pop(), self.pop()
+        self.push(self.tuple_of([a, b, c]))
+
+    def op_list(self) -> None:
+        self.push(self.pop_mark())
+
+    def op_dict(self) -> None:
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise self.fail("odd number of items for DICT")
+        self.push({self.key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
+
+    def op_frozenset(self) -> None:
+        items = [self.key(x) for x in self.pop_mark()]
+        self.push(self.nested(frozenset(items), items))
+
+    def extend(self, target: object, items: list[Any]) -> None:
+        if isinstance(target, list):
+            target.extend(items)
+        elif isinstance(target, Call):
+            target.items.extend(items)
+        else:
+            raise self.fail(f"cannot append to a {type(target).__name__}")
+
+    def op_append(self) -> None:
+        value = self.pop()
+        self.extend(self.top(), [value])
+
+    def op_appends(self) -> None:
+        items = self.pop_mark()
+        self.extend(self.top(), items)
+
+    def set_items(self, target: object, items: list[Any]) -> None:
+        if len(items) % 2:
+            raise self.fail("odd number of items for SETITEMS")
+        pairs = [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+        if isinstance(target, dict):
+            for k, v in pairs:
+                target[self.key(k)] = v
+        elif isinstance(target, Call):
+            target.dictitems.extend(pairs)
+        else:
+            raise self.fail(f"cannot set items on a {type(target).__name__}")
+
+    def op_setitem(self) -> None:
+        value, key = self.pop(), self.pop()
+        self.set_items(self.top(), [key, value])
+
+    def op_setitems(self) -> None:
+        items = self.pop_mark()
+        self.set_items(self.top(), items)
+
+    def op_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.top()
+        if isinstance(target, set):
+            target.update(self.key(x) for x in items)
+        elif isinstance(target, Call):
+            target.items.extend(items)
+        else:
+            raise self.fail(f"cannot add items to a {type(target).__name__}")
+
+    # memo
+    def memo_put(self, idx: int) -> None:
+        if len(self.memo) >= MAX_MEMO and idx not in self.memo:
+            raise self.fail(f"more than {MAX_MEMO} memo entries")
+        self.memo[idx] = self.top()
+
+    def memo_get(self, idx: int) -> None:
+        if idx not in self.memo:
+            raise self.fail(f"memo entry {idx} was never stored")
+        self.push(self.memo[idx])
+
+    def op_put(self) -> None:
+        self.memo_put(self.parse_int(self.readline()))
+
+    def op_binput(self) -> None:
+        self.memo_put(self.read(1)[0])
+
+    def op_long_binput(self) -> None:
+        self.memo_put(self.read_uint("<I"))
+
+    def op_memoize(self) -> None:
+        self.memo_put(len(self.memo))
+
+    def op_get(self) -> None:
+        self.memo_get(self.parse_int(self.readline()))
+
+    def op_binget(self) -> None:
+        self.memo_get(self.read(1)[0])
+
+    def op_long_binget(self) -> None:
+        self.memo_get(self.read_uint("<I"))
+
+    # globals and calls
+    def line_name(self) -> str:
+        return self.text(self.readline(), "utf-8")
+
+    def op_global(self) -> None:
+        module = self.line_name()
+        name = self.line_name()
+        self.push(self.make_global(module, name))
+
+    def op_stack_global(self) -> None:
+        name, module = self.pop(), self.pop()
+        if not isinstance(module, str) or not isinstance(name, str):
+            # Only a tampered pickle computes a global's name from other objects: the result
+            # cannot be known without running it (e.g. after BUILD rewrote a module).
+            ref = Global(
+                module if isinstance(module, str) else _dynamic(module),
+                name if isinstance(name, str) else _dynamic(name),
+            )
+            self.globals.setdefault(ref, None)
+            self.flag(str(ref))
+            self.push(ref)
+            return
+        self.push(self.make_global(module, name))
+
+    def op_ext(self, size: int) -> None:
+        code = self.read_uint({1: "<B", 2: "<H", 4: "<i"}[size])
+        ref = Global("copyreg-ext", str(code))
+        self.globals.setdefault(ref, None)
+        self.flag(str(ref))
+        self.push(ref)
+
+    def op_ext1(self) -> None:
+        self.op_ext(1)
+
+    def op_ext2(self) -> None:
+        self.op_ext(2)
+
+    def op_ext4(self) -> None:
+        self.op_ext(4)
+
+    def args_tuple(self, args: object) -> tuple[Any, ...]:
+        if isinstance(args, tuple):
+            return args
+        if isinstance(args, list):
+            return tuple(args)
+        raise self.fail(f"call arguments are a {type(args).__name__}, not a tuple")
+
+    def op_reduce(self) -> None:
+        args = self.pop()
+        func = self.pop()
+        self.judge_call(func, args)
+        self.push(Call(func, self.args_tuple(args)))
+
+    def op_newobj(self) -> None:
+        args = self.pop()
+        cls = self.pop()
+        self.judge_class(cls)
+        self.push(Call(cls, self.args_tuple(args), kind="newobj"))
+
+    def op_newobj_ex(self) -> None:
+        kwargs = self.pop()
+        args = self.pop()
+        cls = self.pop()
+        self.judge_class(cls)
+        call = Call(cls, self.args_tuple(args), kind="newobj")
+        if isinstance(kwargs, dict):
+            call.kwargs = kwargs
+        self.push(call)
+
+    def op_obj(self) -> None:
+        items = self.pop_mark()
+        if not items:
+            raise self.fail("OBJ without a class")
+        cls, args = items[0], tuple(items[1:])
+        self.judge_call(cls, args)
+        self.push(Call(cls, args, kind="obj"))
+
+    def op_inst(self) -> None:
+        module = self.line_name()
+        name = self.line_name()
+        cls = self.make_global(module, name)
+        args = tuple(self.pop_mark())
+        self.judge_call(cls, args)
+        self.push(Call(cls, args, kind="inst"))
+
+    def op_build(self) -> None:
+        state = self.pop()
+        target = self.top()
+        if isinstance(target, Call):
+            target.state = state
+        elif isinstance(target, Global):
+            # BUILD on a module or class sets its attributes: loading rewrites code.
+            self.flag(str(target))
+        elif isinstance(target, PersistentId):
+            self.flag(_name(target))
+
+    def op_persid(self) -> None:
+        pid = self.text(self.readline(), "ascii")
+        self.push(self.persistent(pid))
+
+    def op_binpersid(self) -> None:
+        self.push(self.persistent(self.pop()))
+
+    def persistent(self, pid: object) -> object:
+        if self.persistent_load is not None:
+            return self.persistent_load(pid)
+        return self.nested(PersistentId(pid), [pid])
+
+
+_OPCODES: dict[bytes, tuple[str, Callable[[_Machine], None]]] = {
+    b"\x80": ("PROTO", _Machine.op_proto),
+    b"\x95": ("FRAME", _Machine.op_frame),
+    b".": ("STOP", _Machine.op_stop),
+    b"(": ("MARK", _Machine.op_mark),
+    b"0": ("POP", _Machine.op_pop),
+    b"1": ("POP_MARK", _Machine.op_pop_mark),
+    b"2": ("DUP", _Machine.op_dup),
+    b"N": ("NONE", _Machine.op_none),
+    b"\x88": ("NEWTRUE", _Machine.op_newtrue),
+    b"\x89": ("NEWFALSE", _Machine.op_newfalse),
+    b"I": ("INT", _Machine.op_int),
+    b"L": ("LONG", _Machine.op_long),
+    b"J": ("BININT", _Machine.op_binint),
+    b"K": ("BININT1", _Machine.op_binint1),
+    b"M": ("BININT2", _Machine.op_binint2),
+    b"\x8a": ("LONG1", _Machine.op_long1),
+    b"\x8b": ("LONG4", _Machine.op_long4),
+    b"F": ("FLOAT", _Machine.op_float),
+    b"G": ("BINFLOAT", _Machine.op_binfloat),
+    b"S": ("STRING", _Machine.op_string),
+    b"T": ("BINSTRING", _Machine.op_binstring),
+    b"U": ("SHORT_BINSTRING", _Machine.op_short_binstring),
+    b"V": ("UNICODE", _Machine.op_unicode),
+    b"X": ("BINUNICODE", _Machine.op_binunicode),
+    b"\x8c": ("SHORT_BINUNICODE", _Machine.op_short_binunicode),
+    b"\x8d": ("BINUNICODE8", _Machine.op_binunicode8),
+    b"B": ("BINBYTES", _Machine.op_binbytes),
+    b"C": ("SHORT_BINBYTES", _Machine.op_short_binbytes),
+    b"\x8e": ("BINBYTES8", _Machine.op_binbytes8),
+    b"\x96": ("BYTEARRAY8", _Machine.op_bytearray8),
+    b"\x97": ("NEXT_BUFFER", _Machine.op_out_of_band),
+    b"\x98": ("READONLY_BUFFER", _Machine.op_out_of_band),
+    b"]": ("EMPTY_LIST", _Machine.op_empty_list),
+    b"}": ("EMPTY_DICT", _Machine.op_empty_dict),
+    b"\x8f": ("EMPTY_SET", _Machine.op_empty_set),
+    b")": ("EMPTY_TUPLE", _Machine.op_empty_tuple),
+    b"t": ("TUPLE", _Machine.op_tuple),
+    b"\x85": ("TUPLE1", _Machine.op_tuple1),
+    b"\x86": ("TUPLE2", _Machine.op_tuple2),
+    b"\x87": ("TUPLE3", _Machine.op_tuple3),
+    b"l": ("LIST", _Machine.op_list),
+    b"d": ("DICT", _Machine.op_dict),
+    b"\x91": ("FROZENSET", _Machine.op_frozenset),
+    b"a": ("APPEND", _Machine.op_append),
+    b"e": ("APPENDS", _Machine.op_appends),
+    b"s": ("SETITEM", _Machine.op_setitem),
+    b"u": ("SETITEMS", _Machine.op_setitems),
+    b"\x90": ("ADDITEMS", _Machine.op_additems),
+    b"p": ("PUT", _Machine.op_put),
+    b"q": ("BINPUT", _Machine.op_binput),
+    b"r": ("LONG_BINPUT", _Machine.op_long_binput),
+    b"\x94": ("MEMOIZE", _Machine.op_memoize),
+    b"g": ("GET", _Machine.op_get),
+    b"h": ("BINGET", _Machine.op_binget),
+    b"j": ("LONG_BINGET", _Machine.op_long_binget),
+    b"c": ("GLOBAL", _Machine.op_global),
+    b"\x93": ("STACK_GLOBAL", _Machine.op_stack_global),
+    b"\x82": ("EXT1", _Machine.op_ext1),
+    b"\x83": ("EXT2", _Machine.op_ext2),
+    b"\x84": ("EXT4", _Machine.op_ext4),
+    b"R": ("REDUCE", _Machine.op_reduce),
+    b"\x81": ("NEWOBJ", _Machine.op_newobj),
+    b"\x92": ("NEWOBJ_EX", _Machine.op_newobj_ex),
+    b"o": ("OBJ", _Machine.op_obj),
+    b"i": ("INST", _Machine.op_inst),
+    b"b": ("BUILD", _Machine.op_build),
+    b"P": ("PERSID", _Machine.op_persid),
+    b"Q": ("BINPERSID", _Machine.op_binpersid),
+}
+_DISPATCH: dict[int, tuple[str, Callable[[_Machine], None]]] = {
+    k[0]: v for k, v in _OPCODES.items()
+}
+
+
+def scan(
+    data: Data,
+    *,
+    offset: int = 0,
+    persistent_load: Callable[[object], object] | None = None,
+) -> PickleScan:
+    """Parse the pickle starting at ``offset`` without importing or calling anything.
+
+    ``persistent_load``, if given, turns each persistent id into the object pushed in its place
+    (it may raise to refuse one); without it, a :class:`PersistentId` is pushed. Raises
+    :class:`PickleError` on malformed input (its ``unsafe`` lists what was judged unsafe
+    before the error: a hostile pickle may break itself after its payload ran).
+    """
+    m = _Machine(data, offset, persistent_load)
+    value = m.run()
+    return PickleScan(
+        value=value, end=m.pos, globals=list(m.globals), unsafe=list(m.unsafe),
+        start=offset, protocol=m.proto,
+    )
+
+
+#: First bytes that can start a pickle: PROTO, or the opcodes protocol 0/1 pickles open with.
+_PROTO0_STARTS = frozenset(b"(]}).NIJKLMFGSTUVXcl")
+
+
+def looks_like_pickle(data: Data, offset: int = 0) -> bool:
+    """Whether a pickle plausibly starts at ``offset`` (cheap check on the first bytes)."""
+    if offset >= len(data):
+        return False
+    first = data[offset]
+    if first == 0x80:
+        return offset + 1 < len(data) and 2 <= data[offset + 1] <= HIGHEST_PROTOCOL
+    return first in _PROTO0_STARTS
+
+
+def scan_all(data: Data, *, offset: int = 0) -> list[PickleScan]:
+    """Scan consecutive pickles until the end of the data or bytes that are no pickle.
+
+    Attackers hide a second pickle after the first ``STOP``; a loader that calls ``load``
+    twice runs it. The first pickle must parse (else :class:`PickleError`). A later one that
+    breaks off is kept only if it named unsafe callables before breaking (with ``error`` set
+    and ``end`` where parsing stopped); otherwise scanning stops before it.
+    """
+    scans = [scan(data, offset=offset)]
+    pos = scans[0].end
+    while looks_like_pickle(data, pos):
+        try:
+            scans.append(scan(data, offset=pos))
+        except PickleError as exc:
+            if exc.unsafe:
+                scans.append(
+                    PickleScan(
+                        value=None, end=max(exc.offset, pos + 1), globals=[],
+                        unsafe=exc.unsafe, start=pos, error=str(exc),
+                    )
+                )
+            break
+        pos = scans[-1].end
+    return scans

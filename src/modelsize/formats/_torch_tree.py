@@ -1,0 +1,607 @@
+"""Classify the tensors of a parsed checkpoint pickle: weights, buffers, optimizer state...
+
+Both PyTorch readers (and the generic pickle reader, for NumPy arrays) parse a pickle into a
+tree of :mod:`~modelsize.formats._pickle` placeholders. :func:`classify` walks that tree with
+dotted paths (``model.conv1.weight``, ``optimizer.state.3.exp_avg``) and declares every tensor
+to the :class:`~modelsize.inventory.InventoryBuilder` with its category:
+
+* optimizer state dicts (``state`` + ``param_groups``, Lightning's ``optimizer_states``) hold
+  optimizer state, whatever the slot;
+* pickled ``nn.Module`` objects: ``_parameters`` are weights, ``_buffers`` buffers, any other
+  tensor attribute (``self.last_output = x``) a cached activation;
+* keys named ``grad``/``grads``/``gradients``/``*.grad`` hold gradients, ``activations``,
+  ``hidden_states``... activations, ``*rng_state*`` other;
+* everything else follows the state-dict rule: parameters and floating tensors are weights,
+  except the well-known buffer names (``running_mean``, ``inv_freq``...); integer tensors are
+  buffers. Paths through an EMA copy (``ema``, ``model_ema``, ``shadow_params``...) add the tag
+  ``ema``.
+
+The walk is iterative (no recursion however deep the pickle nests) and visits each object once:
+a tensor pickled twice through the memo is one tensor, named by its first path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelsize.categories import Category
+from modelsize.dtypes import DTYPES, canonical
+from modelsize.formats._pickle import Blob, Call, Global, PersistentId, UnhashableKey
+from modelsize.inventory import InventoryBuilder
+
+#: Objects nested deeper than this are refused (a real checkpoint nests a few dozen levels).
+MAX_DEPTH = 10_000
+MAX_DIMS = 256
+
+_BUFFER_NAMES = frozenset(
+    {
+        "running_mean", "running_var", "num_batches_tracked", "position_ids", "inv_freq",
+        "masked_bias", "token_type_ids", "relative_position_index", "_float_tensor",
+        "attention_mask", "causal_mask",
+    }
+)
+_WEIGHT_NAMES = frozenset({"weight", "qweight"})
+_MASK_NAMES = frozenset({"bias", "mask", "masked_bias"})
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+_GRAD_KEYS = frozenset({"grad", "grads", "gradients", "gradient"})
+_ACTIVATION_KEYS = frozenset(
+    {
+        "activations", "activation", "outputs", "hidden_states", "features_cache",
+        "activation_cache", "cached_activations", "cached_outputs", "intermediate_outputs",
+    }
+)
+_OPTIMIZER_KEYS = frozenset(
+    {"optimizer_states", "optimizer_state", "optimizer_state_dict", "optim_state"}
+)
+_EMA_KEYS = frozenset(
+    {"shadow_params", "averaged_model", "averaged_params", "swa_model", "ema", "model_ema"}
+)
+_RNG_KEYS = frozenset({"rng_state", "rng_states", "random_state", "rng_state.pth"})
+_MAPPING_CALLS = frozenset(
+    {"collections.OrderedDict", "builtins.dict", "collections.defaultdict", "collections.Counter"}
+)
+_NUMPY_TYPES = {
+    "f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "i2": "int16",
+    "i4": "int32", "i8": "int64", "u1": "uint8", "u2": "uint16", "u4": "uint32",
+    "u8": "uint64", "b1": "bool", "c8": "complex64", "c16": "complex128",
+}
+_SPARSE_PARTS = {
+    "torch.sparse_coo": ("indices", "values"),
+}
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage a persistent id points at, resolved by the reader.
+
+    ``numel`` counts elements of ``dtype`` (bytes for an untyped storage). ``base`` and
+    ``view_numel`` describe a legacy storage view: elements ``base .. base + view_numel`` of
+    the storage ``key``.
+    """
+
+    key: str
+    dtype: str
+    numel: int
+    location: str = ""
+    base: int = 0
+    view_numel: int | None = None
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per storage element (packed sub-byte types count one byte, as torch does)."""
+        dt = DTYPES.get(self.dtype)
+        return max(1, math.ceil(dt.itemsize)) if dt else 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this reference may reach."""
+        numel = self.numel if self.view_numel is None else self.base + self.view_numel
+        return numel * self.itemsize
+
+
+@dataclass
+class Summary:
+    """What the walk learnt besides the tensors."""
+
+    module_classes: list[str] = field(default_factory=list)
+    optimizer: str | None = None
+    tensors: int = 0
+    #: (file offset, bytes) of the array data declared as storages inside the pickle.
+    blobs: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def has_modules(self) -> bool:
+        """Whether the pickle holds module objects (it is then model structure: graph)."""
+        return bool(self.module_classes)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    forced: Category | None = None
+    soft: bool = False  # forced by a module attribute: a nested module's own params win
+    tags: tuple[str, ...] = ()
+    optimizer: bool = False
+
+
+@dataclass
+class _Tensor:
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None
+    storage: StorageRef | None
+    offset: int = 0
+    requires_grad: bool = False
+    parameter: bool = False
+    blob: Blob | None = None
+    extras: list[tuple[str, object]] = field(default_factory=list)
+
+
+class _Invalid(Exception):
+    """A rebuild call whose arguments make no sense: the reader turns it into a corrupt error."""
+
+
+def global_name(obj: object) -> str:
+    """``module.name`` of a :class:`Global`, else an empty string."""
+    return str(obj) if isinstance(obj, Global) else ""
+
+
+def mapping_items(obj: object) -> list[tuple[object, object]] | None:
+    """The key/value pairs of a dict or of a dict-like object being rebuilt, else ``None``."""
+    if isinstance(obj, dict):
+        return [(k.value if isinstance(k, UnhashableKey) else k, v) for k, v in obj.items()]
+    if isinstance(obj, Call) and global_name(obj.func) in _MAPPING_CALLS:
+        pairs: list[tuple[object, object]] = []
+        if obj.args and isinstance(obj.args[0], (list, tuple)):
+            pairs.extend(p for p in obj.args[0] if isinstance(p, tuple) and len(p) == 2)
+        elif obj.args and isinstance(obj.args[0], dict):
+            pairs.extend(obj.args[0].items())
+        pairs.extend(obj.dictitems)
+        return pairs
+    return None
+
+
+def _is_optimizer_state(obj: object) -> bool:
+    items = mapping_items(obj)
+    if items is None:
+        return False
+    keys = {k for k, _ in items if isinstance(k, str)}
+    return "state" in keys and "param_groups" in keys
+
+
+def _is_ema(key: str) -> bool:
+    return key in _EMA_KEYS or "ema" in key.replace("-", "_").split("_")
+
+
+def _ints(obj: object, what: str) -> tuple[int, ...]:
+    if isinstance(obj, Call) and global_name(obj.func) == "torch.Size" and obj.args:
+        obj = obj.args[0]
+    if not isinstance(obj, (tuple, list)) or len(obj) > MAX_DIMS:
+        raise _Invalid(f"{what} is not a tuple of at most {MAX_DIMS} integers")
+    if not all(isinstance(d, int) for d in obj):
+        raise _Invalid(f"{what} holds something other than integers")
+    if any(d < 0 for d in obj):
+        raise _Invalid(f"{what} {tuple(obj)} has a negative entry")
+    return tuple(int(d) for d in obj)
+
+
+def _dtype_of(obj: object) -> str:
+    name = canonical(global_name(obj)) if isinstance(obj, Global) else None
+    if name is None:
+        raise _Invalid(f"unknown tensor dtype {global_name(obj) or type(obj).__name__}")
+    return name
+
+
+def _numpy_dtype(obj: object) -> str | None:
+    if not (isinstance(obj, Call) and global_name(obj.func) == "numpy.dtype" and obj.args):
+        return None
+    code = obj.args[0]
+    if not isinstance(code, str):
+        return None
+    order = obj.state[1] if isinstance(obj.state, tuple) and len(obj.state) > 1 else "<"
+    if order == ">" and code.lstrip("<>=|") not in ("i1", "u1", "b1"):
+        return None  # big-endian data: itemized as bytes, not as a tensor
+    return _NUMPY_TYPES.get(code.lstrip("<>=|"))
+
+
+class _Walker:
+    def __init__(self, builder: InventoryBuilder, blob_base: int | None) -> None:
+        self.builder = builder
+        self.blob_base = blob_base
+        self.summary = Summary()
+        self.seen: set[int] = set()
+        self.optimizer_keys: set[str] = set()
+        self.todo: list[tuple[object, tuple[str, ...], _Ctx, int]] = []
+
+    # -- recognising tensors ----------------------------------------------------------
+    def tensor(self, call: Call) -> _Tensor | None:
+        """The tensor a rebuild call builds, or ``None`` if the call builds no tensor."""
+        name = global_name(call.func)
+        a = call.args
+        if name == "torch._utils._rebuild_tensor_v2":
+            return self.strided(a, None, requires_grad_at=4)
+        if name == "torch._utils._rebuild_tensor":
+            return self.strided(a, None, requires_grad_at=-1)
+        if name == "torch._utils._rebuild_qtensor":
+            t = self.strided(a, None, requires_grad_at=5)
+            qparams = a[4] if len(a) > 4 and isinstance(a[4], tuple) else ()
+            t.extras = list(zip(("", "q_per_channel_scales", "q_per_channel_zero_points"),
+                                qparams[:3], strict=False))[1:]
+            return t
+        if name == "torch._utils._rebuild_tensor_v3":
+            if len(a) < 7:
+                raise _Invalid("_rebuild_tensor_v3 needs 7 arguments")
+            return self.strided(a, _dtype_of(a[6]), requires_grad_at=4)
+        if name in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
+            inner = self.inner(a[0] if a else None, name)
+            inner.parameter = True
+            if len(a) > 3:
+                inner.extras.append(("", a[3]))
+            return inner
+        if name == "torch._tensor._rebuild_from_type_v2":
+            if len(a) < 3 or not isinstance(a[2], tuple):
+                raise _Invalid("_rebuild_from_type_v2 needs (func, type, args, state)")
+            inner = self.inner(Call(a[0], a[2]), name)
+            if global_name(a[1]) == "torch.nn.parameter.Parameter":
+                inner.parameter = True
+            if len(a) > 3:
+                inner.extras.append(("", a[3]))
+            return inner
+        if name == "torch._utils._rebuild_device_tensor_from_cpu_tensor":
+            return self.inner(a[0] if a else None, name)
+        if name == "torch._utils._rebuild_meta_tensor_no_storage":
+            if len(a) < 3:
+                raise _Invalid("_rebuild_meta_tensor_no_storage needs 3 arguments")
+            return _Tensor(_dtype_of(a[0]), _ints(a[1], "size"), _ints(a[2], "stride"), None)
+        if name == "torch._utils._rebuild_wrapper_subclass":
+            if len(a) < 4:
+                raise _Invalid("_rebuild_wrapper_subclass needs 4 arguments")
+            return _Tensor(_dtype_of(a[1]), _ints(a[2], "size"), _ints(a[3], "stride"), None)
+        if name == "torch._utils._rebuild_sparse_tensor" and len(a) > 1:
+            parts = _SPARSE_PARTS.get(global_name(a[0]),
+                                      ("compressed_indices", "plain_indices", "values"))
+            data = a[1] if isinstance(a[1], tuple) else ()
+            t = _Tensor("", (), None, None)
+            t.extras = list(zip(parts, data, strict=False))
+            return t
+        if name == "torch._utils._rebuild_nested_tensor":
+            t = _Tensor("", (), None, None)
+            t.extras = list(zip(("buffer", "sizes", "strides", "offsets"), a, strict=False))
+            return t
+        if name.endswith("multiarray._reconstruct") and isinstance(call.state, tuple):
+            return self.numpy_array(call.state)
+        return None
+
+    def inner(self, data: object, name: str) -> _Tensor:
+        t = self.tensor(data) if isinstance(data, Call) else None
+        if t is None:
+            raise _Invalid(f"{name.rsplit('.', 1)[-1]} wraps no tensor")
+        return t
+
+    def strided(self, a: tuple[Any, ...], dtype: str | None, requires_grad_at: int) -> _Tensor:
+        if len(a) < 4:
+            raise _Invalid("tensor rebuild call needs (storage, offset, size, stride)")
+        storage = a[0]
+        if not isinstance(storage, StorageRef):
+            raise _Invalid(f"tensor storage is a {type(storage).__name__}, not a saved storage")
+        if not isinstance(a[1], int) or a[1] < 0:
+            raise _Invalid(f"tensor storage offset {a[1]!r} is not a non-negative integer")
+        shape, stride = _ints(a[2], "size"), _ints(a[3], "stride")
+        if len(shape) != len(stride):
+            raise _Invalid(f"size {shape} and stride {stride} differ in length")
+        rg = 0 <= requires_grad_at < len(a) and a[requires_grad_at] is True
+        return _Tensor(dtype or storage.dtype, shape, stride, storage, a[1], rg)
+
+    def numpy_array(self, state: tuple[Any, ...]) -> _Tensor | None:
+        if len(state) < 5 or not isinstance(state[4], Blob):
+            return None
+        dtype = _numpy_dtype(state[2])
+        try:
+            shape = _ints(state[1], "shape")
+        except _Invalid:
+            return None
+        if dtype is None or DTYPES[dtype].nbytes(math.prod(shape)) != state[4].nbytes:
+            return None
+        blob: Blob = state[4]
+        ref = StorageRef(f"pickle bytes at {blob.offset}", dtype, math.prod(shape))
+        return _Tensor(dtype, shape, None, ref, blob=blob)
+
+    # -- categories -------------------------------------------------------------------
+    def category(self, t: _Tensor, path: tuple[str, ...], ctx: _Ctx) -> Category:
+        if ctx.forced is not None:
+            return ctx.forced
+        if t.parameter or t.requires_grad:
+            return Category.WEIGHTS
+        last = path[-1].rsplit(".", 1)[-1].lower() if path else ""
+        if last in _WEIGHT_NAMES or last.endswith("_weight") or t.dtype in _QUANTIZED:
+            return Category.WEIGHTS
+        if last in _BUFFER_NAMES:
+            return Category.BUFFERS
+        if last in _MASK_NAMES and t.dtype in ("bool", "uint8"):
+            return Category.BUFFERS
+        dt = DTYPES.get(t.dtype)
+        return Category.WEIGHTS if dt is not None and dt.floating else Category.BUFFERS
+
+    def enter(self, ctx: _Ctx, key: object, value: object) -> _Ctx:
+        k = str(key).lower()
+        forced, soft, tags, opt = ctx.forced, ctx.soft, ctx.tags, ctx.optimizer
+        if forced is None or soft:
+            new: Category | None = None
+            if k in _OPTIMIZER_KEYS or _is_optimizer_state(value):
+                new, opt = Category.OPTIMIZER_STATE, True
+            elif k in _GRAD_KEYS or k.endswith(".grad"):
+                new = Category.GRADIENTS
+            elif k in _ACTIVATION_KEYS:
+                new = Category.ACTIVATIONS
+            elif "rng" in k.replace("-", "_").split("_") or k in _RNG_KEYS:
+                new = Category.OTHER
+            if new is not None:
+                forced, soft = new, False
+        if "ema" not in tags and _is_ema(k):
+            tags = (*tags, "ema")
+        return _Ctx(forced, soft, tags, opt)
+
+    # -- declaring --------------------------------------------------------------------
+    def declare(self, t: _Tensor, path: tuple[str, ...], ctx: _Ctx) -> None:
+        name = ".".join(path) or "tensor"
+        if t.dtype:
+            self.declare_one(t, name, self.category(t, path, ctx), ctx.tags)
+        for suffix, extra in t.extras:
+            sub = (*path, suffix) if suffix else path
+            self.todo.append((extra, sub, ctx, 0))
+
+    def declare_one(self, t: _Tensor, name: str, cat: Category, tags: tuple[str, ...]) -> None:
+        ref = t.storage
+        self.summary.tensors += 1
+        if ref is None:
+            self.builder.add_tensor(name, t.dtype, t.shape, cat, strides=t.stride, tags=tags)
+            return
+        dt = DTYPES.get(t.dtype)
+        if dt is None:
+            raise _Invalid(f"tensor {name!r} has unknown dtype {t.dtype}")
+        n = math.prod(t.shape)
+        if n:
+            span = 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride or (), strict=False))
+            if t.stride is None:
+                span = n
+            start = ref.base * ref.itemsize + dt.nbytes(t.offset)
+            if start + dt.nbytes(span) > ref.nbytes:
+                raise _Invalid(
+                    f"tensor {name!r} ({t.dtype}{list(t.shape)} at element {t.offset}) "
+                    f"reaches byte {start + dt.nbytes(span)} of storage {ref.key!r}, "
+                    f"which holds {ref.nbytes}"
+                )
+        if t.blob is not None:
+            if self.blob_base is None:
+                # Array bytes we cannot place in the file stay part of the pickle's bytes.
+                self.builder.add_tensor(name, t.dtype, t.shape, cat, tags=tags)
+                return
+            if not self.builder.has_storage(ref.key):
+                offset = self.blob_base + t.blob.offset
+                self.builder.add_storage(ref.key, offset, t.blob.nbytes, dtype=t.dtype)
+                self.summary.blobs.append((offset, t.blob.nbytes))
+        offset = t.offset + (ref.base * ref.itemsize // max(1, math.ceil(dt.itemsize)))
+        self.builder.add_tensor(
+            name, t.dtype, t.shape, cat, storage=ref.key, storage_offset=offset,
+            strides=t.stride, tags=tags,
+        )
+
+    # -- walking ----------------------------------------------------------------------
+    def walk(self, root: object, prefix: tuple[str, ...] = ()) -> None:
+        self.todo: list[tuple[object, tuple[str, ...], _Ctx, int]] = [(root, prefix, _Ctx(), 0)]
+        while self.todo:
+            value, path, ctx, depth = self.todo.pop()
+            if value is None or isinstance(value, (str, bytes, int, float, complex, Blob, Global)):
+                continue
+            if id(value) in self.seen:
+                continue
+            self.seen.add(id(value))
+            if depth > MAX_DEPTH:
+                raise _Invalid(f"objects nested more than {MAX_DEPTH} levels deep")
+            if ctx.optimizer:
+                items = mapping_items(value)
+                if items:
+                    self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
+            children = list(self.children(value, path, ctx))
+            for child in reversed(children):
+                self.todo.append((child[0], child[1], child[2], depth + 1))
+
+    def children(
+        self, value: object, path: tuple[str, ...], ctx: _Ctx
+    ) -> Iterator[tuple[object, tuple[str, ...], _Ctx]]:
+        if isinstance(value, Call):
+            t = self.tensor(value)
+            if t is not None:
+                self.declare(t, path, ctx)
+                return
+            module = self.module_state(value)
+            if module is not None:
+                yield from self.module_children(module, path, ctx)
+                return
+            items = mapping_items(value)
+            if items is not None:
+                yield from self.mapping_children(items, path, ctx)
+                return
+            # Any other object: its arguments, appended items, set items and BUILD state.
+            for i, arg in enumerate(value.args):
+                yield arg, (*path, str(i)) if len(value.args) > 1 else path, ctx
+            yield from ((v, (*path, str(i)), ctx) for i, v in enumerate(value.items))
+            yield from self.mapping_children(value.dictitems, path, ctx)
+            state = value.state
+            if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+                state = {**state[0], **(state[1] if isinstance(state[1], dict) else {})}
+            state_items = mapping_items(state)
+            if state_items is not None:
+                yield from self.mapping_children(state_items, path, ctx)
+            elif state is not None:
+                yield state, path, ctx
+        elif isinstance(value, dict):
+            yield from self.mapping_children(mapping_items(value) or [], path, ctx)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield v, (*path, str(i)), ctx
+        elif isinstance(value, (set, frozenset)):
+            for i, v in enumerate(value):
+                yield v, (*path, str(i)), ctx
+        elif isinstance(value, UnhashableKey):
+            yield value.value, path, ctx
+        elif isinstance(value, PersistentId):
+            yield value.value, path, ctx
+
+    def mapping_children(
+        self, items: list[tuple[object, object]], path: tuple[str, ...], ctx: _Ctx
+    ) -> Iterator[tuple[object, tuple[str, ...], _Ctx]]:
+        for k, v in items:
+            key = k.value if isinstance(k, UnhashableKey) else k
+            yield v, (*path, _key_text(key)), self.enter(ctx, key, v)
+
+    def module_state(self, call: Call) -> tuple[str, dict[Any, Any], bool] | None:
+        """(class name, attribute dict, is TorchScript) of a pickled module object, else None."""
+        cls = call.func
+        if global_name(call.func) == "copyreg._reconstructor" and call.args:
+            cls = call.args[0]
+        elif call.kind == "reduce":
+            return None
+        state = call.state
+        if isinstance(state, tuple) and state and isinstance(state[0], dict):
+            state = state[0]
+        if not isinstance(state, dict):
+            return None
+        cname = global_name(cls)
+        if cname.startswith("__torch__."):
+            return cname.removeprefix("__torch__."), state, True
+        keys = {k for k in state if isinstance(k, str)}
+        if "_parameters" in keys and "_modules" in keys:
+            return cname or "<unknown>", state, False
+        return None
+
+    def module_children(
+        self, module: tuple[str, dict[Any, Any], bool], path: tuple[str, ...], ctx: _Ctx
+    ) -> Iterator[tuple[object, tuple[str, ...], _Ctx]]:
+        cname, state, scripted = module
+        if cname not in self.summary.module_classes:
+            self.summary.module_classes.append(cname)
+        if ctx.soft:
+            ctx = _Ctx(None, False, ctx.tags, ctx.optimizer)
+        if scripted:
+            yield from self.mapping_children(list(state.items()), path, ctx)
+            return
+        roles = {"_parameters": Category.WEIGHTS, "_buffers": Category.BUFFERS}
+        for key, value in state.items():
+            if key in roles:
+                forced = ctx.forced or roles[key]
+                sub = _Ctx(forced, False, ctx.tags, ctx.optimizer)
+                for k, v in mapping_items(value) or []:
+                    yield v, (*path, _key_text(k)), self.enter(sub, k, v)
+            elif key == "_modules":
+                for k, v in mapping_items(value) or []:
+                    yield v, (*path, _key_text(k)), self.enter(ctx, k, v)
+            else:
+                sub = ctx if ctx.forced else _Ctx(Category.ACTIVATIONS, True, ctx.tags, False)
+                yield value, (*path, _key_text(key)), self.enter(sub, key, value)
+
+    # -- facts ------------------------------------------------------------------------
+    def optimizer_name(self) -> str | None:
+        k = self.optimizer_keys
+        if not k:
+            return None
+        if "exp_avg_sq_row" in k or "exp_avg_sq_r" in k:
+            return "Adafactor"
+        if "exp_avg" in k and "exp_inf" in k:
+            return "Adamax"
+        if "mu_product" in k:
+            return "NAdam"
+        if "exp_avg" in k and "exp_avg_sq" in k:
+            return "Adam/AdamW (amsgrad)" if "max_exp_avg_sq" in k else "Adam/AdamW"
+        if "momentum_buffer" in k:
+            return "SGD with momentum"
+        if "square_avg" in k:
+            return "Adadelta" if "acc_delta" in k else "RMSprop"
+        if "prev" in k and "step_size" in k:
+            return "Rprop"
+        if "ax" in k and "eta" in k:
+            return "ASGD"
+        if "sum" in k:
+            return "Adagrad"
+        if "betas" in k:
+            return "Adam-like (no state yet)"
+        if "momentum" in k and "dampening" in k:
+            return "SGD"
+        return None
+
+
+def _key_text(key: object) -> str:
+    if isinstance(key, (str, int)):
+        return str(key)
+    if isinstance(key, (tuple, Global)):
+        return str(key)
+    return f"<{type(key).__name__}>"
+
+
+def classify(
+    root: object,
+    builder: InventoryBuilder,
+    *,
+    prefix: tuple[str, ...] = (),
+    blob_base: int | None = None,
+) -> Summary:
+    """Declare every tensor under ``root`` to ``builder`` with its category.
+
+    Tensors whose storage is a :class:`StorageRef` view storages the reader declared. NumPy
+    arrays whose data lies inside the pickle (a :class:`Blob`) get a storage declared here at
+    file offset ``blob_base + blob.offset`` (listed in :attr:`Summary.blobs`, for the reader to
+    cut out of the pickle's region); with ``blob_base=None`` their bytes stay in the pickle.
+    Nonsense rebuild arguments raise the builder's :class:`~modelsize.errors.CorruptFileError`.
+    """
+    walker = _Walker(builder, blob_base)
+    try:
+        walker.walk(root, prefix)
+    except _Invalid as exc:
+        raise builder.corrupt(str(exc)) from exc
+    walker.summary.optimizer = walker.optimizer_name()
+    if walker.summary.module_classes:
+        builder.facts["module_classes"] = ", ".join(walker.summary.module_classes)
+    if walker.summary.optimizer:
+        builder.facts["optimizer"] = walker.summary.optimizer
+    return walker.summary
+
+
+def storage_dtype(storage_type: object) -> str | None:
+    """Canonical dtype of a storage class named in a persistent id (``torch.FloatStorage``)."""
+    name = global_name(storage_type)
+    if not name.startswith("torch."):
+        return None
+    bare = name.rsplit(".", 1)[-1]
+    if bare in ("UntypedStorage", "TypedStorage", "ByteStorage"):
+        return "uint8"
+    return canonical(bare) if bare.endswith("Storage") else None
+
+
+def add_pickle_region(
+    builder: InventoryBuilder,
+    start: int,
+    end: int,
+    category: Category,
+    label: str,
+    holes: Sequence[tuple[int, int]] = (),
+) -> None:
+    """Declare bytes ``start..end`` as ``category``, except the ``(offset, nbytes)`` holes.
+
+    The holes are array data inside the pickle, declared as storages of their own.
+    """
+    pos = start
+    for offset, nbytes in sorted(h for h in holes if start <= h[0] < end):
+        builder.add_region(pos, offset - pos, category, label)
+        pos = offset + nbytes
+    builder.add_region(pos, end - pos, category, label)
+
+
+def describe(obj: object) -> str:
+    """A short, safe description of a parsed value for an error message."""
+    if isinstance(obj, (str, int, bytes, type(None))):
+        return repr(obj)[:80]
+    if isinstance(obj, Global):
+        return str(obj)[:80]
+    return f"a {type(obj).__name__}"

@@ -1,0 +1,357 @@
+"""GGUF files (llama.cpp, ggml): header, key/value metadata, tensor infos, aligned data.
+
+Layout (v2/v3; v1 is obsolete and refused)::
+
+    "GGUF" u32 version, u64 tensor_count, u64 kv_count
+    kv_count x (string key, u32 value_type, value)        -> metadata (tokenizer vocab too)
+    tensor_count x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml_type, u64 offset)
+    padding to ``general.alignment`` (default 32)          -> metadata
+    data section: each tensor at data_start + offset       -> weights
+                  (padding between tensors                 -> metadata)
+
+Strings are a u64 length and UTF-8 bytes. The byte order is the writer's: a version whose
+low 16 bits are zero is a big-endian file read on a little-endian host (as gguf-py decides).
+Every count and length is checked against the bytes left in the file before it is trusted,
+and nothing is allocated from a declared size.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+
+from modelsize.categories import Category
+from modelsize.dtypes import DTYPES, numel
+from modelsize.errors import printable
+from modelsize.formats.base import Source
+from modelsize.inventory import Inventory, InventoryBuilder
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+SUPPORTED_VERSIONS = (2, 3)
+#: llama.cpp's GGML_MAX_DIMS is 4; leave room, but refuse absurd dimension counts.
+MAX_DIMS = 8
+MAX_ARRAY_NESTING = 8
+
+#: GGML tensor type ids (ggml.h ``enum ggml_type``) -> canonical names in :mod:`modelsize.dtypes`.
+#: Ids 4, 5 (q4_2, q4_3) and 31-33, 36-38 (repacked q4_0/iq4_nl) were removed from ggml.
+GGML_TYPES: dict[int, str] = {
+    0: "float32",
+    1: "float16",
+    2: "q4_0",
+    3: "q4_1",
+    6: "q5_0",
+    7: "q5_1",
+    8: "q8_0",
+    9: "q8_1",
+    10: "q2_K",
+    11: "q3_K",
+    12: "q4_K",
+    13: "q5_K",
+    14: "q6_K",
+    15: "q8_K",
+    16: "iq2_xxs",
+    17: "iq2_xs",
+    18: "iq3_xxs",
+    19: "iq1_s",
+    20: "iq4_nl",
+    21: "iq3_s",
+    22: "iq2_s",
+    23: "iq4_xs",
+    24: "int8",
+    25: "int16",
+    26: "int32",
+    27: "int64",
+    28: "float64",
+    29: "iq1_m",
+    30: "bfloat16",
+    34: "tq1_0",
+    35: "tq2_0",
+    39: "mxfp4",
+    40: "nvfp4",
+    41: "q1_0",
+}
+
+# GGUF metadata value types -> (name, fixed size in bytes or None for string/array).
+_UINT32 = 4
+_STRING = 8
+_ARRAY = 9
+_VALUE_SIZES: dict[int, int | None] = {
+    0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: None, 9: None, 10: 8, 11: 8, 12: 8,
+}
+_VALUE_NAMES = {
+    0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
+    7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64",
+}
+_INT_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 7: "?", 10: "Q", 11: "q"}
+# Smallest possible encodings, used to bound declared counts by the bytes left.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_FACT_KEYS = ("general.architecture", "general.name", "general.file_type")
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    info_offset: int
+
+
+class _Cursor:
+    """Reads little- or big-endian scalars from a buffer, refusing to run past its end."""
+
+    def __init__(self, buf: mmap.mmap, builder: InventoryBuilder, endian: str) -> None:
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+        self.builder = builder
+        self.endian = endian
+
+    def need(self, nbytes: int, what: str) -> None:
+        if nbytes < 0 or self.pos + nbytes > self.size:
+            raise self.builder.corrupt(
+                f"{what} needs {nbytes} bytes but only {self.size - self.pos} are left "
+                "(truncated file?)",
+                self.pos,
+            )
+
+    def scalar(self, fmt: str, what: str) -> int:
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (value,) = struct.unpack_from(self.endian + fmt, self.buf, self.pos)
+        self.pos += size
+        return int(value)
+
+    def u32(self, what: str) -> int:
+        return self.scalar("I", what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar("Q", what)
+
+    def skip_string(self, what: str) -> None:
+        length = self.u64(f"length of {what}")
+        self.need(length, f"{what} ({length} bytes)")
+        self.pos += length
+
+    def string(self, what: str) -> str:
+        start = self.pos
+        length = self.u64(f"length of {what}")
+        self.need(length, f"{what} ({length} bytes)")
+        raw = bytes(self.buf[self.pos : self.pos + length])
+        self.pos += length
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.builder.corrupt(f"{what} is not valid UTF-8 ({exc.reason})", start) from exc
+
+
+class GgufReader:
+    """Reads GGUF v2/v3 files without ggml or gguf-py."""
+
+    name = "gguf"
+    extensions = (".gguf",)
+
+    def sniff(self, source: Source) -> bool:
+        """GGUF files start with the magic ``GGUF``."""
+        return source.kind == "file" and source.head[:4] == MAGIC
+
+    def read(self, source: Source) -> Inventory:
+        """Account for every byte: header, metadata, tensor infos, padding, tensor data."""
+        builder = InventoryBuilder(self.name, [source.path])
+        size = builder.files[0].nbytes
+        if size < 24:
+            raise builder.corrupt(f"file has {size} bytes, a GGUF header needs 24", 0)
+        with (
+            open(source.path, "rb") as fh,
+            mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf,
+        ):
+            _parse(buf, builder)
+        return builder.build(Category.METADATA)
+
+
+def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
+    if buf[:4] != MAGIC:
+        raise builder.corrupt(f"expected magic b'GGUF', found {bytes(buf[:4])!r}", 0)
+    (version,) = struct.unpack_from("<I", buf, 4)
+    endian = "<"
+    if version & 0xFFFF == 0:
+        endian = ">"
+        (version,) = struct.unpack_from(">I", buf, 4)
+    if version not in SUPPORTED_VERSIONS:
+        raise builder.corrupt(
+            f"GGUF version {version} is not supported (modelsize reads versions 2 and 3)", 4
+        )
+    cur = _Cursor(buf, builder, endian)
+    cur.pos = 8
+    tensor_count = cur.u64("tensor count")
+    kv_count = cur.u64("metadata key/value count")
+    builder.add_region(0, cur.pos, Category.METADATA, "GGUF header")
+    builder.facts["gguf.version"] = str(version)
+    if endian == ">":
+        builder.facts["gguf.byte_order"] = "big-endian"
+    if kv_count * _MIN_KV_BYTES > cur.size - cur.pos:
+        raise builder.corrupt(
+            f"header declares {kv_count} metadata entries, more than the "
+            f"{cur.size - cur.pos} bytes left can hold",
+            16,
+        )
+
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(kv_count):
+        start = cur.pos
+        key = cur.string("metadata key")
+        vtype = cur.u32(f"value type of {key!r}")
+        value = _read_value(cur, vtype, key, 0)
+        label = "tokenizer" if key.startswith("tokenizer.") else f"metadata {printable(key, 80)}"
+        builder.add_region(start, cur.pos - start, Category.METADATA, label)
+        if key == "general.alignment":
+            if vtype != _UINT32 or not isinstance(value, int) or value <= 0 or value & (value - 1):
+                raise builder.corrupt(
+                    f"general.alignment must be a power-of-two uint32, found "
+                    f"{_VALUE_NAMES.get(vtype, vtype)} {value!r}",
+                    start,
+                )
+            alignment = value
+        elif key in _FACT_KEYS and value is not None:
+            builder.facts[f"gguf.{key.removeprefix('general.')}"] = printable(str(value), 120)
+
+    if tensor_count * _MIN_TENSOR_INFO_BYTES > cur.size - cur.pos:
+        raise builder.corrupt(
+            f"header declares {tensor_count} tensors, more than the {cur.size - cur.pos} "
+            "bytes left can describe",
+            8,
+        )
+    infos: list[_TensorInfo] = []
+    seen: set[str] = set()
+    infos_start = cur.pos
+    for _ in range(tensor_count):
+        info_offset = cur.pos
+        name = cur.string("tensor name")
+        if name in seen:
+            raise builder.corrupt(f"tensor name {printable(name)!r} appears twice", info_offset)
+        seen.add(name)
+        n_dims = cur.u32(f"dimension count of {name!r}")
+        if n_dims > MAX_DIMS:
+            raise builder.corrupt(
+                f"tensor {printable(name)!r} declares {n_dims} dimensions (at most {MAX_DIMS})",
+                info_offset,
+            )
+        dims = tuple(cur.u64(f"dimension of {name!r}") for _ in range(n_dims))
+        ggml_type = cur.u32(f"type of {name!r}")
+        offset = cur.u64(f"data offset of {name!r}")
+        if offset % alignment:
+            raise builder.corrupt(
+                f"tensor {printable(name)!r} data offset {offset} is not a multiple of the "
+                f"alignment {alignment}",
+                info_offset,
+            )
+        infos.append(_TensorInfo(name, dims, ggml_type, offset, info_offset))
+    builder.add_region(infos_start, cur.pos - infos_start, Category.METADATA, "tensor infos")
+
+    data_start = -(-cur.pos // alignment) * alignment
+    if not infos:
+        return
+    if data_start > cur.size:
+        raise builder.corrupt(
+            f"data section should start at byte {data_start} but the file has {cur.size}",
+            cur.pos,
+        )
+    _declare_tensors(infos, data_start, builder)
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str, depth: int) -> object:
+    """Read (or skip) one metadata value; return scalars and short strings, else ``None``."""
+    fixed = _VALUE_SIZES.get(vtype, -1)
+    if fixed == -1:
+        raise cur.builder.corrupt(
+            f"metadata {printable(key)!r} has unknown value type {vtype}", cur.pos - 4
+        )
+    if fixed is not None:
+        if vtype in _INT_FORMATS:
+            return cur.scalar(_INT_FORMATS[vtype], f"value of {key!r}")
+        cur.need(fixed, f"value of {key!r}")
+        cur.pos += fixed
+        return None
+    if vtype == _STRING:
+        length_at = cur.pos
+        length = cur.u64(f"length of {key!r}")
+        cur.pos = length_at
+        if length <= 256:
+            return cur.string(f"value of {key!r}")
+        cur.skip_string(f"value of {key!r}")
+        return None
+    if depth >= MAX_ARRAY_NESTING:
+        raise cur.builder.corrupt(f"metadata {printable(key)!r} nests arrays too deep", cur.pos)
+    item_type = cur.u32(f"array item type of {key!r}")
+    count = cur.u64(f"array length of {key!r}")
+    item_size = _VALUE_SIZES.get(item_type, -1)
+    if item_size == -1:
+        raise cur.builder.corrupt(
+            f"array {printable(key)!r} has unknown item type {item_type}", cur.pos - 12
+        )
+    # Strings take at least their 8-byte length, nested arrays at least 12 bytes.
+    min_item = item_size if item_size is not None else (8 if item_type == _STRING else 12)
+    if count * min_item > cur.size - cur.pos:
+        raise cur.builder.corrupt(
+            f"array {printable(key)!r} declares {count} items, more than the "
+            f"{cur.size - cur.pos} bytes left can hold",
+            cur.pos - 8,
+        )
+    if item_size is not None:
+        cur.pos += count * item_size
+    elif item_type == _STRING:
+        for _ in range(count):
+            cur.skip_string(f"item of {key!r}")
+    else:
+        for _ in range(count):
+            _read_value(cur, _ARRAY, key, depth + 1)
+    return None
+
+
+def _declare_tensors(infos: list[_TensorInfo], data_start: int, builder: InventoryBuilder) -> None:
+    file_size = builder.files[0].nbytes
+    by_offset = sorted(infos, key=lambda t: t.offset)
+    next_start: dict[str, int] = {}
+    for cur_info, nxt in zip(by_offset, [*by_offset[1:], None], strict=True):
+        next_start[cur_info.name] = data_start + nxt.offset if nxt else file_size
+    declared: dict[tuple[int, int], str] = {}
+    for info in infos:
+        start = data_start + info.offset
+        dtype = GGML_TYPES.get(info.ggml_type)
+        known = dtype is not None and dtype in DTYPES
+        shape = tuple(reversed(info.dims))  # ggml lists the fastest dimension first
+        if known:
+            assert dtype is not None
+            dt = DTYPES[dtype]
+            if info.dims and info.dims[0] % dt.block:
+                raise builder.corrupt(
+                    f"tensor {printable(info.name)!r} rows of {info.dims[0]} elements are not "
+                    f"whole {dtype} blocks of {dt.block}",
+                    info.info_offset,
+                )
+            nbytes = dt.nbytes(numel(shape))
+        else:
+            # A type newer than this table: its bytes run up to the next tensor.
+            nbytes = max(0, next_start[info.name] - start)
+            builder.notes.append(
+                f"ggml type {info.ggml_type} of {info.name} is unknown to modelsize: "
+                "its size is taken up to the next tensor"
+            )
+        builder.check_range(start, nbytes, f"tensor {printable(info.name)!r}")
+        key = declared.get((start, nbytes))
+        if key is None:
+            key = info.name
+            declared[(start, nbytes)] = key
+            builder.add_storage(key, start, nbytes, dtype=dtype if known else None)
+        category = Category.BUFFERS if "rope_freqs" in info.name else Category.WEIGHTS
+        if known:
+            assert dtype is not None
+            builder.add_tensor(info.name, dtype, shape, category, storage=key)
+        else:
+            builder.add_tensor(
+                info.name, "uint8", (nbytes,), category, storage=key,
+                tags=(f"ggml_type_{info.ggml_type}",),
+            )

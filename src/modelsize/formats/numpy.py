@@ -1,0 +1,419 @@
+"""NumPy ``.npy`` arrays and ``.npz`` archives of them, read without NumPy.
+
+A ``.npy`` file is the magic ``\\x93NUMPY``, a version, a header length (u16 for 1.0, u32 for
+2.0/3.0) and a Python literal dict ``{'descr': '<f4', 'fortran_order': False, 'shape': (3,)}``
+parsed with :func:`ast.literal_eval` once its length is checked; then ``numel * itemsize``
+bytes of data. The header is metadata; the data is one storage. Bytes after the data are
+``other`` with a note.
+
+Object arrays (``descr`` ``'|O'`` or a record with an object field) hold a pickle instead of
+data. It is scanned, never loaded, for the callables it would import; its bytes count as
+``other``: they are the array's contents, but not tensor data whose size follows from a shape.
+
+An ``.npz`` is a zip of ``name.npy`` members. A stored member is a header (metadata) and a
+storage; a deflated member (``np.savez_compressed``) is one compressed storage whose logical
+size is ``numel * itemsize``. Only as much of a deflated member is inflated as its header
+needs, except for object arrays, whose pickle must be scanned whole.
+
+A bare ``.npy`` array is taken as a weight whatever its dtype (a single saved array is most
+often one); arrays of an ``.npz`` are classified by name like a state dict
+(:func:`~modelsize.formats.safetensors.classify_name`).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelsize.categories import Category
+from modelsize.dtypes import numel
+from modelsize.errors import printable
+from modelsize.formats import _zip
+from modelsize.formats.base import Source
+from modelsize.formats.safetensors import classify_name
+from modelsize.inventory import Inventory, InventoryBuilder
+
+MAGIC = b"\x93NUMPY"
+#: NumPy itself refuses headers above 10 000 bytes unless told otherwise; we allow more but
+#: never hand an unbounded string to the literal parser.
+MAX_HEADER = 1 << 20
+#: NumPy's own limit (NPY_MAXDIMS); it also keeps ``numel`` of a hostile shape cheap.
+MAX_DIMS = 64
+#: Object-array pickles are read whole to be scanned; past this we refuse rather than guess.
+MAX_PICKLE = _zip.MAX_READ
+
+_KINDS = {
+    ("b", 1): "bool",
+    ("i", 1): "int8", ("i", 2): "int16", ("i", 4): "int32", ("i", 8): "int64",
+    ("u", 1): "uint8", ("u", 2): "uint16", ("u", 4): "uint32", ("u", 8): "uint64",
+    ("f", 2): "float16", ("f", 4): "float32", ("f", 8): "float64",
+    ("c", 8): "complex64", ("c", 16): "complex128",
+}
+_TYPESTR = re.compile(r"^([<>|=]?)([biufcmMOSaUV])(\d*)(\[\w+\])?$")
+
+
+@dataclass(frozen=True)
+class NpyDType:
+    """A NumPy dtype as far as sizing needs: a name, bytes per element, whether it pickles."""
+
+    name: str
+    itemsize: int
+    has_object: bool = False
+    floating: bool = False
+    structured: bool = False
+
+
+@dataclass(frozen=True)
+class NpyHeader:
+    """A parsed ``.npy`` header; ``nbytes`` is its length including magic and version."""
+
+    dtype: NpyDType
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def data_nbytes(self) -> int:
+        """Bytes of array data that must follow the header (0 for object arrays)."""
+        return 0 if self.dtype.has_object else numel(self.shape) * self.dtype.itemsize
+
+
+def parse_typestr(descr: str) -> NpyDType:
+    """Size of a NumPy type string such as ``'<f4'``, ``'|S10'``, ``'<U3'``, ``'<M8[ns]'``."""
+    m = _TYPESTR.match(descr)
+    if m is None:
+        raise ValueError(f"unknown NumPy type string {descr!r:.40}")
+    _, kind, digits, unit = m.groups()
+    if kind == "O":
+        return NpyDType("object", 0, has_object=True)
+    if len(digits) > 18:
+        raise ValueError(f"type string {descr!r:.40} has an absurd item size")
+    size = int(digits) if digits else 0
+    if (kind, size) in _KINDS:
+        name = _KINDS[(kind, size)]
+        return NpyDType(name, size, floating=kind in "fc")
+    if kind in "fc" and size:
+        return NpyDType(f"{'float' if kind == 'f' else 'complex'}{size * 8}", size, floating=True)
+    if kind in "mM" and size == 8:
+        base = "timedelta64" if kind == "m" else "datetime64"
+        return NpyDType(base + (unit or ""), 8)
+    if kind in "Sa":
+        return NpyDType(f"bytes{size * 8}", size)
+    if kind == "U":
+        return NpyDType(f"str{size * 32}", size * 4)
+    if kind == "V":
+        return NpyDType(f"void{size * 8}", size)
+    raise ValueError(f"unsupported NumPy type string {descr!r:.40}")
+
+
+def parse_descr(descr: Any, depth: int = 0) -> NpyDType:
+    """Size of a ``descr``: a type string, or a structured list of ``(name, descr[, shape])``."""
+    if isinstance(descr, str):
+        return parse_typestr(descr)
+    if not isinstance(descr, list) or depth > 32:
+        raise ValueError(f"descr should be a type string or a list of fields, found {descr!r:.60}")
+    itemsize = 0
+    has_object = False
+    for field in descr:
+        if not isinstance(field, tuple) or len(field) not in (2, 3):
+            raise ValueError(f"a structured field should be (name, descr[, shape]): {field!r:.60}")
+        sub = parse_descr(field[1], depth + 1)
+        count = 1
+        if len(field) == 3:
+            shape = field[2] if isinstance(field[2], tuple) else (field[2],)
+            if len(shape) > MAX_DIMS or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            ):
+                raise ValueError(f"field shape should be non-negative integers: {field[2]!r:.60}")
+            count = numel(shape)
+        itemsize += sub.itemsize * count
+        has_object = has_object or sub.has_object
+    return NpyDType(f"void{itemsize * 8}", itemsize, has_object, structured=True)
+
+
+def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHeader:
+    """Parse a ``.npy`` header from a stream of ``available`` bytes.
+
+    ``read_prefix(n)`` returns the first ``n`` bytes of the stream (fewer if it is shorter).
+    Raises :class:`ValueError` saying what was expected and what was found.
+    """
+    start = read_prefix(12)
+    if start[:6] != MAGIC:
+        raise ValueError(f"expected the NumPy magic \\x93NUMPY, found {start[:6]!r}")
+    if len(start) < 10:
+        raise ValueError(f"header ends after {len(start)} bytes")
+    major = start[6]
+    if major == 1:
+        length, pre = struct.unpack_from("<H", start, 8)[0], 10
+    elif major in (2, 3):
+        if len(start) < 12:
+            raise ValueError(f"header ends after {len(start)} bytes")
+        length, pre = struct.unpack_from("<I", start, 8)[0], 12
+    else:
+        raise ValueError(f"expected .npy format version 1, 2 or 3, found {major}.{start[7]}")
+    if pre + length > available:
+        raise ValueError(
+            f"header length {length} runs past the end of the data ({available} bytes)"
+        )
+    if length > MAX_HEADER:
+        raise ValueError(f"header length {length} is above the {MAX_HEADER}-byte limit")
+    raw = read_prefix(pre + length)[pre:]
+    if len(raw) != length:
+        raise ValueError(f"header should be {length} bytes, found {len(raw)}")
+    text = raw.decode("utf-8" if major == 3 else "latin1")
+    try:
+        doc = ast.literal_eval(text)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+        raise ValueError(f"header is not a Python literal dict ({type(exc).__name__})") from exc
+    if not isinstance(doc, dict) or set(doc) != {"descr", "fortran_order", "shape"}:
+        raise ValueError(
+            f"expected a dict with keys descr, fortran_order, shape; found {text.strip()!r:.80}"
+        )
+    shape = doc["shape"]
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(f"shape should be a tuple of non-negative integers, found {shape!r:.60}")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape has {len(shape)} dimensions, NumPy allows {MAX_DIMS}")
+    return NpyHeader(parse_descr(doc["descr"]), shape, pre + length)
+
+
+# -- shared accounting -------------------------------------------------------------------------
+
+
+def _scan_pickle(
+    builder: InventoryBuilder, data: bytes, name: str, what: str, offset: int
+) -> None:
+    """Record the unsafe globals of an object array's pickle (it is never loaded).
+
+    ``what`` prefixes error messages (empty for a lone ``.npy``, the member for an ``.npz``).
+    """
+    from modelsize.formats._pickle import PickleError, scan_all
+
+    if not data:
+        raise builder.corrupt(f"{what}object array without the pickle of its contents", offset)
+    try:
+        scans = scan_all(data)
+    except PickleError as exc:
+        named = f"; before breaking it named {', '.join(exc.unsafe)}" if exc.unsafe else ""
+        raise builder.corrupt(
+            f"{what}malformed object-array pickle ({exc}){named}", offset
+        ) from exc
+    for scan in scans:
+        for name in scan.unsafe:
+            builder.add_unsafe_global(name)
+    builder.notes.append(
+        f"{printable(name)}: object array stored as a pickle (np.load needs allow_pickle=True)"
+    )
+
+
+#: Decides an array's category and tags once its header is known.
+Classifier = Callable[[str, NpyHeader], tuple[Category, tuple[str, ...]]]
+
+
+def classify_bare(name: str, header: NpyHeader) -> tuple[Category, tuple[str, ...]]:
+    """A lone ``.npy`` array: a weight whatever its dtype, unless its name says otherwise."""
+    return classify_name(name, floating=True)
+
+
+def classify_member(name: str, header: NpyHeader) -> tuple[Category, tuple[str, ...]]:
+    """An ``.npz`` member: by name and dtype, like an entry of a state dict."""
+    return classify_name(name, header.dtype.floating)
+
+
+def _declare_array(
+    builder: InventoryBuilder, name: str, header: NpyHeader, classify: Classifier,
+    storage: str | None,
+) -> None:
+    category, tags = classify(name, header)
+    dt = header.dtype
+    if dt.structured:
+        builder.notes.append(
+            f"{printable(name)}: structured dtype counted as {dt.itemsize}-byte records ({dt.name})"
+        )
+    builder.add_tensor(
+        name, dt.name, header.shape, category, storage=storage, tags=tags, itemsize=dt.itemsize
+    )
+
+
+def _read_at(path: Path, offset: int, limit: int) -> Callable[[int], bytes]:
+    def read_prefix(n: int) -> bytes:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read(min(n, limit))
+
+    return read_prefix
+
+
+def _account_plain(
+    builder: InventoryBuilder, name: str, start: int, length: int, classify: Classifier,
+    what: str = "",
+) -> None:
+    """An uncompressed ``.npy`` stream at ``start`` of ``length`` bytes: header, data, rest."""
+    path = builder.files[0].path
+    try:
+        header = parse_header(_read_at(path, start, length), length)
+    except ValueError as exc:
+        raise builder.corrupt(f"{what}{exc}", start) from exc
+    builder.add_region(start, header.nbytes, Category.METADATA, f"npy header of {name}")
+    data_start, rest = start + header.nbytes, length - header.nbytes
+    if header.dtype.has_object:
+        if rest > MAX_PICKLE:
+            raise builder.corrupt(
+                f"{what}object-array pickle of {rest} bytes is more than the "
+                f"{MAX_PICKLE} modelsize scans", data_start,
+            )
+        with open(path, "rb") as fh:
+            fh.seek(data_start)
+            data = fh.read(rest)
+        _scan_pickle(builder, data, name, what, data_start)
+        builder.add_region(data_start, rest, Category.OTHER, f"pickled object array {name}")
+        _declare_array(builder, name, header, classify, None)
+        return
+    need = header.data_nbytes
+    if need > rest:
+        raise builder.corrupt(
+            f"{what}shape {header.shape} of {header.dtype.name} needs {need} bytes "
+            f"of data, only {rest} follow the header", data_start,
+        )
+    builder.add_storage(name, data_start, need, dtype=header.dtype.name)
+    _declare_array(builder, name, header, classify, name)
+    if rest > need:
+        builder.add_region(data_start + need, rest - need, Category.OTHER, f"after {name}")
+        builder.notes.append(f"{printable(name)}: {rest - need} bytes after the array data")
+
+
+# -- .npy --------------------------------------------------------------------------------------
+
+
+class NpyReader:
+    """A single array saved with ``np.save``."""
+
+    name: str = "npy"
+    extensions: tuple[str, ...] = (".npy",)
+
+    def sniff(self, source: Source) -> bool:
+        """The ``\\x93NUMPY`` magic."""
+        return source.kind == "file" and source.head[:6] == MAGIC
+
+    def read(self, source: Source) -> Inventory:
+        """Header, data and any trailing bytes of the array."""
+        builder = InventoryBuilder(self.name, [source.path], root=source.path)
+        _account_plain(builder, source.path.stem, 0, builder.files[0].nbytes, classify_bare)
+        return builder.build()
+
+
+# -- .npz --------------------------------------------------------------------------------------
+
+
+def _member(m: _zip.Member) -> str:
+    return f"member {printable(m.name)!r}: "
+
+
+def _inflate_prefix(path: Path, member: _zip.Member) -> Callable[[int], bytes]:
+    """``read_prefix`` for a deflated member: inflates only as far as asked."""
+
+    def read_prefix(n: int) -> bytes:
+        d = zlib.decompressobj(-15)
+        out = bytearray()
+        with open(path, "rb") as fh:
+            fh.seek(member.data_offset)
+            left = member.compress_size
+            pending = b""
+            while len(out) < n:
+                if not pending:
+                    if left == 0:
+                        break
+                    pending = fh.read(min(left, 1 << 16))
+                    if not pending:
+                        break
+                    left -= len(pending)
+                out += d.decompress(pending, n - len(out))
+                pending = d.unconsumed_tail
+                if d.eof:
+                    break
+        return bytes(out)
+
+    return read_prefix
+
+
+class NpzReader:
+    """A zip of ``.npy`` members written by ``np.savez`` or ``np.savez_compressed``."""
+
+    name: str = "npz"
+    extensions: tuple[str, ...] = (".npz",)
+
+    def sniff(self, source: Source) -> bool:
+        """A zip archive whose members are all ``.npy`` arrays."""
+        if source.kind != "file" or not source.is_zip:
+            return False
+        names = [n for n in source.zip_names() if not n.endswith("/")]
+        return bool(names) and all(n.endswith(".npy") for n in names)
+
+    def read(self, source: Source) -> Inventory:
+        """Zip structures as metadata, each member as header plus storage."""
+        builder = InventoryBuilder(self.name, [source.path], root=source.path)
+        items = _zip.members(source.path, builder)
+        _zip.account_headers(builder, items)
+        for m in items:
+            if m.name.endswith("/") and m.compress_size == 0:
+                continue
+            name = m.name.removesuffix(".npy")
+            if not m.name.endswith(".npy"):
+                builder.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
+                builder.notes.append(f"member {printable(m.name)!r} is not an array")
+                continue
+            if m.method == _zip.STORED:
+                _account_plain(
+                    builder, name, m.data_offset, m.compress_size, classify_member, _member(m)
+                )
+            elif m.method == _zip.DEFLATED:
+                self._account_deflated(builder, source.path, m, name)
+            else:
+                raise builder.corrupt(
+                    f"member {printable(m.name)!r} uses compression method {m.method}; "
+                    "np.load reads stored and deflated members", m.header_offset,
+                )
+        return builder.build()
+
+    def _account_deflated(
+        self, builder: InventoryBuilder, path: Path, m: _zip.Member, name: str
+    ) -> None:
+        try:
+            header = parse_header(_inflate_prefix(path, m), m.file_size)
+        except ValueError as exc:
+            raise builder.corrupt(f"{_member(m)}{exc}", m.data_offset) from exc
+        if header.dtype.has_object:
+            data = _zip.read_member(path, m, builder, MAX_PICKLE)
+            _scan_pickle(builder, data[header.nbytes:], name, _member(m), m.data_offset)
+            builder.add_region(
+                m.data_offset, m.compress_size, Category.OTHER, f"pickled object array {name}"
+            )
+            _declare_array(builder, name, header, classify_member, None)
+            return
+        need = header.data_nbytes
+        if header.nbytes + need > m.file_size:
+            raise builder.corrupt(
+                f"{_member(m)}shape {header.shape} of {header.dtype.name} needs {need} "
+                f"bytes after its {header.nbytes}-byte header, the member inflates to "
+                f"{m.file_size}",
+                m.data_offset,
+            )
+        if header.nbytes + need < m.file_size:
+            builder.notes.append(
+                f"{printable(name)}: {m.file_size - header.nbytes - need} bytes after the array "
+                "data (compressed with it, so counted with it)"
+            )
+        # The compressed header cannot be told apart from the compressed data: the whole
+        # member is the storage, its logical size the array's.
+        builder.add_storage(
+            name, m.data_offset, m.compress_size, logical_nbytes=need, compressed=True,
+            dtype=header.dtype.name,
+        )
+        _declare_array(builder, name, header, classify_member, name)

@@ -1,0 +1,197 @@
+"""PyTorch zip checkpoints (``torch.save`` since 1.6) and TorchScript archives.
+
+Layout: ``<archive>/data.pkl`` (the object tree, a pickle), one stored member
+``<archive>/data/<key>`` per storage (64-byte aligned, the padding in the local header's extra
+field), and small records (``version``, ``byteorder``, ``.format_version``,
+``.storage_alignment``, ``.data/serialization_id``). TorchScript adds ``code/`` (the compiled
+model, with ``.debug_pkl`` source maps) and ``constants.pkl`` with storages in ``constants/``.
+
+``data.pkl`` is parsed by :mod:`~modelsize.formats._pickle`, never loaded: each persistent id
+``('storage', torch.FloatStorage, key, location, numel)`` becomes a
+:class:`~modelsize.formats._torch_tree.StorageRef` to its zip member, whose size must agree with
+``numel * itemsize``. :mod:`~modelsize.formats._torch_tree` then names and classifies tensors.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from modelsize.categories import Category
+from modelsize.formats import _zip
+from modelsize.formats._pickle import (
+    PickleError,
+    PickleScan,
+    looks_like_pickle,
+    scan,
+    scan_all,
+)
+from modelsize.formats._torch_tree import (
+    StorageRef,
+    Summary,
+    add_pickle_region,
+    classify,
+    describe,
+    storage_dtype,
+)
+from modelsize.formats.base import Source
+from modelsize.inventory import Inventory, InventoryBuilder
+
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+#: Small records torch writes beside the pickle.
+_RECORDS = frozenset(
+    {"version", "byteorder", ".format_version", ".storage_alignment",
+     ".data/serialization_id", ".data/version"}
+)
+
+
+def _first_member_name(head: bytes) -> str:
+    """Name of the first local header in ``head`` ('' if none): sniffing a cut-off archive."""
+    if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
+        return ""
+    name_len = _LOCAL.unpack_from(head)[9]
+    return head[_LOCAL.size : _LOCAL.size + name_len].decode("utf-8", "replace")
+
+
+def _is_data_pkl(name: str) -> bool:
+    return name == "data.pkl" or (name.endswith("/data.pkl") and name.count("/") == 1)
+
+
+class TorchZipReader:
+    """``torch.save`` zip archives and TorchScript (``torch.jit.save``) archives."""
+
+    name = "pytorch"
+    extensions = (".pt", ".pth", ".bin", ".ckpt", ".pt2", ".tar")
+
+    def sniff(self, source: Source) -> bool:
+        """A zip whose ``data.pkl`` sits at the top or one folder deep (torch's layout)."""
+        if not source.is_zip:
+            return False
+        names = source.zip_names()
+        if names:
+            return any(_is_data_pkl(n) for n in names)
+        # Central directory unreadable (a cut-off file): torch writes data.pkl first.
+        return _is_data_pkl(_first_member_name(source.head))
+
+    def read(self, source: Source) -> Inventory:
+        """Account for every byte of the archive."""
+        return _ZipRead(source, self.name).run()
+
+
+class _ZipRead:
+    def __init__(self, source: Source, fmt: str) -> None:
+        self.path = source.path
+        self.builder = InventoryBuilder(fmt, [source.path])
+        self.members: dict[str, _zip.Member] = {}
+        self.archive = ""
+
+    def run(self) -> Inventory:
+        b = self.builder
+        items = _zip.members(self.path, b)
+        self.members = {m.name: m for m in items}
+        data_pkl = next((m for m in items if _is_data_pkl(m.name)), None)
+        if data_pkl is None:
+            raise b.corrupt("zip archive has no data.pkl member (not a torch.save checkpoint)")
+        self.archive = data_pkl.name[: -len("data.pkl")]
+        scripted = any(n.startswith(self.archive + "code/") for n in self.members)
+        _zip.account_headers(b, items)
+
+        done: set[str] = set()
+        summary = self.read_pickle(data_pkl, "data", scripted)
+        done.add(data_pkl.name)
+        graph = scripted or summary.has_modules
+        add_pickle_region(
+            b, data_pkl.data_offset, data_pkl.data_offset + data_pkl.compress_size,
+            Category.GRAPH if graph else Category.METADATA, data_pkl.name, summary.blobs,
+        )
+        constants = self.members.get(self.archive + "constants.pkl")
+        if constants is not None:
+            csummary = self.read_pickle(constants, "constants", scripted)
+            add_pickle_region(
+                b, constants.data_offset, constants.data_offset + constants.compress_size,
+                Category.GRAPH, constants.name, csummary.blobs,
+            )
+            done.add(constants.name)
+        if scripted:
+            b.facts["torchscript"] = "yes"
+
+        for m in items:
+            if m.name in done or b.has_storage(m.name):
+                continue
+            rel = m.name[len(self.archive) :] if m.name.startswith(self.archive) else m.name
+            if rel.startswith(("data/", "constants/")):
+                # A storage no tensor refers to: all of it is unused.
+                b.add_storage(
+                    m.name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
+                    compressed=m.method != _zip.STORED,
+                )
+            elif rel.startswith("code/"):
+                b.add_region(m.data_offset, m.compress_size, Category.GRAPH, m.name)
+            elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+            else:
+                b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
+        return b.build()
+
+    def read_pickle(self, member: _zip.Member, folder: str, scripted: bool) -> Summary:
+        """Parse one pickle member, declare the storages it names, classify its tensors."""
+        b = self.builder
+        data = _zip.read_member(self.path, member, b)
+
+        def persistent_load(pid: object) -> StorageRef:
+            return self.storage(pid, folder, member)
+
+        try:
+            parsed = scan(data, persistent_load=persistent_load)
+        except PickleError as exc:
+            extra = f" (before that it calls {', '.join(exc.unsafe)})" if exc.unsafe else ""
+            raise b.corrupt(
+                f"{member.name} is not a valid pickle: {exc}{extra}",
+                member.data_offset + exc.offset if member.method == _zip.STORED else None,
+            ) from exc
+        scans = [parsed]
+        if parsed.end < len(data) and looks_like_pickle(data, parsed.end):
+            # torch.load reads one pickle; a second one hidden after STOP is still reported.
+            try:
+                scans.extend(scan_all(data, offset=parsed.end))
+            except PickleError as exc:
+                scans.append(PickleScan(None, exc.offset, [], exc.unsafe))
+            b.notes.append(f"{member.name} holds bytes after its pickle's STOP")
+        for s in scans:
+            for name in s.unsafe:
+                if not (scripted and name.startswith("__torch__.")):
+                    b.add_unsafe_global(name)
+        base = member.data_offset if member.method == _zip.STORED else None
+        prefix = ("constants",) if folder == "constants" else ()
+        return classify(parsed.value, b, prefix=prefix, blob_base=base)
+
+    def storage(self, pid: object, folder: str, owner: _zip.Member) -> StorageRef:
+        """The storage a persistent id names, declared (once) to the builder."""
+        b = self.builder
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise b.corrupt(
+                f"{owner.name}: persistent id {describe(pid)} is not "
+                "('storage', type, key, location, numel)", owner.header_offset,
+            )
+        storage_type, key, location, numel = pid[1:5]
+        dtype = storage_dtype(storage_type)
+        if dtype is None:
+            raise b.corrupt(f"{owner.name}: unknown storage type {describe(storage_type)}")
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise b.corrupt(f"{owner.name}: storage key {describe(key)} / size {describe(numel)} invalid")
+        name = f"{self.archive}{folder}/{key}"
+        ref = StorageRef(name, dtype, numel, str(location))
+        m = self.members.get(name)
+        if m is None:
+            raise b.corrupt(f"{owner.name} refers to storage {key!r} but the archive has no {name}")
+        if ref.nbytes != m.file_size:
+            raise b.corrupt(
+                f"storage {name} should hold {numel} x {dtype} = {ref.nbytes} bytes "
+                f"but the member holds {m.file_size}", m.header_offset,
+            )
+        if not b.has_storage(name):
+            b.add_storage(
+                name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
+                compressed=m.method != _zip.STORED, dtype=dtype,
+            )
+        return ref
+

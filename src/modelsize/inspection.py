@@ -1,0 +1,69 @@
+"""``modelsize.inspect(path) -> Report``: account for every byte of a saved model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelsize import formats
+from modelsize.findings import Finding, explain, find
+from modelsize.inventory import Inventory, TensorRecord
+
+
+@dataclass(frozen=True)
+class Report:
+    """An inventory with its findings and the one-paragraph explanation."""
+
+    inventory: Inventory
+    findings: tuple[Finding, ...]
+    summary: str
+
+    @property
+    def format(self) -> str:
+        """Name of the reader that read the file."""
+        return self.inventory.format
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of all files of the checkpoint."""
+        return self.inventory.file_bytes
+
+    def largest(self, n: int) -> list[TensorRecord]:
+        """The ``n`` tensors charged with the most file bytes."""
+        return sorted(self.inventory.tensors, key=lambda t: -t.stored_nbytes)[:n]
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        """The JSON schema documented in the README (``top`` limits the tensor list)."""
+        inv = self.inventory
+        tensors = self.largest(top) if top is not None else list(inv.tensors)
+        return {
+            "path": str(inv.path),
+            "format": inv.format,
+            "file_bytes": inv.file_bytes,
+            "files": [{"path": str(f.path), "bytes": f.nbytes} for f in inv.files],
+            "bytes_by_category": {c.value: n for c, n in inv.bytes_by_category.items()},
+            "summary": self.summary,
+            "findings": [f.to_dict() for f in self.findings],
+            "unsafe_globals": list(inv.unsafe_globals),
+            "tensor_count": len(inv.tensors),
+            "tensors": [t.to_dict() for t in tensors],
+            "facts": dict(inv.facts),
+            "notes": list(inv.notes),
+        }
+
+
+def report_for(inventory: Inventory) -> Report:
+    """Findings and explanation for an inventory already read."""
+    found = find(inventory)
+    return Report(inventory, tuple(found), explain(inventory, found))
+
+
+def inspect(path: str | Path) -> Report:
+    """Read a checkpoint's metadata (never its tensor data, never its code) and explain it.
+
+    ``path`` may be a file, a directory holding a checkpoint, or a multi-file prefix.
+    Raises :class:`~modelsize.errors.InputError` subclasses on unreadable input.
+    """
+    inventory = formats.read(path)
+    return report_for(inventory)

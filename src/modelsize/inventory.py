@@ -1,0 +1,479 @@
+"""The framework-free data model every reader produces and every feature consumes.
+
+An :class:`Inventory` partitions every byte of a checkpoint's files into :class:`Category`
+buckets. Bytes are accounted in two kinds of pieces:
+
+* a :class:`StorageRecord` is a run of file bytes holding tensor data; the
+  :class:`TensorRecord` s viewing it decide its category (bytes no view reaches are
+  ``unused_storage``, bytes identical to an earlier storage are ``duplicates``);
+* a :class:`Region` is any other byte range (headers, pickles, zip structures, graph).
+
+Readers never compute totals: they describe what they found to an :class:`InventoryBuilder`,
+which fills the gaps, resolves shared storages and duplicates, and derives the totals once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelsize.categories import PRECEDENCE, Category, empty_totals
+from modelsize.dtypes import DTYPES, DType, canonical, numel
+from modelsize.errors import AccountingError, CorruptFileError
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file of a (possibly multi-file) checkpoint."""
+
+    path: Path
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Region:
+    """A byte range of one file that holds no tensor data."""
+
+    file: int
+    offset: int
+    nbytes: int
+    category: Category
+    label: str
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """A run of file bytes holding the data of one saved storage (or one tensor).
+
+    ``nbytes`` is what it occupies in the file; ``logical_nbytes`` what it holds once
+    decompressed (equal unless ``compressed``). ``bytes_by_category`` is filled by the builder.
+    """
+
+    key: str
+    file: int
+    offset: int
+    nbytes: int
+    logical_nbytes: int
+    compressed: bool = False
+    dtype: str | None = None
+    bytes_by_category: dict[Category, int] = field(default_factory=dict, compare=False)
+    duplicate_of: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor as named in the file.
+
+    ``nbytes`` is the logical size (``numel * itemsize``); ``stored_nbytes`` the file bytes
+    this record is charged with (0 for a second view of a shared storage, the compressed size
+    for a compressed member). ``storage_offset`` is in bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    category: Category
+    nbytes: int
+    stored_nbytes: int = 0
+    storage: str | None = None
+    storage_offset: int = 0
+    tags: tuple[str, ...] = ()
+    duplicate_of: str | None = None
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return numel(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the schema documented in the README)."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "stored_nbytes": self.stored_nbytes,
+            "category": self.category.value,
+            "storage": self.storage,
+            "tags": list(self.tags),
+            "duplicate_of": self.duplicate_of,
+        }
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Everything a reader learnt about a checkpoint, with totals derived once.
+
+    ``unsafe_globals`` lists every callable a pickle in the file would import and call that is
+    not a known-safe rebuild function (``posix.system``, ``__main__.Net``...).
+    """
+
+    format: str
+    files: tuple[FileInfo, ...]
+    tensors: tuple[TensorRecord, ...]
+    storages: tuple[StorageRecord, ...]
+    regions: tuple[Region, ...]
+    unsafe_globals: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    facts: dict[str, str] = field(default_factory=dict)
+    bytes_by_category: dict[Category, int] = field(init=False)
+    file_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        totals = empty_totals()
+        for region in self.regions:
+            totals[region.category] += region.nbytes
+        for storage in self.storages:
+            for cat, n in storage.bytes_by_category.items():
+                totals[cat] += n
+        file_bytes = sum(f.nbytes for f in self.files)
+        if sum(totals.values()) != file_bytes:
+            raise AccountingError(
+                f"{self.format} inventory of {self.files[0].path if self.files else '?'}: "
+                f"categories add up to {sum(totals.values())} bytes, files hold {file_bytes}"
+            )
+        object.__setattr__(self, "bytes_by_category", totals)
+        object.__setattr__(self, "file_bytes", file_bytes)
+
+    @property
+    def path(self) -> Path:
+        """The path the user gave (first file, or the directory for multi-file checkpoints)."""
+        return Path(self.facts.get("path", str(self.files[0].path if self.files else "")))
+
+    def tensors_in(self, *categories: Category) -> list[TensorRecord]:
+        """Tensors of the given categories, in file order."""
+        wanted = set(categories)
+        return [t for t in self.tensors if t.category in wanted]
+
+
+@dataclass
+class _View:
+    record_index: int
+    start: int
+    stop: int
+    category: Category
+
+
+class InventoryBuilder:
+    """Collects what a reader finds and turns it into an :class:`Inventory`.
+
+    The builder owns the accounting rules shared by all formats: gaps between described byte
+    ranges are ``default`` (normally metadata), bytes of a storage reached by no view are
+    ``unused_storage``, overlapping views count once (by :data:`PRECEDENCE`), and storages
+    whose bytes equal an earlier storage's are ``duplicates``.
+    """
+
+    def __init__(self, format: str, paths: Iterable[str | Path], *, root: str | Path | None = None):
+        self.format = format
+        self.files: list[FileInfo] = []
+        for p in paths:
+            path = Path(p)
+            self.files.append(FileInfo(path, path.stat().st_size))
+        self._regions: list[Region] = []
+        self._storages: dict[str, StorageRecord] = {}
+        self._tensors: list[dict[str, Any]] = []
+        self._unsafe: dict[str, None] = {}
+        self.notes: list[str] = []
+        self.facts: dict[str, str] = {}
+        if root is not None:
+            self.facts["path"] = str(root)
+
+    # -- what readers call -------------------------------------------------------------
+    def corrupt(self, reason: str, offset: int | None = None, file: int = 0) -> CorruptFileError:
+        """A :class:`CorruptFileError` for this file (raise it)."""
+        return CorruptFileError(self.files[file].path, self.format, reason, offset)
+
+    def check_range(self, offset: int, nbytes: int, what: str, file: int = 0) -> None:
+        """Refuse a declared byte range that does not fit in the file."""
+        size = self.files[file].nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise self.corrupt(
+                f"{what} claims bytes {offset}..{offset + nbytes} but the file has {size}",
+                offset,
+                file,
+            )
+
+    def add_region(
+        self, offset: int, nbytes: int, category: Category, label: str, file: int = 0
+    ) -> None:
+        """Declare a non-tensor byte range."""
+        if nbytes == 0:
+            return
+        self.check_range(offset, nbytes, label, file)
+        self._regions.append(Region(file, offset, nbytes, category, label))
+
+    def add_storage(
+        self,
+        key: str,
+        offset: int,
+        nbytes: int,
+        *,
+        file: int = 0,
+        logical_nbytes: int | None = None,
+        compressed: bool = False,
+        dtype: str | None = None,
+    ) -> None:
+        """Declare the file bytes of one storage. Keys are unique within the inventory."""
+        self.check_range(offset, nbytes, f"storage {key}", file)
+        if key in self._storages:
+            raise self.corrupt(f"storage {key!r} declared twice", offset, file)
+        self._storages[key] = StorageRecord(
+            key, file, offset, nbytes, nbytes if logical_nbytes is None else logical_nbytes,
+            compressed, dtype,
+        )
+
+    def has_storage(self, key: str) -> bool:
+        """Whether a storage with this key was declared."""
+        return key in self._storages
+
+    def add_tensor(
+        self,
+        name: str,
+        dtype: str,
+        shape: Iterable[int],
+        category: Category,
+        *,
+        storage: str | None = None,
+        storage_offset: int = 0,
+        strides: Iterable[int] | None = None,
+        tags: Iterable[str] = (),
+        itemsize: int | None = None,
+    ) -> None:
+        """Declare a tensor; ``storage_offset`` is in elements, ``strides`` in elements.
+
+        A tensor without ``storage`` holds no file bytes of its own (e.g. a meta tensor).
+        ``itemsize`` gives the bytes per element of a dtype outside the table (NumPy strings,
+        structured records); without it such a dtype is sized 0 with a note.
+        """
+        shape_t = tuple(int(d) for d in shape)
+        dt_name = canonical(dtype) or dtype
+        dt = DTYPES.get(dt_name)
+        if dt is None and itemsize is not None:
+            dt = DType(dt_name, 1, int(itemsize))
+        n = numel(shape_t)
+        nbytes = dt.nbytes(n) if dt else 0
+        if dt is None:
+            self.notes.append(f"unknown dtype {dtype!r} for {name}: size taken as 0")
+        if strides is None or n == 0:
+            span = nbytes
+        else:
+            stride_t = tuple(int(s) for s in strides)
+            last = sum((d - 1) * abs(s) for d, s in zip(shape_t, stride_t, strict=False))
+            span = dt.nbytes(last + 1) if dt else 0
+        offset_bytes = dt.nbytes(int(storage_offset)) if dt and storage_offset else 0
+        self._tensors.append(
+            dict(
+                name=name, dtype=dt_name, shape=shape_t, category=category, nbytes=nbytes,
+                storage=storage, storage_offset=offset_bytes, span=span, tags=tuple(tags),
+            )
+        )
+
+    def add_unsafe_global(self, name: str) -> None:
+        """Record a callable the file would import and call on load."""
+        self._unsafe[name] = None
+
+    # -- accounting --------------------------------------------------------------------
+    def build(self, default: Category = Category.METADATA, *, dedupe: bool = True) -> Inventory:
+        """Resolve storages, fill gaps with ``default`` and return the inventory."""
+        stored = [0] * len(self._tensors)
+        by_storage: dict[str, list[_View]] = {}
+        for i, t in enumerate(self._tensors):
+            key = t["storage"]
+            if key is None:
+                continue
+            if key not in self._storages:
+                raise self.corrupt(f"tensor {t['name']!r} refers to missing storage {key!r}")
+            by_storage.setdefault(key, []).append(
+                _View(i, t["storage_offset"], t["storage_offset"] + t["span"], t["category"])
+            )
+
+        storages: dict[str, StorageRecord] = {}
+        rank = {c: i for i, c in enumerate(PRECEDENCE)}
+        for key, st in self._storages.items():
+            totals: dict[Category, int] = {}
+            views = sorted(by_storage.get(key, []), key=lambda v: (rank[v.category], v.record_index))
+            if st.compressed:
+                # Compressed bytes cannot be mapped to element ranges: the best-ranked view owns all.
+                if views:
+                    totals[views[0].category] = st.nbytes
+                    stored[views[0].record_index] += st.nbytes
+                else:
+                    totals[Category.UNUSED_STORAGE] = st.nbytes
+            else:
+                covered: list[tuple[int, int]] = []
+                for v in views:
+                    start, stop = max(0, v.start), min(st.nbytes, v.stop)
+                    new = _uncovered(covered, start, stop)
+                    if new:
+                        totals[v.category] = totals.get(v.category, 0) + new
+                        stored[v.record_index] += new
+                        covered = _merge(covered, start, stop)
+                unused = st.nbytes - sum(b - a for a, b in covered)
+                if unused:
+                    totals[Category.UNUSED_STORAGE] = unused
+            storages[key] = StorageRecord(
+                st.key, st.file, st.offset, st.nbytes, st.logical_nbytes, st.compressed, st.dtype,
+                totals,
+            )
+
+        dup_of: dict[str, str] = self._find_duplicates(storages, by_storage) if dedupe else {}
+        for key, original in dup_of.items():
+            st = storages[key]
+            totals = {Category.DUPLICATES: sum(
+                n for c, n in st.bytes_by_category.items() if c != Category.UNUSED_STORAGE
+            )}
+            if Category.UNUSED_STORAGE in st.bytes_by_category:
+                totals[Category.UNUSED_STORAGE] = st.bytes_by_category[Category.UNUSED_STORAGE]
+            storages[key] = StorageRecord(
+                st.key, st.file, st.offset, st.nbytes, st.logical_nbytes, st.compressed, st.dtype,
+                totals, original,
+            )
+
+        first_viewer: dict[str, str] = {}
+        for t in self._tensors:
+            if t["storage"] is not None:
+                first_viewer.setdefault(t["storage"], t["name"])
+        tensors = []
+        for i, t in enumerate(self._tensors):
+            cat, dup = t["category"], None
+            if t["storage"] in dup_of:
+                cat = Category.DUPLICATES
+                dup = first_viewer.get(dup_of[t["storage"]], dup_of[t["storage"]])
+            tensors.append(
+                TensorRecord(
+                    t["name"], t["dtype"], t["shape"], cat, t["nbytes"], stored[i], t["storage"],
+                    t["storage_offset"], t["tags"], dup,
+                )
+            )
+
+        regions = list(self._regions) + self._gaps(storages.values(), default)
+        return Inventory(
+            format=self.format,
+            files=tuple(self.files),
+            tensors=tuple(tensors),
+            storages=tuple(storages.values()),
+            regions=tuple(sorted(regions, key=lambda r: (r.file, r.offset))),
+            unsafe_globals=tuple(self._unsafe),
+            notes=tuple(dict.fromkeys(self.notes)),
+            facts=dict(self.facts),
+        )
+
+    def _gaps(self, storages: Iterable[StorageRecord], default: Category) -> list[Region]:
+        spans: dict[int, list[tuple[int, int, str]]] = {i: [] for i in range(len(self.files))}
+        for r in self._regions:
+            spans[r.file].append((r.offset, r.offset + r.nbytes, r.label))
+        for s in storages:
+            if s.nbytes:
+                spans[s.file].append((s.offset, s.offset + s.nbytes, f"storage {s.key}"))
+        gaps: list[Region] = []
+        for file, items in spans.items():
+            items.sort()
+            pos = 0
+            prev = "start of file"
+            for start, stop, label in items:
+                if start < pos:
+                    raise self.corrupt(
+                        f"{label} overlaps {prev} (bytes {start}..{pos})", start, file
+                    )
+                if start > pos:
+                    gaps.append(Region(file, pos, start - pos, default, "structure"))
+                pos, prev = stop, label
+            size = self.files[file].nbytes
+            if size > pos:
+                gaps.append(Region(file, pos, size - pos, default, "structure"))
+        return gaps
+
+    def _find_duplicates(
+        self, storages: dict[str, StorageRecord], by_storage: dict[str, list[_View]]
+    ) -> dict[str, str]:
+        """Map storage key -> key of an earlier storage holding identical bytes.
+
+        Candidates must agree on dtype, shape of their first view and size; a cheap sample
+        digest prunes them before the full hash, so only real duplicates are read whole.
+        Storages whose bytes are one value repeated (zero-initialised biases, counters) are
+        left alone: equal by construction, not by accident of saving.
+        """
+        groups: dict[tuple[Any, ...], list[str]] = {}
+        for key, st in storages.items():
+            views = by_storage.get(key)
+            if not views or st.nbytes == 0:
+                continue
+            first = self._tensors[views[0].record_index]
+            sig = (st.nbytes, st.logical_nbytes, st.compressed, first["dtype"], first["shape"])
+            groups.setdefault(sig, []).append(key)
+        result: dict[str, str] = {}
+        for sig, keys in groups.items():
+            if len(keys) < 2:
+                continue
+            itemsize = max(1, int(DTYPES[sig[3]].itemsize)) if sig[3] in DTYPES else 1
+            by_sample: dict[bytes, list[str]] = {}
+            for key in keys:
+                by_sample.setdefault(self._sample(storages[key]), []).append(key)
+            for same in by_sample.values():
+                if len(same) < 2:
+                    continue
+                seen: dict[bytes, str] = {}
+                for key in same:
+                    digest, constant = self._digest(storages[key], itemsize)
+                    if constant:
+                        continue
+                    if digest in seen:
+                        result[key] = seen[digest]
+                    else:
+                        seen[digest] = key
+        return result
+
+    def _read_chunks(self, st: StorageRecord, start: int, stop: int) -> Iterator[bytes]:
+        with open(self.files[st.file].path, "rb") as fh:
+            fh.seek(st.offset + start)
+            left = stop - start
+            while left > 0:
+                chunk = fh.read(min(left, 1 << 20))
+                if not chunk:
+                    raise self.corrupt(f"storage {st.key} ends early", st.offset, st.file)
+                left -= len(chunk)
+                yield chunk
+
+    def _sample(self, st: StorageRecord) -> bytes:
+        n = st.nbytes
+        probe = 4096
+        if n <= 3 * probe:
+            return b"".join(self._read_chunks(st, 0, n))
+        mid = n // 2
+        return b"".join(
+            b"".join(self._read_chunks(st, a, a + probe)) for a in (0, mid, n - probe)
+        )
+
+    def _digest(self, st: StorageRecord, itemsize: int) -> tuple[bytes, bool]:
+        h = hashlib.blake2b(digest_size=20)
+        first: bytes | None = None
+        constant = not st.compressed
+        for chunk in self._read_chunks(st, 0, st.nbytes):
+            h.update(chunk)
+            if constant:
+                if first is None:
+                    first = chunk[:itemsize]
+                pattern = first * (len(chunk) // max(1, len(first)))
+                constant = chunk == pattern
+        return h.digest(), constant
+
+
+def _uncovered(covered: list[tuple[int, int]], start: int, stop: int) -> int:
+    """Bytes of [start, stop) not inside any of the sorted, disjoint ``covered`` intervals."""
+    if stop <= start:
+        return 0
+    inside = sum(max(0, min(b, stop) - max(a, start)) for a, b in covered)
+    return (stop - start) - inside
+
+
+def _merge(covered: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*covered, (start, stop)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

@@ -1,0 +1,1 @@
+"""Renderers: the only place that knows about display (units, tables, wording of numbers)."""

@@ -1,0 +1,54 @@
+"""Plain-text rendering of an inspect :class:`~modelsize.inspection.Report`."""
+
+from __future__ import annotations
+
+import textwrap
+
+from modelsize.categories import Category
+from modelsize.errors import printable
+from modelsize.inspection import Report
+from modelsize.report.units import human_bytes, percent
+
+
+def _table(rows: list[list[str]], align: str) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align, strict=True)]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
+    """The human report: explanation, table by category, largest tensors, findings."""
+    inv = report.inventory
+    total = inv.file_bytes
+    lines = [f"{printable(str(inv.path))}  ({inv.format}, {total:,} bytes)", ""]
+    lines += textwrap.wrap(printable(report.summary, 4000), width)
+    lines.append("")
+    rows = [["category", "bytes", "size", "share"]]
+    for cat in Category:
+        n = inv.bytes_by_category[cat]
+        rows.append([cat.value, f"{n:,}", human_bytes(n), percent(n, total) if n else "-"])
+    rows.append(["total", f"{total:,}", human_bytes(total), "100%"])
+    lines += _table(rows, "lrrr")
+    if inv.tensors and top:
+        lines += ["", f"Largest tensors ({min(top, len(inv.tensors))} of {len(inv.tensors)})"]
+        trows = [["name", "dtype", "shape", "stored", "category"]]
+        for t in report.largest(top):
+            shape = "x".join(str(d) for d in t.shape) or "scalar"
+            trows.append([printable(t.name, 60), t.dtype, shape, human_bytes(t.stored_nbytes),
+                          t.category.value])
+        lines += _table(trows, "lllrl")
+    if report.findings:
+        lines += ["", "Findings"]
+        for f in report.findings:
+            saves = f"saves {human_bytes(f.bytes)}" if f.bytes else "security"
+            lines += textwrap.wrap(f"[{f.kind.value}] {saves}: {printable(f.message, 2000)}", width,
+                                   initial_indent="  ", subsequent_indent="      ")
+            lines += textwrap.wrap(f"fix: {f.action}", width, initial_indent="      ",
+                                   subsequent_indent="        ", break_on_hyphens=False)
+    for note in inv.notes[:10]:
+        lines += textwrap.wrap(f"note: {printable(note, 500)}", width, initial_indent="  ",
+                               subsequent_indent="      ")
+    return "\n".join(lines) + "\n"

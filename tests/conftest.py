@@ -1,0 +1,47 @@
+"""Shared test helpers: where the real third-party fixtures live, and a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: Real files we cannot make here (Lua Torch .t7, exploit pickles). CI has shared/ beside the clone.
+SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+
+
+def shared_fixture(*parts: str) -> Path:
+    """Path under ../shared/fixtures, or skip the test when that folder is absent."""
+    path = SHARED_FIXTURES.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} not present (shared fixtures live beside the clone)")
+    return path
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m modelsize ARGS`` in a subprocess and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "modelsize", *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+    )
+
+
+def cli_json(*args: str) -> dict[str, Any]:
+    """Run the CLI with ``--json`` appended, assert exit 0, and parse stdout."""
+    proc = run_cli(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], path: Path | str) -> None:
+    """Bad input: exit 2, exactly one line on stderr naming the file, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert Path(path).name in lines[0], lines[0]

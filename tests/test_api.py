@@ -1,0 +1,36 @@
+"""Locks the public API: a change here is a change users see."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import modelsize
+from modelsize.categories import Category
+
+
+def test_public_names() -> None:
+    assert sorted(modelsize.__all__) == sorted([
+        "AccountingError", "Category", "CorruptFileError", "Estimate", "EstimateError",
+        "FileInfo", "Finding", "FindingKind", "InputError", "Inventory",
+        "MissingDependencyError", "ModelSizeError", "PathNotFoundError", "Region", "Report",
+        "StorageRecord", "TensorRecord", "UnknownFormatError", "UsageError", "__version__",
+        "estimate", "inspect",
+    ])
+
+
+def test_categories_are_the_closed_set() -> None:
+    assert [c.value for c in Category] == [
+        "weights", "buffers", "optimizer_state", "gradients", "activations", "unused_storage",
+        "duplicates", "graph", "metadata", "other",
+    ]
+
+
+def test_import_does_not_import_frameworks() -> None:
+    code = (
+        "import sys, modelsize, modelsize.cli, modelsize.formats; modelsize.formats.registry();"
+        "bad = [m for m in ('torch', 'numpy', 'tensorflow', 'safetensors', 'onnx', 'h5py')"
+        " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,50 @@
+"""The CLI's error funnel: bad input gets one line on stderr and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import assert_one_line_error, run_cli
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    p = tmp_path / "nope.pt"
+    proc = run_cli("inspect", str(p))
+    assert_one_line_error(proc, p)
+    assert "no such file" in proc.stderr
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty.pt"
+    p.write_bytes(b"")
+    proc = run_cli("inspect", str(p))
+    assert_one_line_error(proc, p)
+    assert "empty" in proc.stderr
+
+
+def test_unknown_format(tmp_path: Path) -> None:
+    p = tmp_path / "notes.txt"
+    p.write_text("hello, this is not a model\n")
+    proc = run_cli("inspect", str(p))
+    assert_one_line_error(proc, p)
+    assert "unrecognised format" in proc.stderr
+
+
+def test_directory_without_a_model(tmp_path: Path) -> None:
+    (tmp_path / "readme.md").write_text("nothing here")
+    proc = run_cli("inspect", str(tmp_path))
+    assert_one_line_error(proc, tmp_path)
+
+
+def test_control_characters_in_names_are_escaped(tmp_path: Path) -> None:
+    p = tmp_path / "evil\x1b[31mname.bin"
+    p.write_bytes(b"\x00" * 3)
+    proc = run_cli("inspect", str(p))
+    assert proc.returncode == 2
+    assert "\x1b" not in proc.stderr
+
+
+def test_version_and_help() -> None:
+    assert run_cli("--version").returncode == 0
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "inspect" in proc.stdout
