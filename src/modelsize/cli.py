@@ -21,10 +21,34 @@ def _inspect(args: argparse.Namespace) -> int:
     from modelsize.report.text import render_inspect
 
     report = inspect(args.path)
+    cost = None
+    if args.load_cost:
+        from modelsize.loadcost import measure_load_cost
+
+        cost = measure_load_cost(report.inventory)
     if args.json:
-        print(json.dumps(report.to_dict(top=args.top if args.top_given else None), indent=2))
+        data = report.to_dict(top=args.top if args.top_given else None)
+        if cost is not None:
+            data["load_cost"] = cost.to_dict()
+        print(json.dumps(data))
     else:
         sys.stdout.write(render_inspect(report, top=args.top))
+        if cost is not None:
+            from modelsize.report.loadcost_text import render_load_cost
+
+            sys.stdout.write("\n" + render_load_cost(cost))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from modelsize.diff import diff
+    from modelsize.report.diff_text import render_diff
+
+    result = diff(args.a, args.b)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        sys.stdout.write(render_diff(result))
     return 0
 
 
@@ -41,7 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (sub-commands inspect, estimate, demo)."""
+    """The argument parser (sub-commands inspect, diff, estimate, demo)."""
     parser = argparse.ArgumentParser(
         prog="modelsize",
         description="Why is this model file so big, how much memory will this model need, "
@@ -54,7 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a model file, a checkpoint directory or prefix")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--top", type=int, default=None, help="largest tensors to list (default 10)")
+    p.add_argument("--load-cost", action="store_true",
+                   help="also measure the RAM and time of the usual ways to load it "
+                   "(runs the real framework in a subprocess)")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("diff", help="two checkpoints side by side, by category and by tensor")
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_diff)
 
     p = sub.add_parser("estimate", help="exact memory a PyTorch model needs (inference, training)")
     try:

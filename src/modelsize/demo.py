@@ -6,6 +6,7 @@ grows far beyond its weights.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -116,9 +117,14 @@ def inspect_section(out: Path) -> str:
     from modelsize.report.text import render_inspect
 
     parts = []
-    for i, (title, make) in enumerate(STORIES, 1):
-        path = make(out)
-        parts.append(f"== {i}. {title}\n\n" + render_inspect(inspect(path), top=5))
+    here = Path.cwd()
+    try:
+        os.chdir(out)  # reports name the files as a user in that folder would
+        for i, (title, make) in enumerate(STORIES, 1):
+            path = make(Path("."))
+            parts.append(f"== {i}. {title}\n\n" + render_inspect(inspect(path), top=5))
+    finally:
+        os.chdir(here)
     return "\n".join(parts)
 
 
@@ -129,7 +135,7 @@ def run_demo(directory: str | None = None, sections: list[str] | None = None) ->
         out = Path(directory) if directory else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         if "inspect" in wanted:
-            sys.stdout.write("modelsize inspect: why is this file so big?\n\n")
+            sys.stdout.write(f"modelsize inspect: why is this file so big? (files in {out})\n\n")
             sys.stdout.write(inspect_section(out))
             sys.stdout.flush()
         if "estimate" in wanted:

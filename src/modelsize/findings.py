@@ -109,8 +109,8 @@ def find(inv: Inventory) -> list[Finding]:
         names = ", ".join(inv.unsafe_globals[:6]) + (" ..." if len(inv.unsafe_globals) > 6 else "")
         out.append(Finding(
             FindingKind.UNSAFE_CODE, 0,
-            f"loading this file with pickle / torch.load(weights_only=False) imports and calls "
-            f"{names}",
+            f"loading this file runs a pickle that imports and calls {names} "
+            "(pickle.load, torch.load(weights_only=False), np.load(allow_pickle=True))",
             "never load it with weights_only=False; convert the tensors to safetensors: "
             + _slim(inv, "--to", "safetensors"),
         ))
@@ -224,7 +224,7 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
         saved = sum(f.bytes for f in fixable)
         saved = min(saved, total)
         sentences.append(
-            f"Dropping what inference does not need would save {human_bytes(saved)} "
+            f"Slimming it for inference would save {human_bytes(saved)} "
             f"({percent(saved, total)}): {fixable[0].action}"
             + (" (see findings for the rest)." if len(fixable) > 1 else ".")
         )

@@ -34,7 +34,7 @@ from modelsize.estimate.optimizers import Implementation, OptimizerSpec, make_fa
 from modelsize.estimate.tracker import CountingFakeMode, Origin
 
 LossFn = Callable[[Any], torch.Tensor]
-ProgressFn = Callable[[str], None]
+ProgressFn = Callable[[str, int], None]
 
 
 @dataclass
@@ -209,8 +209,9 @@ def run_trace(
     if program.accumulate < 1 or program.steps < 1:
         raise UsageError("steps and accumulate must be at least 1")
     device = torch.device(program.device)
-    table = scratch_models.table(device.type) if program.scratch else {}
+    table = scratch_models.table(device.type) if program.scratch else None
     mode = CountingFakeMode(scratch=table)
+    mode.counting = False
     copier = _FakeCopier(mode, torch.device("cpu"))
     params, buffers = _states(model)
     fakes: dict[int, torch.Tensor] = {}
@@ -242,6 +243,10 @@ def run_trace(
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(mode)
         call = _caller(model, state, args, kwargs, device, program.amp)
+        label = ["forward"]
+        if progress is not None:
+            mode.progress = lambda tick: progress(label[0], tick)
+        mode.counting = True
         if not train:
             mode.begin_phase("forward", 1)
             mode.origin = Origin.FORWARD
@@ -259,8 +264,7 @@ def run_trace(
                     p.register_post_accumulate_grad_hook(_grad_marker(mode))
             for step in range(1, program.steps + 1):
                 for micro in range(1, program.accumulate + 1):
-                    if progress:
-                        progress(f"step {step}/{program.steps}")
+                    label[0] = f"step {step}/{program.steps}"
                     mode.begin_phase("forward", step, micro)
                     mode.origin = Origin.FORWARD
                     loss = _forward_loss(call, loss_fn)

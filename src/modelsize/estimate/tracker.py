@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-ScratchFn = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], int]
+from modelsize.estimate.scratch import ScratchModels
+
 
 
 class Origin(str, Enum):
@@ -88,9 +89,10 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
 class CountingFakeMode(FakeTensorMode):
     """A :class:`FakeTensorMode` that counts the bytes of live storages after every op."""
 
-    def __init__(self, scratch: dict[Any, ScratchFn] | None = None) -> None:
+    def __init__(self, scratch: ScratchModels | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True)
-        self.scratch = scratch or {}
+        self.scratch = scratch
+        self._scratch_ops = set(scratch.analytic) | set(scratch.probed) if scratch else set()
         self.allocations: list[Allocation] = []
         self.phases: list[Phase] = []
         self.live: dict[int, Allocation] = {}
@@ -102,6 +104,8 @@ class CountingFakeMode(FakeTensorMode):
         self.peak_scratch_op = ""
         self.timeline: list[int] = []
         self.ops: list[Any] = []
+        self.scratch_at: dict[int, int] = {}
+        self.progress: Callable[[int], None] | None = None
         self.modules: list[str] = []
         self.origin = Origin.OTHER
         self.counting = True
@@ -123,6 +127,7 @@ class CountingFakeMode(FakeTensorMode):
             created=self.tick,
             phase=len(self.phases) - 1,
             module=self.modules[-1] if self.modules else "",
+            recomputed=origin is Origin.BACKWARD and bool(self.modules),
         )
         self.live[key] = rec
         self.allocations.append(rec)
@@ -199,9 +204,21 @@ class CountingFakeMode(FakeTensorMode):
         if not counted:
             return out
         extra = 0
-        fn = self.scratch.get(func)
-        if fn is not None:
-            extra = fn(func, args, kwargs or {}, out)
+        if self.scratch is not None and self.scratch.wrap_numbers:
+            extra = self.scratch.wrapped(func, args, kwargs or {}, out)
+        if func in self._scratch_ops and self.scratch is not None:
+            cost = self.scratch.cost(func, args, kwargs or {}, out)
+            if cost is not None:
+                extra += cost.scratch
+                for t, real in zip(_tensors(out), cost.output_nbytes):
+                    rec = self.live.get(t.untyped_storage()._cdata)
+                    if real is not None and rec is not None and rec.created == self.tick:
+                        self.live_bytes += real - rec.nbytes
+                        rec.nbytes = real
+        if extra:
+            self.scratch_at[self.tick] = extra
+        if self.progress is not None and not self.tick & 1023:
+            self.progress(self.tick)
         high = self.live_bytes + extra
         self.timeline.append(high)
         if high > self.peak_bytes:

@@ -75,10 +75,13 @@ class Registry:
 def _build_registry() -> Registry:
     # Explicit and ordered: most specific magic first; each reader imports its framework lazily.
     from modelsize.formats.gguf import GgufReader
+    from modelsize.formats.keras import KerasH5Reader, KerasReader
     from modelsize.formats.numpy import NpyReader, NpzReader
     from modelsize.formats.onnx import OnnxReader
     from modelsize.formats.pickle_file import PickleReader
     from modelsize.formats.safetensors import SafetensorsIndexReader, SafetensorsReader
+    from modelsize.formats.t7 import T7Reader
+    from modelsize.formats.tensorflow import TensorflowReader
     from modelsize.formats.torch_legacy import TorchLegacyReader
     from modelsize.formats.torch_zip import TorchZipReader
 
@@ -92,6 +95,10 @@ def _build_registry() -> Registry:
             TorchLegacyReader(),
             GgufReader(),
             OnnxReader(),
+            T7Reader(),
+            TensorflowReader(),
+            KerasReader(),
+            KerasH5Reader(),
             # Generic pickles last: protocol 0/1 pickles have the weakest magic of all.
             PickleReader(),
         ]

@@ -414,6 +414,7 @@ class _Reader:
             pos += 4 * rank
             if cls == 0:
                 size = self.uint(data, pos, 4, "compact data size")
+                self._fits(size, len(data) - pos - 4, where)
                 return "compact", [(where + pos + 4, size)], 0
             if cls == 1:
                 # v1/v2 give no byte size: read_hdf5 derives it from the dataspace and type.
@@ -424,6 +425,7 @@ class _Reader:
             cls = data[1]
             if cls == 0:
                 size = self.uint(data, 2, 2, "compact data size")
+                self._fits(size, len(data) - 4, where)
                 return "compact", [(where + 4, size)], 0
             if cls == 1:
                 address = self.addr(data, 2, "layout address")
@@ -439,6 +441,12 @@ class _Reader:
             if cls == 3:
                 raise HDF5Error("virtual datasets are not supported", where)
         raise HDF5Error(f"data layout message version {version} is not supported", where)
+
+    @staticmethod
+    def _fits(size: int, room: int, where: int) -> None:
+        if size > room:
+            raise HDF5Error(f"compact data of {size} bytes in a layout message with {room} left",
+                            where)
 
     def filters(self, data: bytes, where: int) -> tuple[str, ...]:
         version, count = (data[0], data[1]) if len(data) >= 2 else (0, 0)

@@ -20,13 +20,13 @@ from __future__ import annotations
 import codecs
 import mmap
 import struct
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-
-Data = Union[bytes, bytearray, memoryview, mmap.mmap]
+#: What the parser reads from: bytes in memory or a memory-mapped file.
+Data = bytes | bytearray | memoryview | mmap.mmap
 
 #: Tuples, frozensets and persistent ids nested deeper than this are refused: hashing them
 #: recurses in C, where Python's recursion limit does not protect the stack.
@@ -36,7 +36,7 @@ MAX_OPS = 50_000_000
 MAX_MEMO = 10_000_000
 MAX_STACK = 10_000_000
 MAX_LONG_BYTES = 1 << 16
-MAX_LINE = 1 << 20
+MAX_LINE = 1 << 26
 HIGHEST_PROTOCOL = 5
 
 
@@ -201,7 +201,7 @@ def is_module_class(ref: Global) -> bool:
 
 
 def is_safe_class(ref: Global) -> bool:
-    """Whether instantiating ``ref`` (``NEWOBJ``, ``copyreg._reconstructor``) runs only torch code."""
+    """Whether instantiating ``ref`` (``NEWOBJ``, ``_reconstructor``) runs only known code."""
     name = str(ref)
     return is_module_class(ref) or name in _TENSOR_TYPES or (
         name in SAFE_CALLS and name not in _TORCH_REBUILD
@@ -211,11 +211,13 @@ def is_safe_class(ref: Global) -> bool:
 # -- the machine ----------------------------------------------------------------------------
 
 
+_STRUCTS = {f: struct.Struct(f) for f in ("<B", "<H", "<i", "<I", "<Q")}
+
+
 class _Stop(Exception):
     pass
 
 
-_MARK = object()
 
 
 def _name(obj: object) -> str:
@@ -257,7 +259,9 @@ class _Machine:
 
     # -- helpers -----------------------------------------------------------------------
     def fail(self, reason: str) -> PickleError:
-        where = f"{self.op_name} at offset {self.op_pos}" if self.op_name else f"offset {self.op_pos}"
+        where = f"offset {self.op_pos}"
+        if self.op_name:
+            where = f"{self.op_name} at {where}"
         return PickleError(
             f"{reason} ({where})", self.op_pos, self.unsafe, (str(g) for g in self.globals)
         )
@@ -272,8 +276,11 @@ class _Machine:
         return out
 
     def read_uint(self, fmt: str) -> int:
-        s = struct.calcsize(fmt)
-        value: int = struct.unpack(fmt, self.read(s))[0]
+        codec = _STRUCTS[fmt]
+        if self.pos + codec.size > self.size:
+            self.read(codec.size)  # raises with the standard message
+        value: int = codec.unpack_from(self.data, self.pos)[0]
+        self.pos += codec.size
         return value
 
     def readline(self) -> bytes:
@@ -307,12 +314,13 @@ class _Machine:
         self.stack = self.metastack.pop()
         return items
 
-    def depth(self, obj: object) -> int:
-        entry = self.depths.get(id(obj))
-        return entry[0] if entry is not None and entry[1] is obj else 1
-
     def nested(self, obj: Any, children: Iterable[object]) -> Any:
-        d = 1 + max((self.depth(c) for c in children), default=0)
+        d = 1
+        for c in children:
+            if type(c) in _HASHED_NESTED:
+                entry = self.depths.get(id(c))
+                if entry is not None and entry[1] is c and entry[0] >= d:
+                    d = entry[0] + 1
         if d > MAX_DEPTH:
             raise self.fail(f"values nested more than {MAX_DEPTH} levels deep")
         self.depths[id(obj)] = (d, obj)
@@ -385,9 +393,8 @@ class _Machine:
             self.judge_tensor_type(argv[1])
         elif name == "torch._utils._rebuild_wrapper_subclass" and argv:
             self.judge_tensor_type(argv[0])
-        elif name.endswith("._reconstruct") and argv:
-            if argv[0] != Global("numpy", "ndarray"):
-                self.judge_class(argv[0])
+        elif name.endswith("._reconstruct") and argv and argv[0] != Global("numpy", "ndarray"):
+            self.judge_class(argv[0])
 
     def judge_tensor_type(self, cls: object) -> None:
         if not (isinstance(cls, Global) and str(cls) in _TENSOR_TYPES):
@@ -796,6 +803,9 @@ class _Machine:
             return self.persistent_load(pid)
         return self.nested(PersistentId(pid), [pid])
 
+
+#: Types whose hash recurses into their contents (their nesting depth is tracked).
+_HASHED_NESTED = frozenset({tuple, frozenset, PersistentId})
 
 _OPCODES: dict[bytes, tuple[str, Callable[[_Machine], None]]] = {
     b"\x80": ("PROTO", _Machine.op_proto),

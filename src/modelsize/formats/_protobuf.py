@@ -19,9 +19,12 @@ Typical use::
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import overload
 
 __all__ = [
     "I32",
@@ -30,6 +33,7 @@ __all__ = [
     "VARINT",
     "Buffer",
     "Field",
+    "FileBuffer",
     "ProtobufError",
     "iter_fields",
     "packed_fixed",
@@ -41,7 +45,65 @@ __all__ = [
 ]
 
 #: Anything indexable as bytes: ``buf[i]`` is an int, ``buf[a:b]`` bytes-like.
-Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+class FileBuffer:
+    """A read-only view of a file read lazily by blocks: ``len(b)``, ``b[i]``, ``b[a:b]``.
+
+    For formats whose headers are scattered between gigabytes of tensor data (ONNX
+    initializers, Lua Torch storages). Unlike ``mmap``, touching one header byte does not
+    map a whole page-cache folio (up to 2 MB on recent kernels) into the process, so peak
+    RSS stays at the size of the few blocks kept here, whatever the file size.
+    """
+
+    def __init__(self, fd: int, size: int, block: int = 1 << 16, keep: int = 64) -> None:
+        self._fd = fd
+        self._size = size
+        self._block = block
+        self._keep = keep
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _get(self, index: int) -> bytes:
+        data = self._blocks.get(index)
+        if data is None:
+            data = os.pread(self._fd, self._block, index * self._block)
+            self._blocks[index] = data
+            if len(self._blocks) > self._keep:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(index)
+        return data
+
+    @overload
+    def __getitem__(self, key: int) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> bytes: ...
+
+    def __getitem__(self, key: int | slice) -> int | bytes:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._size)
+            if step != 1:
+                raise ValueError("FileBuffer slices must be contiguous")
+            if stop <= start:
+                return b""
+            first, last = start // self._block, (stop - 1) // self._block
+            base = first * self._block
+            if first == last:
+                return self._get(first)[start - base : stop - base]
+            if last - first > 4:  # a large read: do not churn the block cache
+                return os.pread(self._fd, stop - start, start)
+            data = b"".join(self._get(i) for i in range(first, last + 1))
+            return data[start - base : stop - base]
+        if not 0 <= key < self._size:
+            raise IndexError(f"byte {key} outside a file of {self._size}")
+        return self._get(key // self._block)[key % self._block]
+
+
+#: Anything indexable as bytes: ``buf[i]`` is an int, ``buf[a:b]`` bytes-like.
+Buffer = bytes | bytearray | memoryview | mmap.mmap | FileBuffer
 
 VARINT = 0
 I64 = 1
@@ -69,9 +131,10 @@ class Field:
     """One field of a message, with the bytes it occupies.
 
     ``start`` is the offset of the tag, ``end`` one past the last byte of the field.
-    For ``VARINT`` fields ``value`` is the decoded unsigned integer; for ``I32``/``I64`` the
-    little-endian unsigned integer; for ``LEN`` the payload length, the payload being
-    ``buf[data_start:end]``.
+    ``data_start`` is where the value begins (after the tag, and for ``LEN`` after the length
+    prefix). For ``VARINT`` fields ``value`` is the decoded unsigned integer; for
+    ``I32``/``I64`` the little-endian unsigned integer; for ``LEN`` the payload length, the
+    payload being ``buf[data_start:end]``.
     """
 
     number: int
@@ -112,23 +175,19 @@ def read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
 
     Refuses varints that run past ``end``, are longer than 10 bytes or exceed 64 bits.
     """
+    chunk = buf[pos : min(pos + _MAX_VARINT_BYTES, end)]
     result = 0
     shift = 0
-    start = pos
-    while True:
-        if pos >= end:
-            raise ProtobufError("varint runs past the end of its message", start)
-        byte = buf[pos]
-        pos += 1
+    for i, byte in enumerate(chunk):
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            break
+            if result >> 64:
+                raise ProtobufError("varint exceeds 64 bits", pos)
+            return result, pos + i + 1
         shift += 7
-        if pos - start >= _MAX_VARINT_BYTES:
-            raise ProtobufError("varint longer than 10 bytes", start)
-    if result >> 64:
-        raise ProtobufError("varint exceeds 64 bits", start)
-    return result, pos
+    if len(chunk) == _MAX_VARINT_BYTES:
+        raise ProtobufError("varint longer than 10 bytes", pos)
+    raise ProtobufError("varint runs past the end of its message", pos)
 
 
 def iter_fields(buf: Buffer, start: int = 0, end: int | None = None) -> Iterator[Field]:
@@ -143,37 +202,44 @@ def iter_fields(buf: Buffer, start: int = 0, end: int | None = None) -> Iterator
         raise ProtobufError(f"message range {start}..{stop} outside a buffer of {len(buf)}", start)
     pos = start
     while pos < stop:
-        field_start = pos
-        key, pos = read_varint(buf, pos, stop)
-        number, wire_type = key >> 3, key & 7
-        if number == 0 or number > _MAX_FIELD_NUMBER:
-            raise ProtobufError(f"invalid field number {number}", field_start)
-        if wire_type == VARINT:
-            value, pos = read_varint(buf, pos, stop)
-            yield Field(number, wire_type, value, field_start, field_start, pos)
-            continue
-        if wire_type == LEN:
-            length, data_start = read_varint(buf, pos, stop)
-            if length > stop - data_start:
-                raise ProtobufError(
-                    f"field {number} declares {length} bytes but its message has "
-                    f"{stop - data_start} left",
-                    field_start,
-                )
-            pos = data_start + length
-            yield Field(number, wire_type, length, field_start, data_start, pos)
-            continue
-        if wire_type in (I64, I32):
-            size = 8 if wire_type == I64 else 4
-            if pos + size > stop:
-                raise ProtobufError(f"fixed{size * 8} field {number} runs past its message", pos)
-            value = int.from_bytes(bytes(buf[pos : pos + size]), "little")
-            yield Field(number, wire_type, value, field_start, pos, pos + size)
-            pos += size
-            continue
-        if wire_type in (_GROUP_START, _GROUP_END):
-            raise ProtobufError(f"field {number} is a group (unsupported wire type)", field_start)
-        raise ProtobufError(f"field {number} has invalid wire type {wire_type}", field_start)
+        # One read per field: a key and a value varint take at most 20 bytes.
+        head = bytes(buf[pos : min(pos + 2 * _MAX_VARINT_BYTES, stop)])
+        try:
+            field = _decode_field(head, pos, stop)
+        except ProtobufError as exc:
+            raise ProtobufError(exc.reason, pos + exc.offset) from None
+        yield field
+        pos = field.end
+
+
+def _decode_field(head: bytes, pos: int, stop: int) -> Field:
+    """The field whose first bytes are ``head`` (offsets in errors are relative to ``head``)."""
+    key, k = read_varint(head, 0, len(head))
+    number, wire_type = key >> 3, key & 7
+    if number == 0 or number > _MAX_FIELD_NUMBER:
+        raise ProtobufError(f"invalid field number {number}", 0)
+    if wire_type == VARINT:
+        value, v = read_varint(head, k, len(head))
+        return Field(number, wire_type, value, pos, pos + k, pos + v)
+    if wire_type == LEN:
+        length, v = read_varint(head, k, len(head))
+        data_start = pos + v
+        if length > stop - data_start:
+            raise ProtobufError(
+                f"field {number} declares {length} bytes but its message has "
+                f"{stop - data_start} left",
+                0,
+            )
+        return Field(number, wire_type, length, pos, data_start, data_start + length)
+    if wire_type in (I64, I32):
+        size = 8 if wire_type == I64 else 4
+        if pos + k + size > stop:
+            raise ProtobufError(f"fixed{size * 8} field {number} runs past its message", k)
+        value = int.from_bytes(head[k : k + size], "little")
+        return Field(number, wire_type, value, pos, pos + k, pos + k + size)
+    if wire_type in (_GROUP_START, _GROUP_END):
+        raise ProtobufError(f"field {number} is a group (unsupported wire type)", 0)
+    raise ProtobufError(f"field {number} has invalid wire type {wire_type}", 0)
 
 
 def packed_varints(buf: Buffer, start: int, end: int) -> Iterator[int]:

@@ -23,6 +23,7 @@ a tensor pickled twice through the memo is one tensor, named by its first path.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,8 @@ from modelsize.dtypes import DTYPES, canonical
 from modelsize.formats._pickle import Blob, Call, Global, PersistentId, UnhashableKey
 from modelsize.inventory import InventoryBuilder
 
-#: Objects nested deeper than this are refused (a real checkpoint nests a few dozen levels).
-MAX_DEPTH = 10_000
 MAX_DIMS = 256
+MAX_NAME_PARTS = 64
 
 _BUFFER_NAMES = frozenset(
     {
@@ -71,6 +71,10 @@ _NUMPY_TYPES = {
 _SPARSE_PARTS = {
     "torch.sparse_coo": ("indices", "values"),
 }
+
+
+#: TorchScript class name -> (parameter names, buffer names).
+ScriptRoles = dict[str, tuple[frozenset[str], frozenset[str]]]
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,31 @@ class Summary:
     def has_modules(self) -> bool:
         """Whether the pickle holds module objects (it is then model structure: graph)."""
         return bool(self.module_classes)
+
+
+class _Path:
+    """A dotted path kept as a chain of parents: extending it costs O(1) at any depth."""
+
+    __slots__ = ("key", "parent")
+
+    def __init__(self, parent: _Path | None = None, key: str = "") -> None:
+        self.parent = parent
+        self.key = key
+
+    def child(self, key: str) -> _Path:
+        """This path extended by ``key``."""
+        return _Path(self, key)
+
+    def name(self) -> str:
+        """The dotted name; the last :data:`MAX_NAME_PARTS` parts of a very deep path."""
+        parts: list[str] = []
+        node: _Path | None = self
+        while node is not None and node.parent is not None and len(parts) < MAX_NAME_PARTS:
+            parts.append(node.key)
+            node = node.parent
+        if node is not None and node.parent is not None:
+            parts.append("...")
+        return ".".join(reversed(parts))
 
 
 @dataclass(frozen=True)
@@ -207,13 +236,16 @@ def _numpy_dtype(obj: object) -> str | None:
 
 
 class _Walker:
-    def __init__(self, builder: InventoryBuilder, blob_base: int | None) -> None:
+    def __init__(
+        self, builder: InventoryBuilder, blob_base: int | None, script_roles: ScriptRoles
+    ) -> None:
         self.builder = builder
         self.blob_base = blob_base
+        self.script_roles = script_roles
         self.summary = Summary()
         self.seen: set[int] = set()
         self.optimizer_keys: set[str] = set()
-        self.todo: list[tuple[object, tuple[str, ...], _Ctx, int]] = []
+        self.todo: list[tuple[object, _Path, _Ctx]] = []
 
     # -- recognising tensors ----------------------------------------------------------
     def tensor(self, call: Call) -> _Tensor | None:
@@ -234,7 +266,7 @@ class _Walker:
             if len(a) < 7:
                 raise _Invalid("_rebuild_tensor_v3 needs 7 arguments")
             return self.strided(a, _dtype_of(a[6]), requires_grad_at=4)
-        if name in ("torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"):
+        if name.startswith("torch._utils._rebuild_parameter"):
             inner = self.inner(a[0] if a else None, name)
             inner.parameter = True
             if len(a) > 3:
@@ -260,8 +292,13 @@ class _Walker:
                 raise _Invalid("_rebuild_wrapper_subclass needs 4 arguments")
             return _Tensor(_dtype_of(a[1]), _ints(a[2], "size"), _ints(a[3], "stride"), None)
         if name == "torch._utils._rebuild_sparse_tensor" and len(a) > 1:
-            parts = _SPARSE_PARTS.get(global_name(a[0]),
-                                      ("compressed_indices", "plain_indices", "values"))
+            layout = a[0]
+            if isinstance(layout, Call) and layout.args:  # torch.serialization._get_layout(name)
+                layout = layout.args[0]
+            parts = _SPARSE_PARTS.get(
+                layout if isinstance(layout, str) else global_name(layout),
+                ("compressed_indices", "plain_indices", "values"),
+            )
             data = a[1] if isinstance(a[1], tuple) else ()
             t = _Tensor("", (), None, None)
             t.extras = list(zip(parts, data, strict=False))
@@ -287,7 +324,7 @@ class _Walker:
         if not isinstance(storage, StorageRef):
             raise _Invalid(f"tensor storage is a {type(storage).__name__}, not a saved storage")
         if not isinstance(a[1], int) or a[1] < 0:
-            raise _Invalid(f"tensor storage offset {a[1]!r} is not a non-negative integer")
+            raise _Invalid(f"tensor storage offset {describe(a[1])} is not a non-negative integer")
         shape, stride = _ints(a[2], "size"), _ints(a[3], "stride")
         if len(shape) != len(stride):
             raise _Invalid(f"size {shape} and stride {stride} differ in length")
@@ -309,12 +346,12 @@ class _Walker:
         return _Tensor(dtype, shape, None, ref, blob=blob)
 
     # -- categories -------------------------------------------------------------------
-    def category(self, t: _Tensor, path: tuple[str, ...], ctx: _Ctx) -> Category:
+    def category(self, t: _Tensor, path: _Path, ctx: _Ctx) -> Category:
         if ctx.forced is not None:
             return ctx.forced
         if t.parameter or t.requires_grad:
             return Category.WEIGHTS
-        last = path[-1].rsplit(".", 1)[-1].lower() if path else ""
+        last = path.key.rsplit(".", 1)[-1].lower()
         if last in _WEIGHT_NAMES or last.endswith("_weight") or t.dtype in _QUANTIZED:
             return Category.WEIGHTS
         if last in _BUFFER_NAMES:
@@ -344,13 +381,20 @@ class _Walker:
         return _Ctx(forced, soft, tags, opt)
 
     # -- declaring --------------------------------------------------------------------
-    def declare(self, t: _Tensor, path: tuple[str, ...], ctx: _Ctx) -> None:
-        name = ".".join(path) or "tensor"
+    def declare(self, t: _Tensor, path: _Path, ctx: _Ctx) -> None:
+        name = path.name() or "tensor"
         if t.dtype:
-            self.declare_one(t, name, self.category(t, path, ctx), ctx.tags)
-        for suffix, extra in t.extras:
-            sub = (*path, suffix) if suffix else path
-            self.todo.append((extra, sub, ctx, 0))
+            cat = self.category(t, path, ctx)
+            self.declare_one(t, name, cat, ctx.tags)
+        else:
+            # A composite (sparse, nested): every part takes the category of its values.
+            values = next((e for k, e in t.extras if k in ("values", "buffer")), None)
+            vt = self.tensor(values) if isinstance(values, Call) else None
+            cat = self.category(vt, path, ctx) if vt is not None else Category.WEIGHTS
+        sub_ctx = _Ctx(cat, False, ctx.tags, ctx.optimizer)
+        for suffix, extra in reversed(t.extras):
+            sub = path.child(suffix) if suffix else path
+            self.todo.append((extra, sub, sub_ctx if suffix else ctx))
 
     def declare_one(self, t: _Tensor, name: str, cat: Category, tags: tuple[str, ...]) -> None:
         ref = t.storage
@@ -390,27 +434,26 @@ class _Walker:
 
     # -- walking ----------------------------------------------------------------------
     def walk(self, root: object, prefix: tuple[str, ...] = ()) -> None:
-        self.todo: list[tuple[object, tuple[str, ...], _Ctx, int]] = [(root, prefix, _Ctx(), 0)]
+        path = _Path()
+        for part in prefix:
+            path = path.child(part)
+        self.todo = [(root, path, _Ctx())]
         while self.todo:
-            value, path, ctx, depth = self.todo.pop()
+            value, path, ctx = self.todo.pop()
             if value is None or isinstance(value, (str, bytes, int, float, complex, Blob, Global)):
                 continue
             if id(value) in self.seen:
                 continue
             self.seen.add(id(value))
-            if depth > MAX_DEPTH:
-                raise _Invalid(f"objects nested more than {MAX_DEPTH} levels deep")
             if ctx.optimizer:
                 items = mapping_items(value)
                 if items:
                     self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
-            children = list(self.children(value, path, ctx))
-            for child in reversed(children):
-                self.todo.append((child[0], child[1], child[2], depth + 1))
+            self.todo.extend(reversed(list(self.children(value, path, ctx))))
 
     def children(
-        self, value: object, path: tuple[str, ...], ctx: _Ctx
-    ) -> Iterator[tuple[object, tuple[str, ...], _Ctx]]:
+        self, value: object, path: _Path, ctx: _Ctx
+    ) -> Iterator[tuple[object, _Path, _Ctx]]:
         if isinstance(value, Call):
             t = self.tensor(value)
             if t is not None:
@@ -426,8 +469,8 @@ class _Walker:
                 return
             # Any other object: its arguments, appended items, set items and BUILD state.
             for i, arg in enumerate(value.args):
-                yield arg, (*path, str(i)) if len(value.args) > 1 else path, ctx
-            yield from ((v, (*path, str(i)), ctx) for i, v in enumerate(value.items))
+                yield arg, path.child(str(i)) if len(value.args) > 1 else path, ctx
+            yield from ((v, path.child(str(i)), ctx) for i, v in enumerate(value.items))
             yield from self.mapping_children(value.dictitems, path, ctx)
             state = value.state
             if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
@@ -439,26 +482,24 @@ class _Walker:
                 yield state, path, ctx
         elif isinstance(value, dict):
             yield from self.mapping_children(mapping_items(value) or [], path, ctx)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple, set, frozenset)):
             for i, v in enumerate(value):
-                yield v, (*path, str(i)), ctx
-        elif isinstance(value, (set, frozenset)):
-            for i, v in enumerate(value):
-                yield v, (*path, str(i)), ctx
-        elif isinstance(value, UnhashableKey):
-            yield value.value, path, ctx
-        elif isinstance(value, PersistentId):
+                yield v, path.child(str(i)), ctx
+        elif isinstance(value, (UnhashableKey, PersistentId)):
             yield value.value, path, ctx
 
     def mapping_children(
-        self, items: list[tuple[object, object]], path: tuple[str, ...], ctx: _Ctx
-    ) -> Iterator[tuple[object, tuple[str, ...], _Ctx]]:
+        self, items: list[tuple[object, object]], path: _Path, ctx: _Ctx
+    ) -> Iterator[tuple[object, _Path, _Ctx]]:
         for k, v in items:
             key = k.value if isinstance(k, UnhashableKey) else k
-            yield v, (*path, _key_text(key)), self.enter(ctx, key, v)
+            yield v, path.child(_key_text(key)), self.enter(ctx, key, v)
 
     def module_state(self, call: Call) -> tuple[str, dict[Any, Any], bool] | None:
-        """(class name, attribute dict, is TorchScript) of a pickled module object, else None."""
+        """(class name, attribute dict, is TorchScript) of a pickled module object, else None.
+
+        TorchScript classes keep their ``__torch__.`` prefix: it is the key of their roles.
+        """
         cls = call.func
         if global_name(call.func) == "copyreg._reconstructor" and call.args:
             cls = call.args[0]
@@ -471,22 +512,23 @@ class _Walker:
             return None
         cname = global_name(cls)
         if cname.startswith("__torch__."):
-            return cname.removeprefix("__torch__."), state, True
+            return cname, state, True
         keys = {k for k in state if isinstance(k, str)}
         if "_parameters" in keys and "_modules" in keys:
             return cname or "<unknown>", state, False
         return None
 
     def module_children(
-        self, module: tuple[str, dict[Any, Any], bool], path: tuple[str, ...], ctx: _Ctx
-    ) -> Iterator[tuple[object, tuple[str, ...], _Ctx]]:
+        self, module: tuple[str, dict[Any, Any], bool], path: _Path, ctx: _Ctx
+    ) -> Iterator[tuple[object, _Path, _Ctx]]:
         cname, state, scripted = module
-        if cname not in self.summary.module_classes:
-            self.summary.module_classes.append(cname)
+        shown = cname.removeprefix("__torch__.")
+        if shown not in self.summary.module_classes:
+            self.summary.module_classes.append(shown)
         if ctx.soft:
             ctx = _Ctx(None, False, ctx.tags, ctx.optimizer)
         if scripted:
-            yield from self.mapping_children(list(state.items()), path, ctx)
+            yield from self.script_children(cname, state, path, ctx)
             return
         roles = {"_parameters": Category.WEIGHTS, "_buffers": Category.BUFFERS}
         for key, value in state.items():
@@ -494,13 +536,29 @@ class _Walker:
                 forced = ctx.forced or roles[key]
                 sub = _Ctx(forced, False, ctx.tags, ctx.optimizer)
                 for k, v in mapping_items(value) or []:
-                    yield v, (*path, _key_text(k)), self.enter(sub, k, v)
+                    yield v, path.child(_key_text(k)), self.enter(sub, k, v)
             elif key == "_modules":
                 for k, v in mapping_items(value) or []:
-                    yield v, (*path, _key_text(k)), self.enter(ctx, k, v)
+                    yield v, path.child(_key_text(k)), self.enter(ctx, k, v)
             else:
                 sub = ctx if ctx.forced else _Ctx(Category.ACTIVATIONS, True, ctx.tags, False)
-                yield value, (*path, _key_text(key)), self.enter(sub, key, value)
+                yield value, path.child(_key_text(key)), self.enter(sub, key, value)
+
+    def script_children(
+        self, cname: str, state: dict[Any, Any], path: _Path, ctx: _Ctx
+    ) -> Iterator[tuple[object, _Path, _Ctx]]:
+        """A TorchScript module's attributes: its code says which are parameters and buffers."""
+        known = self.script_roles.get(cname)
+        for key, value in state.items():
+            sub = ctx
+            if known is not None and ctx.forced is None:
+                if key in known[0]:
+                    sub = _Ctx(Category.WEIGHTS, False, ctx.tags)
+                elif key in known[1]:
+                    sub = _Ctx(Category.BUFFERS, False, ctx.tags)
+                else:
+                    sub = _Ctx(Category.ACTIVATIONS, True, ctx.tags)
+            yield value, path.child(_key_text(key)), self.enter(sub, key, value)
 
     # -- facts ------------------------------------------------------------------------
     def optimizer_name(self) -> str | None:
@@ -533,10 +591,11 @@ class _Walker:
 
 
 def _key_text(key: object) -> str:
-    if isinstance(key, (str, int)):
+    """A dict key as a path component (never the ``repr`` of an arbitrary object)."""
+    if isinstance(key, (str, int, float, type(None), Global)):
         return str(key)
-    if isinstance(key, (tuple, Global)):
-        return str(key)
+    if isinstance(key, tuple) and all(isinstance(k, (str, int)) for k in key):
+        return ",".join(str(k) for k in key)
     return f"<{type(key).__name__}>"
 
 
@@ -546,6 +605,7 @@ def classify(
     *,
     prefix: tuple[str, ...] = (),
     blob_base: int | None = None,
+    script_roles: ScriptRoles | None = None,
 ) -> Summary:
     """Declare every tensor under ``root`` to ``builder`` with its category.
 
@@ -553,9 +613,11 @@ def classify(
     arrays whose data lies inside the pickle (a :class:`Blob`) get a storage declared here at
     file offset ``blob_base + blob.offset`` (listed in :attr:`Summary.blobs`, for the reader to
     cut out of the pickle's region); with ``blob_base=None`` their bytes stay in the pickle.
-    Nonsense rebuild arguments raise the builder's :class:`~modelsize.errors.CorruptFileError`.
+    ``script_roles`` maps TorchScript class names to their parameter and buffer names (see
+    :func:`script_roles`). Nonsense rebuild arguments raise the builder's
+    :class:`~modelsize.errors.CorruptFileError`.
     """
-    walker = _Walker(builder, blob_base)
+    walker = _Walker(builder, blob_base, script_roles or {})
     try:
         walker.walk(root, prefix)
     except _Invalid as exc:
@@ -605,3 +667,30 @@ def describe(obj: object) -> str:
     if isinstance(obj, Global):
         return str(obj)[:80]
     return f"a {type(obj).__name__}"
+
+
+_SCRIPT_CLASS = re.compile(r"^class (\w+)\(Module\):$")
+_SCRIPT_LIST = re.compile(r"^  __(parameters|buffers)__ = \[(.*)\]$")
+
+
+def script_roles(module: str, source: str) -> ScriptRoles:
+    """Parameter and buffer names of the classes in one TorchScript ``code/`` file.
+
+    TorchScript flattens modules into plain attributes; its generated source keeps the roles
+    (``__parameters__ = ["weight", "bias", ]``). The text is matched, never executed.
+    """
+    roles: ScriptRoles = {}
+    current = None
+    found: dict[str, frozenset[str]] = {}
+    for line in source.splitlines():
+        head = _SCRIPT_CLASS.match(line)
+        if head is not None:
+            current = f"{module}.{head.group(1)}"
+            found = {}
+            continue
+        entry = _SCRIPT_LIST.match(line) if current else None
+        if entry is not None and current is not None:
+            found[entry.group(1)] = frozenset(re.findall(r'"([^"]*)"', entry.group(2)))
+            if len(found) == 2:
+                roles[current] = (found["parameters"], found["buffers"])
+    return roles

@@ -303,12 +303,29 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int) -> object:
     if item_size is not None:
         cur.pos += count * item_size
     elif item_type == _STRING:
-        for _ in range(count):
-            cur.skip_string(f"item of {key!r}")
+        _skip_strings(cur, count, key)
     else:
         for _ in range(count):
             _read_value(cur, _ARRAY, key, depth + 1)
     return None
+
+
+def _skip_strings(cur: _Cursor, count: int, key: str) -> None:
+    """Skip ``count`` strings (a tokenizer vocabulary: often 100k+ of them) in a tight loop."""
+    length_of = struct.Struct(cur.endian + "Q").unpack_from
+    buf, pos, size = cur.buf, cur.pos, cur.size
+    for _ in range(count):
+        if pos + 8 > size:
+            break
+        pos += 8 + length_of(buf, pos)[0]
+        if pos > size:
+            break
+    else:
+        cur.pos = pos
+        return
+    raise cur.builder.corrupt(
+        f"array {printable(key)!r} of {count} strings runs past the end of the file", cur.pos
+    )
 
 
 def _declare_tensors(infos: list[_TensorInfo], data_start: int, builder: InventoryBuilder) -> None:

@@ -205,9 +205,11 @@ def _scan_pickle(
         raise builder.corrupt(
             f"{what}malformed object-array pickle ({exc}){named}", offset
         ) from exc
+    # np.load refuses object arrays unless allow_pickle=True, because the pickle then runs with
+    # full powers: every callable it names is reported, numpy's own rebuilds included.
     for scan in scans:
-        for name in scan.unsafe:
-            builder.add_unsafe_global(name)
+        for called in scan.unsafe or [str(g) for g in scan.globals]:
+            builder.add_unsafe_global(called)
     builder.notes.append(
         f"{printable(name)}: object array stored as a pickle (np.load needs allow_pickle=True)"
     )

@@ -11,13 +11,13 @@ A model is one protobuf ``ModelProto``; its ``graph`` holds ``node`` s, ``initia
 * bytes of an external data file that no initializer points at are ``unused_storage``; two
   initializers pointing at the same external bytes count them once.
 
-The file is memory-mapped and only field headers are decoded: a 2 GB ``raw_data`` costs one
-length prefix, never a read. External ``location`` s must stay inside the model's folder.
+Only field headers are read (through a small block cache, not a memory map: see
+:class:`._protobuf.FileBuffer`): a 2 GB ``raw_data`` costs one length prefix, never a
+read. External ``location`` s must stay inside the model's folder.
 """
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -32,6 +32,7 @@ from modelsize.formats._protobuf import (
     VARINT,
     Buffer,
     Field,
+    FileBuffer,
     ProtobufError,
     iter_fields,
     read_varint,
@@ -108,12 +109,9 @@ class OnnxReader:
         size = path.stat().st_size
         if size == 0:
             raise CorruptFileError(path, self.name, "file is empty")
-        with (
-            open(path, "rb") as fh,
-            mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf,
-        ):
+        with open(path, "rb") as fh:
             try:
-                model = _Parser(buf, path).parse()
+                model = _Parser(FileBuffer(fh.fileno(), size), path).parse()
             except ProtobufError as exc:
                 raise CorruptFileError(path, self.name, exc.reason, exc.offset) from exc
         externals, file_of = _external_files(path, model)

@@ -53,7 +53,10 @@ _BUFFER_NAMES = frozenset(
     {"running_mean", "running_var", "num_batches_tracked", "position_ids", "inv_freq",
      "masked_bias", "relative_position_index", "_float_tensor", "freqs_cis"}
 )
-_EMA_PARTS = frozenset({"ema", "ema_model", "model_ema", "ema_state_dict", "ema_params"})
+_EMA_PARTS = frozenset(
+    {"ema", "ema_model", "model_ema", "ema_state_dict", "ema_params", "shadow_params",
+     "averaged_model", "averaged_params", "swa_model"}
+)
 #: Integer tensors that hold quantized weights (GPTQ/AWQ/bitsandbytes), not buffers.
 _QUANT_PARTS = frozenset({"qweight", "qzeros", "g_idx", "absmax", "quant_map"})
 

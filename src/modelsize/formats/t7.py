@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from modelsize.categories import PRECEDENCE, Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, printable
+from modelsize.formats._protobuf import Buffer, FileBuffer
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder
 
@@ -118,7 +119,7 @@ class _Cursor:
 
     ascii = False
 
-    def __init__(self, buf: mmap.mmap, builder: InventoryBuilder, long_size: int) -> None:
+    def __init__(self, buf: Buffer, builder: InventoryBuilder, long_size: int) -> None:
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
@@ -136,26 +137,26 @@ class _Cursor:
 
     def int_(self, what: str) -> int:
         self._need(4, what)
-        (v,) = struct.unpack_from("<i", self.buf, self.pos)
+        (v,) = _INT.unpack(self.buf[self.pos : self.pos + 4])
         self.pos += 4
         return int(v)
 
     def long_(self, what: str) -> int:
         self._need(self.long_size, what)
-        (v,) = struct.unpack_from(self.long_fmt, self.buf, self.pos)
+        (v,) = struct.unpack(self.long_fmt, self.buf[self.pos : self.pos + self.long_size])
         self.pos += self.long_size
         return int(v)
 
     def longs(self, n: int, what: str) -> tuple[int, ...]:
         self._need(n * self.long_size, what)
         fmt = "<" + self.long_fmt[1] * n
-        out = struct.unpack_from(fmt, self.buf, self.pos)
+        out = struct.unpack(fmt, self.buf[self.pos : self.pos + n * self.long_size])
         self.pos += n * self.long_size
         return tuple(int(v) for v in out)
 
     def double(self, what: str) -> float:
         self._need(8, what)
-        (v,) = struct.unpack_from("<d", self.buf, self.pos)
+        (v,) = _DOUBLE.unpack(self.buf[self.pos : self.pos + 8])
         self.pos += 8
         return float(v)
 
@@ -176,6 +177,8 @@ class _Cursor:
 
 
 _TOKEN = re.compile(rb"\s*(\S+)")
+_INT = struct.Struct("<i")
+_DOUBLE = struct.Struct("<d")
 
 
 class _AsciiCursor(_Cursor):
@@ -184,6 +187,7 @@ class _AsciiCursor(_Cursor):
     ascii = True
 
     def _token(self, what: str) -> bytes:
+        assert isinstance(self.buf, mmap.mmap)
         m = _TOKEN.match(self.buf, self.pos)
         if m is None:
             raise self.builder.corrupt(f"{what}: expected a number, found end of file", self.pos)
@@ -251,15 +255,17 @@ class T7Reader:
     """Reads Lua Torch ``.t7`` files (binary and ascii) without Lua or torchfile."""
 
     name = "t7"
-    extensions = (".t7", ".th")
+    extensions = (".t7",)
 
     def sniff(self, source: Source) -> bool:
         """A ``.t7`` file, or a head that starts like a serialized table or torch object."""
-        if source.kind != "file" or source.size < 4:
+        if source.kind != "file" or source.size == 0:
             return False
         head = source.head
         if source.suffix in self.extensions:
-            return True
+            # PyTorch checkpoints are often named .t7 too: only claim a leading type tag.
+            return (len(head) < 4 or (head[0] <= 8 and head[1:4] == b"\0\0\0")
+                    or _is_ascii(head))
         if len(head) >= 16 and head[4:8] == b"\x01\x00\x00\x00":  # object index 1
             if head[:4] == b"\x04\x00\x00\x00":  # a torch object: "V 1" or a class name
                 return head[12:14] == b"V " or head[12:18] == b"torch." or head[12:15] == b"nn."
@@ -276,16 +282,8 @@ class T7Reader:
         for long_size in attempts:
             builder = InventoryBuilder(self.name, [source.path])
             try:
-                with (
-                    open(source.path, "rb") as fh,
-                    mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf,
-                ):
-                    cur = (_AsciiCursor if ascii_mode else _Cursor)(buf, builder, long_size)
-                    objects = _Parser(cur).parse()
-                    if cur.pos != cur.size:
-                        raise builder.corrupt(
-                            f"{cur.size - cur.pos} bytes follow the serialized object", cur.pos
-                        )
+                with open(source.path, "rb") as fh:
+                    objects = _parse_file(fh.fileno(), builder, long_size, ascii_mode)
                 _declare(builder, objects)
                 if long_size != 8:
                     builder.notes.append("written with 4-byte longs (Windows or 32-bit Torch)")
@@ -296,6 +294,24 @@ class T7Reader:
                 first_error = first_error or exc
         assert first_error is not None
         raise first_error
+
+
+def _parse_file(fd: int, builder: InventoryBuilder, long_size: int, ascii_mode: bool) -> _Objects:
+    """Binary files are read by blocks (headers sit between storages), ascii ones mapped
+    (every number is text that must be scanned)."""
+    size = builder.files[0].nbytes
+    if ascii_mode:
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+            return _parse_all(_AsciiCursor(buf, builder, long_size))
+    return _parse_all(_Cursor(FileBuffer(fd, size), builder, long_size))
+
+
+def _parse_all(cur: _Cursor) -> _Objects:
+    objects = _Parser(cur).parse()
+    if cur.pos != cur.size:
+        raise cur.builder.corrupt(f"{cur.size - cur.pos} bytes follow the serialized object",
+                                  cur.pos)
+    return objects
 
 
 def _is_ascii(head: bytes) -> bool:

@@ -182,7 +182,7 @@ def _state_prefix(directory: Path) -> tuple[Path, list[str]] | None:
     match = _STATE_RE.search(text)
     if not match:
         return None
-    named = Path(match[1].encode("utf-8").decode("unicode_escape"))
+    named = Path(re.sub(r"\\(.)", r"\1", match[1]))
     prefix = named if named.is_absolute() else directory / named
     if not _is_table(_suffixed(prefix, ".index")):
         # Saver wrote an absolute path and the directory moved since: TF looks beside it too.

@@ -26,16 +26,20 @@ from modelsize.formats._pickle import (
     scan_all,
 )
 from modelsize.formats._torch_tree import (
+    ScriptRoles,
     StorageRef,
     Summary,
     add_pickle_region,
     classify,
     describe,
+    script_roles,
     storage_dtype,
 )
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder
 
+#: TorchScript sources larger than this are not searched for parameter names.
+_MAX_CODE = 1 << 26
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
 #: Small records torch writes beside the pickle.
 _RECORDS = frozenset(
@@ -83,6 +87,7 @@ class _ZipRead:
         self.builder = InventoryBuilder(fmt, [source.path])
         self.members: dict[str, _zip.Member] = {}
         self.archive = ""
+        self.roles: ScriptRoles = {}
 
     def run(self) -> Inventory:
         b = self.builder
@@ -95,6 +100,8 @@ class _ZipRead:
         scripted = any(n.startswith(self.archive + "code/") for n in self.members)
         _zip.account_headers(b, items)
 
+        if scripted:
+            self.roles = self.read_script_roles(items)
         done: set[str] = set()
         summary = self.read_pickle(data_pkl, "data", scripted)
         done.add(data_pkl.name)
@@ -129,8 +136,27 @@ class _ZipRead:
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
             else:
+                if rel.endswith(".pkl") and "/" not in rel:
+                    self.scan_for_globals(m, scripted)  # e.g. TorchScript's traced_inputs.pkl
                 b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
         return b.build()
+
+    def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
+        """Record the unsafe globals of a side pickle whose tensors are not itemized."""
+        data = _zip.read_member(self.path, member, self.builder)
+        try:
+            scans = scan_all(data)
+        except PickleError as exc:
+            self.builder.notes.append(f"{member.name} is not a valid pickle: {exc}")
+            scans = [PickleScan(None, exc.offset, [], exc.unsafe)]
+        self.record_unsafe(scans, scripted)
+
+    def record_unsafe(self, scans: list[PickleScan], scripted: bool) -> None:
+        """Unsafe globals of ``scans``; TorchScript's own classes run no Python on load."""
+        for s in scans:
+            for name in s.unsafe:
+                if not (scripted and name.startswith("__torch__.")):
+                    self.builder.add_unsafe_global(name)
 
     def read_pickle(self, member: _zip.Member, folder: str, scripted: bool) -> Summary:
         """Parse one pickle member, declare the storages it names, classify its tensors."""
@@ -156,13 +182,21 @@ class _ZipRead:
             except PickleError as exc:
                 scans.append(PickleScan(None, exc.offset, [], exc.unsafe))
             b.notes.append(f"{member.name} holds bytes after its pickle's STOP")
-        for s in scans:
-            for name in s.unsafe:
-                if not (scripted and name.startswith("__torch__.")):
-                    b.add_unsafe_global(name)
+        self.record_unsafe(scans, scripted)
         base = member.data_offset if member.method == _zip.STORED else None
         prefix = ("constants",) if folder == "constants" else ()
-        return classify(parsed.value, b, prefix=prefix, blob_base=base)
+        return classify(parsed.value, b, prefix=prefix, blob_base=base, script_roles=self.roles)
+
+    def read_script_roles(self, items: list[_zip.Member]) -> ScriptRoles:
+        """Parameter/buffer names of every TorchScript class, from the ``code/`` sources."""
+        roles: ScriptRoles = {}
+        code = self.archive + "code/"
+        for m in items:
+            if m.name.startswith(code) and m.name.endswith(".py"):
+                text = _zip.read_member(self.path, m, self.builder, limit=_MAX_CODE)
+                module = m.name[len(code) : -len(".py")].replace("/", ".")
+                roles.update(script_roles(module, text.decode("utf-8", "replace")))
+        return roles
 
     def storage(self, pid: object, folder: str, owner: _zip.Member) -> StorageRef:
         """The storage a persistent id names, declared (once) to the builder."""
@@ -177,7 +211,9 @@ class _ZipRead:
         if dtype is None:
             raise b.corrupt(f"{owner.name}: unknown storage type {describe(storage_type)}")
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise b.corrupt(f"{owner.name}: storage key {describe(key)} / size {describe(numel)} invalid")
+            raise b.corrupt(
+                f"{owner.name}: storage key {describe(key)} / size {describe(numel)} invalid"
+            )
         name = f"{self.archive}{folder}/{key}"
         ref = StorageRef(name, dtype, numel, str(location))
         m = self.members.get(name)

@@ -24,7 +24,7 @@ def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
     inv = report.inventory
     total = inv.file_bytes
     lines = [f"{printable(str(inv.path))}  ({inv.format}, {total:,} bytes)", ""]
-    lines += textwrap.wrap(printable(report.summary, 4000), width)
+    lines += textwrap.wrap(printable(report.summary, 4000), width, break_on_hyphens=False)
     lines.append("")
     rows = [["category", "bytes", "size", "share"]]
     for cat in Category:

@@ -1,0 +1,99 @@
+"""``modelsize estimate``: the exact memory a PyTorch model needs, by tracing it with fake tensors.
+
+The model runs for real, op by op, on fake tensors (shapes, dtypes and strides, no data), so
+the estimate of a 70B model costs what the trace of a small one costs. A counter keeps the
+bytes of every live storage; the peak, and what is live at the peak, is the answer.
+
+Modules: ``tracker`` (the counting fake-tensor mode), ``trace`` (the program: forward, loss,
+backward, optimizer step), ``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
+rounding and workspaces), ``result`` (the :class:`Estimate`), ``zoo`` (built-in models),
+``fit`` (largest batch under a budget), ``command`` (the CLI glue).
+
+Importing this package does not import torch: :func:`estimate` does, when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from modelsize.errors import MissingDependencyError
+from modelsize.estimate.result import (
+    DeviceEstimate,
+    DeviceTerm,
+    Estimate,
+    MemoryCategory,
+    PhaseSpan,
+    Setup,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "DeviceEstimate",
+    "DeviceTerm",
+    "Estimate",
+    "MemoryCategory",
+    "PhaseSpan",
+    "Setup",
+    "estimate",
+]
+
+
+def require_torch(what: str = "modelsize estimate") -> None:
+    """Raise :class:`MissingDependencyError` when torch is not installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError("torch", what, extra="estimate") from exc
+
+
+def estimate(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    mode: str = "train",
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adam",
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    amp: str | torch.dtype | None = None,
+    device: str = "cpu",
+    implementation: str | None = None,
+    accumulate: int = 1,
+    checkpoint: Sequence[str] = (),
+    steps: int | None = None,
+    name: str | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> Estimate:
+    """The exact peak memory of running ``model`` on ``inputs``, without allocating it.
+
+    ``inputs`` is a tuple of positional arguments or a dict of keyword arguments (tensors,
+    real, meta or fake; other values pass through). ``model`` may be real, on the meta
+    device, or fake; it is left exactly as it was (weights, ``.grad``, hooks, train/eval
+    flags, ``requires_grad``).
+
+    ``mode="infer"``: one eval-mode forward under ``torch.no_grad()``. ``mode="train"``:
+    ``steps`` (default 2) steps of forward, loss, backward (``accumulate`` micro-batches each),
+    ``optimizer.step()`` and ``zero_grad(set_to_none=True)``; the peak is the maximum over
+    them (Adam-like optimizers create their state inside the first step). The loss is
+    ``loss(output)``, by default ``output.loss`` or else ``.sum()`` of the first floating
+    point tensor of the output; the output is released before the backward.
+
+    ``optimizer``: ``sgd``, ``momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, or a
+    callable taking the parameters (``torch.optim.AdamW``, a ``functools.partial``...).
+    ``implementation``: ``for-loop``, ``foreach``, ``fused`` or None for PyTorch's default on
+    ``device``. ``amp``: ``"bf16"``/``"fp16"`` autocast around the forward and the loss.
+    ``checkpoint``: module names (glob patterns) or class names whose forward runs under
+    non-reentrant activation checkpointing. ``device``: ``"cpu"`` (validated to the byte
+    against the CPU profiler) or ``"cuda"`` (adds the caching allocator's rounding, the cuBLAS
+    workspace and the CUDA context as named terms; not validated on a GPU).
+    """
+    require_torch()
+    from modelsize.estimate import core
+
+    return core.estimate(
+        model, inputs, mode=mode, optimizer=optimizer, loss=loss, amp=amp, device=device,
+        implementation=implementation, accumulate=accumulate, checkpoint=checkpoint,
+        steps=steps, name=name, progress=progress,
+    )

@@ -1,0 +1,177 @@
+"""``estimate()``: trace the program, then read the peak and what it is made of."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelsize.errors import EstimateError, ModelSizeError, UsageError
+from modelsize.estimate.device import device_estimate
+from modelsize.estimate.optimizers import OptimizerSpec, describe, parse_implementation
+from modelsize.estimate.result import Estimate, MemoryCategory, PhaseSpan, Setup
+from modelsize.estimate.trace import Program, Trace, run_trace
+from modelsize.estimate.tracker import Allocation, Origin
+
+_AMP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+_MATMUL = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product", "convolution")
+TIMELINE_POINTS = 1000
+
+
+def parse_amp(amp: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"`` / ``"fp16"`` / a dtype / None to the autocast dtype."""
+    if amp is None or isinstance(amp, torch.dtype):
+        return amp
+    try:
+        return _AMP[amp.lower()]
+    except KeyError:
+        raise UsageError(f"unknown amp dtype {amp!r}: expected bf16 or fp16") from None
+
+
+def estimate(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    mode: str = "train",
+    optimizer: OptimizerSpec = "adam",
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    amp: str | torch.dtype | None = None,
+    device: str = "cpu",
+    implementation: str | None = None,
+    accumulate: int = 1,
+    checkpoint: Sequence[str] = (),
+    steps: int | None = None,
+    name: str | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> Estimate:
+    """See :func:`modelsize.estimate.estimate`."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if isinstance(checkpoint, str):
+        checkpoint = (checkpoint,)
+    program = Program(
+        mode=mode,
+        optimizer=optimizer,
+        implementation=parse_implementation(implementation),
+        loss=loss,
+        amp=parse_amp(amp),
+        device=device,
+        steps=steps if steps is not None else (2 if mode == "train" else 1),
+        accumulate=accumulate,
+        checkpoint=tuple(checkpoint),
+    )
+    try:
+        trace = run_trace(model, inputs, program, progress)
+    except ModelSizeError:
+        raise
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EstimateError(f"tracing {name or type(model).__name__} failed: {first}") from exc
+    return summarize(trace, program, name or type(model).__name__, inputs)
+
+
+def classify(rec: Allocation) -> MemoryCategory:
+    """The category of one storage live at the peak."""
+    if rec.origin is Origin.PARAMETER:
+        return MemoryCategory.PARAMETERS
+    if rec.origin is Origin.BUFFER:
+        return MemoryCategory.BUFFERS
+    if rec.origin is Origin.INPUT:
+        return MemoryCategory.INPUTS
+    if rec.is_grad:
+        return MemoryCategory.GRADIENTS
+    if rec.is_state:
+        return MemoryCategory.OPTIMIZER_STATE
+    if (rec.origin is Origin.FORWARD and rec.saved) or rec.recomputed:
+        return MemoryCategory.ACTIVATIONS
+    return MemoryCategory.TEMPORARIES
+
+
+def summarize(trace: Trace, program: Program, name: str, inputs: Any) -> Estimate:
+    """Turn a finished trace into an :class:`Estimate`."""
+    mode = trace.mode
+    peak, tick = mode.peak_bytes, mode.peak_tick
+    cats = dict.fromkeys(MemoryCategory, 0)
+    for rec in mode.allocations:
+        if rec.live_at(tick):
+            cats[classify(rec)] += rec.nbytes
+    cats[MemoryCategory.TEMPORARIES] += mode.peak_scratch
+    phases = tuple(
+        PhaseSpan(p.name, p.step, p.micro_batch, p.start, p.end if p.end >= 0 else mode.tick)
+        for p in mode.phases
+    )
+    phase = next((p for p in phases if p.start <= tick <= p.end),
+                 PhaseSpan("setup", 0, 0, 0, 0))
+    uses_matmul = any(any(k in str(op) for k in _MATMUL) for op in set(mode.ops))
+    dev = device_estimate(program.device, peak, mode.peak_scratch, mode.allocations,
+                          mode.scratch_at, mode.tick, uses_matmul)
+    notes = list(mode.scratch.notes) if mode.scratch is not None else []
+    if program.device == "cuda":
+        notes.append("cuda: traced with the CPU kernels' shapes; device terms are not validated")
+    train = program.mode == "train"
+    setup = Setup(
+        model=name,
+        mode=program.mode,
+        device=program.device,
+        optimizer=describe(program.optimizer) if train else None,
+        implementation=str(program.implementation) if train else None,
+        amp=str(program.amp).replace("torch.", "") if program.amp is not None else None,
+        accumulate=program.accumulate,
+        checkpoint=tuple(program.checkpoint),
+        steps=program.steps,
+        inputs=_describe_inputs(inputs),
+    )
+    modules = {(k or "<model>"): v for k, v in
+               sorted(trace.module_activations.items(), key=lambda kv: -kv[1])}
+    return Estimate(
+        setup=setup,
+        peak_bytes=peak,
+        phase=phase,
+        categories=cats,
+        scratch_bytes=mode.peak_scratch,
+        scratch_op=mode.peak_scratch_op,
+        module_activations=modules,
+        timeline=downsample(mode.timeline, TIMELINE_POINTS),
+        phases=phases,
+        parameter_count=trace.parameter_count,
+        trainable_count=trace.trainable_count,
+        op_count=mode.tick,
+        trace_seconds=trace.seconds,
+        device_estimate=dev,
+        notes=tuple(notes),
+    )
+
+
+def downsample(values: Sequence[int], points: int) -> tuple[tuple[int, int], ...]:
+    """``(index, value)`` pairs, at most about ``points``, keeping each bucket's maximum."""
+    n = len(values)
+    if n <= points:
+        return tuple((i + 1, v) for i, v in enumerate(values))
+    out: list[tuple[int, int]] = []
+    step = n / points
+    for b in range(points):
+        lo, hi = int(b * step), int((b + 1) * step)
+        if hi <= lo:
+            continue
+        best = max(range(lo, hi), key=values.__getitem__)
+        out.append((best + 1, values[best]))
+    return tuple(out)
+
+
+def _describe_inputs(inputs: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    items: list[tuple[str, Any]]
+    if isinstance(inputs, Mapping):
+        items = list(inputs.items())
+    elif isinstance(inputs, torch.Tensor):
+        items = [("0", inputs)]
+    elif isinstance(inputs, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(inputs)]
+    else:
+        raise EstimateError(f"inputs must be a tuple or a dict of tensors, not {type(inputs).__name__}")
+    return tuple((k, tuple(v.shape), str(v.dtype).replace("torch.", ""))
+                 for k, v in items if isinstance(v, torch.Tensor))

@@ -1,0 +1,172 @@
+"""The result of an estimate: plain dataclasses, no torch, ``to_dict()`` for JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class MemoryCategory(str, Enum):
+    """Where a byte live at the peak belongs. The order here is the display order."""
+
+    PARAMETERS = "parameters"
+    """The model's parameters (tied weights once)."""
+    BUFFERS = "buffers"
+    """Registered buffers: BatchNorm statistics, rotary tables..."""
+    GRADIENTS = "gradients"
+    """Tensors held as a parameter's ``.grad`` (from the op that produced them)."""
+    OPTIMIZER_STATE = "optimizer_state"
+    """Tensors held in ``optimizer.state``: moments, step counters."""
+    ACTIVATIONS = "activations"
+    """Forward results still alive when the forward ends (saved for backward, the loss),
+    and forward results recomputed by activation checkpointing during the backward."""
+    TEMPORARIES = "temporaries"
+    """Everything else: forward intermediates freed before the forward ends, gradients of
+    activations, optimizer intermediates, and kernel scratch."""
+    INPUTS = "inputs"
+    """The input tensors of the model."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    """A stretch of the traced program, in op indices (``end`` inclusive)."""
+
+    name: str
+    step: int
+    micro_batch: int
+    start: int
+    end: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name, "step": self.step, "micro_batch": self.micro_batch,
+                "start": self.start, "end": self.end}
+
+
+@dataclass(frozen=True)
+class DeviceTerm:
+    """One named term of a device estimate."""
+
+    name: str
+    nbytes: int
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name, "bytes": self.nbytes, "note": self.note}
+
+
+@dataclass(frozen=True)
+class DeviceEstimate:
+    """What the device would report, term by term, beyond the tensors the trace counts.
+
+    ``allocated_bytes`` is the prediction of ``torch.cuda.max_memory_allocated()`` (or, on
+    CPU, of the allocator peak the profiler reports); ``total_bytes`` adds what the allocator
+    does not count (the CUDA context).
+    """
+
+    device: str
+    terms: tuple[DeviceTerm, ...]
+    validated: bool
+    allocated_bytes: int
+    total_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "device": self.device,
+            "terms": [t.to_dict() for t in self.terms],
+            "validated": self.validated,
+            "allocated_bytes": self.allocated_bytes,
+            "total_bytes": self.total_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What was estimated."""
+
+    model: str
+    mode: str
+    device: str
+    optimizer: str | None
+    implementation: str | None
+    amp: str | None
+    accumulate: int
+    checkpoint: tuple[str, ...]
+    steps: int
+    inputs: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "device": self.device,
+            "optimizer": self.optimizer,
+            "implementation": self.implementation,
+            "amp": self.amp,
+            "accumulate": self.accumulate,
+            "checkpoint": list(self.checkpoint),
+            "steps": self.steps,
+            "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in self.inputs],
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The exact peak of live tensor bytes of a traced program, and what it is made of.
+
+    ``categories`` add up to ``peak_bytes``. ``scratch_bytes`` (kernel buffers no tensor owns)
+    is part of ``temporaries``. ``timeline`` holds ``(op index, live bytes)`` pairs,
+    downsampled, always including the peak.
+    """
+
+    setup: Setup
+    peak_bytes: int
+    phase: PhaseSpan
+    categories: dict[MemoryCategory, int]
+    scratch_bytes: int
+    scratch_op: str
+    module_activations: dict[str, int]
+    timeline: tuple[tuple[int, int], ...]
+    phases: tuple[PhaseSpan, ...]
+    parameter_count: int
+    trainable_count: int
+    op_count: int
+    trace_seconds: float
+    device_estimate: DeviceEstimate
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        from modelsize.errors import AccountingError
+
+        total = sum(self.categories.values())
+        if total != self.peak_bytes:
+            raise AccountingError(
+                f"estimate categories add up to {total} bytes, the peak is {self.peak_bytes}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: byte counts are ints, keys are the enum values."""
+        return {
+            "setup": self.setup.to_dict(),
+            "peak_bytes": self.peak_bytes,
+            "phase": self.phase.to_dict(),
+            "categories": {str(k): v for k, v in self.categories.items()},
+            "scratch_bytes": self.scratch_bytes,
+            "scratch_op": self.scratch_op,
+            "module_activations": dict(self.module_activations),
+            "timeline": [list(p) for p in self.timeline],
+            "phases": [p.to_dict() for p in self.phases],
+            "parameter_count": self.parameter_count,
+            "trainable_count": self.trainable_count,
+            "op_count": self.op_count,
+            "trace_seconds": round(self.trace_seconds, 3),
+            "device_estimate": self.device_estimate.to_dict(),
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,326 @@
+"""The pickle virtual machine: parses every protocol, never imports or calls, fails cleanly."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import pickle
+import random
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelsize.categories import Category
+from modelsize.errors import CorruptFileError
+from modelsize.formats import read
+from modelsize.formats._pickle import (
+    MAX_DEPTH,
+    Blob,
+    Call,
+    Global,
+    PersistentId,
+    PickleError,
+    UnhashableKey,
+    scan,
+    scan_all,
+)
+
+PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
+SAMPLE: dict[str, Any] = {
+    "int": 7,
+    "neg": -70000,
+    "big": 2**100,
+    "float": 1.5,
+    "str": "héllo\nworld",
+    "none": None,
+    "bools": [True, False],
+    "tuple": (1, (2, 3), ()),
+    "nested": {"a": [1, 2, {"b": "c"}]},
+    "set": {1, 2},
+    "frozen": frozenset({3}),
+    "bytes": b"\x00\x01raw",
+}
+
+
+def plain(value: object, data: bytes) -> object:
+    """Turn the placeholders for bytes, sets and frozensets back into values, for comparing."""
+    if isinstance(value, Blob):
+        return value.read(data)
+    if isinstance(value, Call) and isinstance(value.func, Global):
+        name = str(value.func)
+        args = [plain(a, data) for a in value.args]
+        if name == "_codecs.encode":  # protocols 0-2 spell bytes as encode(str, 'latin1')
+            return str(args[0]).encode(str(args[1]))
+        if name in ("builtins.set", "builtins.frozenset"):
+            return {"builtins.set": set, "builtins.frozenset": frozenset}[name](
+                *args, *[plain(x, data) for x in value.items]
+            )
+    if isinstance(value, dict):
+        return {plain(k, data): plain(v, data) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v, data) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v, data) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(plain(v, data) for v in value)
+    return value
+
+
+class Boom:
+    """Unpickling this would run ``os.system``; the scanner must only name it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+class EvalBoom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.eval, ("1 + 1",))
+
+
+class ExecBoom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.exec, ("import os",))
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.x = 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_plain_values_round_trip(protocol: int) -> None:
+    data = pickle.dumps(SAMPLE, protocol=protocol)
+    result = scan(data)
+    assert result.end == len(data)
+    assert result.protocol == (protocol if protocol >= 2 else 0)
+    assert plain(result.value, data) == SAMPLE
+    assert result.unsafe == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_os_system_is_named_never_run(protocol: int, tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    data = pickle.dumps({"x": Boom(marker)}, protocol=protocol)
+    result = scan(data)
+    assert result.unsafe == [f"{os.system.__module__}.system"]
+    assert Global(os.system.__module__, "system") in result.globals
+    call = result.value["x"]
+    assert isinstance(call, Call)
+    assert call.args == (f"touch {marker}",)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_eval_and_exec_are_unsafe(protocol: int) -> None:
+    data = pickle.dumps([EvalBoom(), ExecBoom()], protocol=protocol)
+    assert scan(data).unsafe == ["builtins.eval", "builtins.exec"]
+
+
+def test_nothing_is_imported() -> None:
+    module = b"modelsize_nowhere_xyz"
+    data = b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c\x03run\x93)R."
+    assert "modelsize_nowhere_xyz" not in sys.modules
+    result = scan(data)
+    assert result.unsafe == ["modelsize_nowhere_xyz.run"]
+    assert "modelsize_nowhere_xyz" not in sys.modules
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 4])
+def test_instances_of_unknown_classes_are_unsafe(protocol: int) -> None:
+    result = scan(pickle.dumps(Plain(), protocol=protocol))
+    assert result.unsafe == [f"{__name__}.Plain"]
+    assert isinstance(result.value, Call)
+    assert result.value.state == {"x": 1}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_ordered_dict_is_safe(protocol: int) -> None:
+    data = pickle.dumps(OrderedDict(a=1, b=[2]), protocol=protocol)
+    result = scan(data)
+    assert result.unsafe == []
+    assert isinstance(result.value, Call)
+    assert str(result.value.func) == "collections.OrderedDict"
+    pairs = list(result.value.dictitems)
+    if not pairs:  # protocol 0/1 pass the items as the constructor's argument
+        pairs = [tuple(p) for p in result.value.args[0]]
+    assert pairs == [("a", 1), ("b", [2])]
+
+
+def test_builtin_converter_fed_a_global_is_unsafe() -> None:
+    # set(SomeClass) iterates a class: its metaclass may run code.
+    data = b"\x80\x02c__builtin__\nset\ncsome_mod\nKlass\n\x85R."
+    assert scan(data).unsafe == ["some_mod.Klass"]
+
+
+def test_build_on_a_module_is_unsafe() -> None:
+    # The sys.modules override trick: BUILD sets attributes of torch._utils itself.
+    data = b"\x80\x04\x8c\x05torch\x8c\x06_utils\x93}\x8c\x01xK\x01sb."
+    assert scan(data).unsafe == ["torch._utils"]
+
+
+def test_computed_global_names_are_unsafe() -> None:
+    data = b"\x80\x04K\x01\x8c\x02os\x93."
+    result = scan(data)
+    assert result.unsafe == ["<int>.os"]
+
+
+def test_ext_codes_are_unsafe() -> None:
+    assert scan(b"\x80\x02\x82\x05)R.").unsafe == ["copyreg-ext.5"]
+
+
+def test_persistent_ids() -> None:
+    data = b"\x80\x02(X\x07\x00\x00\x00storageK\x03tQ."
+    assert scan(data).value == PersistentId(("storage", 3))
+    seen: list[object] = []
+
+    def hook(pid: object) -> object:
+        seen.append(pid)
+        return "resolved"
+
+    assert scan(data, persistent_load=hook).value == "resolved"
+    assert seen == [("storage", 3)]
+
+
+def test_unhashable_keys_fall_back() -> None:
+    data = b"\x80\x02}]K\x01s."
+    value = scan(data).value
+    assert isinstance(value, dict)
+    (key,) = value
+    assert isinstance(key, UnhashableKey)
+    assert key.value == []
+
+
+def test_offset_and_end() -> None:
+    first = pickle.dumps([1, 2], protocol=2)
+    second = pickle.dumps({"k": "v"}, protocol=4)
+    data = first + second + b"\x00junk"
+    result = scan(data, offset=len(first))
+    assert result.start == len(first)
+    assert result.end == len(first) + len(second)
+    scans = scan_all(data)
+    assert [s.value for s in scans] == [[1, 2], {"k": "v"}]
+    assert scans[-1].end == len(first) + len(second)
+
+
+def test_hidden_second_pickle_is_scanned() -> None:
+    data = pickle.dumps(["a"], protocol=4) + pickle.dumps(EvalBoom(), protocol=4)
+    scans = scan_all(data)
+    assert len(scans) == 2
+    assert scans[1].unsafe == ["builtins.eval"]
+
+
+def test_broken_second_pickle_keeps_what_it_called() -> None:
+    evil = pickle.dumps(EvalBoom(), protocol=2)
+    data = pickle.dumps(1, protocol=2) + evil[:-1] + b"h\x63"  # then a missing memo entry
+    scans = scan_all(data)
+    assert len(scans) == 2
+    assert scans[1].error is not None
+    assert scans[1].unsafe == ["builtins.eval"]
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b"\x80\x02\xff.", "unknown opcode b'\\xff' (offset 2)"),
+        (b"\x80\x09N.", "unsupported pickle protocol 9 (PROTO at offset 0)"),
+        (b"\x80\x02X\xff\xff\xff\x7fabc.", "BINUNICODE at offset 2"),
+        (b"\x80\x02\x8b\xff\xff\xff\x7f.", "LONG4 at offset 2"),
+        (b"\x80\x02h\x05.", "memo entry 5 was never stored (BINGET at offset 2)"),
+        (b"\x80\x02N", "ends before the pickle's STOP"),
+        (b"\x80\x02.", "STOP with an empty stack"),
+        (b"\x80\x02e.", "no MARK"),
+        (b"\x80\x05\x97.", "out-of-band"),
+        (b"\x80\x02K\x01K\x02a.", "cannot append to a int"),
+    ],
+)
+def test_malformed_input_names_opcode_and_offset(data: bytes, words: str) -> None:
+    with pytest.raises(PickleError) as info:
+        scan(data)
+    assert words in str(info.value)
+
+
+def test_out_of_band_buffer_refused() -> None:
+    buf = pickle.PickleBuffer(b"abc")
+    data = pickle.dumps(buf, protocol=5, buffer_callback=lambda b: False)
+    with pytest.raises(PickleError, match="out-of-band"):
+        scan(data)
+
+
+def test_deep_tuples_refused_without_recursion_error() -> None:
+    data = b"\x80\x02)" + b"\x85" * (MAX_DEPTH + 5) + b"."
+    with pytest.raises(PickleError, match="nested more than"):
+        scan(data)
+
+
+def test_deep_lists_parse_and_classify_without_recursion(tmp_path: Path) -> None:
+    depth = 50_000
+    data = b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+    path = tmp_path / "deep.pkl"
+    path.write_bytes(data)
+    assert isinstance(scan(data).value, list)
+    inv = read(path)
+    assert inv.bytes_by_category[Category.METADATA] == len(data)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_every_truncation_fails_cleanly(protocol: int) -> None:
+    data = pickle.dumps([SAMPLE, Boom(Path("/nonexistent")), OrderedDict(k=(1, 2.5))],
+                        protocol=protocol)
+    for cut in range(len(data)):
+        with pytest.raises(PickleError):
+            scan(data[:cut])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_random_corruption_never_escapes(protocol: int) -> None:
+    data = pickle.dumps([SAMPLE, Boom(Path("/nonexistent"))], protocol=protocol)
+    rng = random.Random(protocol)
+    for _ in range(400):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        with contextlib.suppress(PickleError):
+            scan(bytes(mutated))
+
+
+def test_bare_pickle_file(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pkl"
+    marker = tmp_path / "MARKER"
+    path.write_bytes(pickle.dumps({"cfg": [1, 2], "x": Boom(marker)}, protocol=4) + b"tail")
+    inv = read(path)
+    assert inv.format == "pickle"
+    assert inv.unsafe_globals == (f"{os.system.__module__}.system",)
+    assert inv.bytes_by_category[Category.OTHER] == 4
+    assert inv.bytes_by_category[Category.METADATA] == path.stat().st_size - 4
+    assert not marker.exists()
+
+
+def test_numpy_arrays_inside_a_pickle(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": np.arange(5)}
+    path = tmp_path / "arrays.pkl"
+    path.write_bytes(pickle.dumps(arrays, protocol=4))
+    inv = read(path)
+    assert inv.unsafe_globals == ()
+    by_name = {t.name: t for t in inv.tensors}
+    assert by_name["w"].shape == (3, 4)
+    assert by_name["w"].category == Category.WEIGHTS
+    assert by_name["ids"].category == Category.BUFFERS
+    assert inv.bytes_by_category[Category.WEIGHTS] == arrays["w"].nbytes
+    assert inv.bytes_by_category[Category.BUFFERS] == arrays["ids"].nbytes
+    assert inv.file_bytes == path.stat().st_size
+
+
+def test_corrupt_pickle_file_names_what_it_called(tmp_path: Path) -> None:
+    path = tmp_path / "broken.pkl"
+    path.write_bytes(pickle.dumps(EvalBoom(), protocol=2)[:-1] + b"h\x63.")
+    with pytest.raises(CorruptFileError, match=r"before that it calls builtins\.eval"):
+        read(path)

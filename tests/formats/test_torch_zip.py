@@ -1,0 +1,404 @@
+"""PyTorch zip checkpoints written by real torch: every byte in the right category."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelsize.categories import Category
+from modelsize.errors import CorruptFileError
+from modelsize.formats import read
+from modelsize.inventory import Inventory
+from tests.conftest import assert_one_line_error, run_cli
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+def nbytes(*tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def by_cat(inv: Inventory) -> dict[str, int]:
+    return {c.value: n for c, n in inv.bytes_by_category.items()}
+
+
+def check_sum(inv: Inventory, path: Path) -> None:
+    assert inv.file_bytes == path.stat().st_size == sum(inv.bytes_by_category.values())
+
+
+def train_one_step(model: Any, opt: Any, inputs: Any) -> None:
+    model(inputs).sum().backward()
+    opt.step()
+
+
+def small_net() -> Any:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+
+
+class Trapped(nn.Module):
+    """A user class: loading it for real imports this module and calls ``__setstate__``."""
+
+    marker: Path | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("scale", torch.ones(2))
+        self.last_output: Any = None
+
+    def forward(self, x: Any) -> Any:
+        self.last_output = (self.fc(x) * self.scale).detach()
+        return self.last_output
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if Trapped.marker is not None:
+            Trapped.marker.write_text("instantiated")
+        super().__setstate__(state)
+
+
+class Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("offset", torch.arange(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.offset
+
+
+class SystemCall:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+class EvalCall:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.eval, (f"open({str(self.marker)!r}, 'w')",))
+
+
+class ExecCall:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.exec, (f"open({str(self.marker)!r}, 'w')",))
+
+
+def test_training_checkpoint_after_adam_step(tmp_path: Path) -> None:
+    model = small_net()
+    opt = torch.optim.Adam(model.parameters())
+    train_one_step(model, opt, torch.randn(8, 4))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, path)
+
+    inv = read(path)
+    assert inv.format == "pytorch"
+    cats = by_cat(inv)
+    assert cats["weights"] == nbytes(*model.parameters())
+    assert cats["buffers"] == nbytes(*model.buffers())
+    slots = [v for s in opt.state_dict()["state"].values() for v in s.values()]
+    assert cats["optimizer_state"] == nbytes(*slots)
+    assert cats["unused_storage"] == cats["duplicates"] == cats["gradients"] == 0
+    check_sum(inv, path)
+    names = {t.name: t for t in inv.tensors}
+    assert names["optimizer.state.0.exp_avg"].category == Category.OPTIMIZER_STATE
+    assert names["model.1.running_mean"].category == Category.BUFFERS
+    assert names["model.0.weight"].category == Category.WEIGHTS
+    assert inv.facts["optimizer"] == "Adam/AdamW"
+    assert inv.unsafe_globals == ()
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("ckpt/data/0")
+    assert names["model.0.weight"].stored_nbytes == info.file_size
+
+
+def test_lightning_style_checkpoint(tmp_path: Path) -> None:
+    model = small_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_one_step(model, opt, torch.randn(8, 4))
+    path = tmp_path / "epoch=0.ckpt"
+    torch.save(
+        {
+            "epoch": 0,
+            "global_step": 1,
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "optimizer_states": [opt.state_dict()],
+            "lr_schedulers": [],
+            "hyper_parameters": {"lr": 0.1},
+        },
+        path,
+    )
+    inv = read(path)
+    cats = by_cat(inv)
+    buffers = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert cats["optimizer_state"] == nbytes(*buffers)
+    assert cats["weights"] == nbytes(*model.parameters())
+    assert cats["buffers"] == nbytes(*model.buffers())
+    assert inv.facts["optimizer"] == "SGD with momentum"
+    check_sum(inv, path)
+
+
+def test_hf_state_dict_with_tied_weights(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    state = model.state_dict()
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(state, path)
+
+    inv = read(path)
+    params = {p.data_ptr(): p for p in model.parameters()}  # tied weights appear once
+    persistent = [b for n, b in model.named_buffers() if n in state]
+    cats = by_cat(inv)
+    assert cats["weights"] == nbytes(*params.values())
+    assert cats["buffers"] == nbytes(*persistent)
+    check_sum(inv, path)
+    names = {t.name: t for t in inv.tensors}
+    assert names["lm_head.weight"].storage == names["transformer.wte.weight"].storage
+    assert names["lm_head.weight"].stored_nbytes == 0
+    assert names["transformer.wte.weight"].stored_nbytes == nbytes(model.lm_head.weight)
+
+
+def test_slice_of_big_tensor_leaves_unused_storage(tmp_path: Path) -> None:
+    big = torch.arange(1000, dtype=torch.float32)
+    path = tmp_path / "slice.pt"
+    torch.save(big[:10], path)
+    inv = read(path)
+    cats = by_cat(inv)
+    assert cats["unused_storage"] == (big.numel() - 10) * big.element_size()
+    assert cats["weights"] == 10 * big.element_size()
+    check_sum(inv, path)
+
+
+def test_shared_storage_counts_once(tmp_path: Path) -> None:
+    t = torch.randn(16)
+    path = tmp_path / "shared.pt"
+    torch.save({"a": t, "b": t[2:], "c": t.view(2, 8)}, path)
+    inv = read(path)
+    assert by_cat(inv)["weights"] == nbytes(t)
+    assert len({r.storage for r in inv.tensors}) == 1
+    assert [r.stored_nbytes for r in inv.tensors] == [nbytes(t), 0, 0]
+
+
+def test_float64_state_dict(tmp_path: Path) -> None:
+    model = small_net().double()
+    path = tmp_path / "double.pt"
+    torch.save(model.state_dict(), path)
+    inv = read(path)
+    assert by_cat(inv)["weights"] == nbytes(*model.parameters())
+    assert {t.dtype for t in inv.tensors if t.category == Category.WEIGHTS} == {"float64"}
+    check_sum(inv, path)
+
+
+def test_grad_is_not_saved_with_its_parameter_but_grad_keys_are_gradients(tmp_path: Path) -> None:
+    p = nn.Parameter(torch.randn(5, 3))
+    (p * 2).sum().backward()
+    assert p.grad is not None
+    alone = tmp_path / "param.pt"
+    torch.save(p, alone)  # torch.save keeps data and requires_grad, never .grad
+    cats = by_cat(read(alone))
+    assert cats["weights"] == nbytes(p)
+    assert cats["gradients"] == 0
+
+    both = tmp_path / "grads.pt"
+    torch.save({"w": p, "w.grad": p.grad, "grads": {"w": p.grad * 2}}, both)
+    inv = read(both)
+    cats = by_cat(inv)
+    assert cats["weights"] == nbytes(p)
+    assert cats["gradients"] == 2 * nbytes(p.grad)
+    check_sum(inv, both)
+
+
+def test_ema_copy_is_tagged(tmp_path: Path) -> None:
+    model = small_net()
+    sd = model.state_dict()
+    ema = {k: (v * 0.5 if v.is_floating_point() else v + 1) for k, v in sd.items()}
+    path = tmp_path / "ema.pt"
+    torch.save({"model": sd, "model_ema": ema}, path)
+    inv = read(path)
+    ema_records = [t for t in inv.tensors if t.name.startswith("model_ema.")]
+    assert ema_records and all("ema" in t.tags for t in ema_records)
+    assert all("ema" not in t.tags for t in inv.tensors if t.name.startswith("model."))
+    assert by_cat(inv)["weights"] == 2 * nbytes(*model.parameters())
+
+
+def test_pickled_module_with_cached_activation(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Trapped()
+    net(torch.randn(4, 3))
+    path = tmp_path / "whole_model.pt"
+    torch.save(net, path)
+
+    Trapped.marker = tmp_path / "MARKER"
+    try:
+        inv = read(path)
+        assert not Trapped.marker.exists()
+        # The trap works: a real load instantiates the class and writes the marker.
+        torch.load(path, weights_only=False)
+        assert Trapped.marker.exists()
+    finally:
+        Trapped.marker = None
+
+    cats = by_cat(inv)
+    assert cats["weights"] == nbytes(*net.parameters())
+    assert cats["buffers"] == nbytes(net.scale)
+    assert cats["activations"] == nbytes(net.last_output)
+    assert cats["graph"] > 0
+    assert inv.unsafe_globals == (f"{__name__}.Trapped",)
+    assert f"{__name__}.Trapped" in inv.facts["module_classes"]
+    assert "torch.nn.modules.linear.Linear" in inv.facts["module_classes"]
+    names = {t.name: t.category for t in inv.tensors}
+    assert names == {
+        "fc.weight": Category.WEIGHTS,
+        "fc.bias": Category.WEIGHTS,
+        "scale": Category.BUFFERS,
+        "last_output": Category.ACTIVATIONS,
+    }
+    check_sum(inv, path)
+
+
+def test_torchscript_archive(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates TorchScript, but users still hold scripted archives to read.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(Scripted())
+    path = tmp_path / "scripted.pt"
+    scripted.save(str(path))
+    inv = read(path)
+    cats = by_cat(inv)
+    assert cats["weights"] == nbytes(*scripted.parameters())
+    assert cats["buffers"] == nbytes(*scripted.buffers())
+    assert cats["graph"] > 0
+    assert inv.unsafe_globals == ()
+    assert inv.facts["torchscript"] == "yes"
+    check_sum(inv, path)
+
+
+def test_numpy_arrays_inside_data_pkl(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    arr = np.arange(10, dtype=np.float64)
+    w = torch.randn(3)
+    path = tmp_path / "np.pt"
+    torch.save({"w": w, "arr": arr}, path, pickle_protocol=4)
+    inv = read(path)
+    assert by_cat(inv)["weights"] == nbytes(w) + arr.nbytes
+    assert inv.unsafe_globals == ()
+    check_sum(inv, path)
+
+
+@pytest.mark.parametrize(
+    ("payload", "name"),
+    [
+        (SystemCall, f"{os.system.__module__}.system"),
+        (EvalCall, "builtins.eval"),
+        (ExecCall, "builtins.exec"),
+    ],
+)
+def test_hostile_pickle_inside_a_checkpoint(
+    tmp_path: Path, payload: type, name: str
+) -> None:
+    marker = tmp_path / "MARKER"
+    path = tmp_path / "hostile.pt"
+    torch.save({"weight": torch.ones(3), "config": payload(marker)}, path)
+    inv = read(path)
+    assert name in inv.unsafe_globals
+    assert by_cat(inv)["weights"] == 12
+    assert not marker.exists()
+    proc = run_cli("inspect", str(path), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert name in proc.stdout
+    assert not marker.exists()
+
+
+# -- corrupt and lying files ---------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.randn(2, 3), "b": torch.zeros(2)}, path)
+    return path
+
+
+def rewrite(src: Path, dst: Path, change: dict[str, bytes | None]) -> None:
+    """Copy a zip, replacing (bytes) or dropping (None) the named members."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            if info.filename in change:
+                data = change[info.filename]
+                if data is not None:
+                    zout.writestr(info.filename, data)
+            else:
+                zout.writestr(info, zin.read(info.filename))
+
+
+def expect_corrupt(path: Path, words: str) -> None:
+    with pytest.raises(CorruptFileError) as exc:
+        read(path)
+    assert words in str(exc.value)
+    assert_one_line_error(run_cli("inspect", str(path)), path)
+
+
+def test_truncated_zip(saved: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.pt"
+    data = saved.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    expect_corrupt(cut, "zip central directory unreadable")
+
+
+def test_flipped_opcode_in_data_pkl(saved: Path) -> None:
+    with zipfile.ZipFile(saved) as zf:
+        info = zf.getinfo("model/data.pkl")
+        raw = zf.read(info)
+    data = bytearray(saved.read_bytes())
+    start = data.find(raw)
+    data[start + 2] = 0xFF  # the opcode right after PROTO
+    saved.write_bytes(bytes(data))
+    expect_corrupt(saved, "unknown opcode")
+
+
+def test_missing_storage_member(saved: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "missing.pt"
+    rewrite(saved, bad, {"model/data/1": None})
+    expect_corrupt(bad, "refers to storage '1' but the archive has no model/data/1")
+
+
+def test_storage_member_shorter_than_declared(saved: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "short.pt"
+    rewrite(saved, bad, {"model/data/0": b"\x00" * 20})
+    expect_corrupt(bad, "should hold 6 x float32 = 24 bytes but the member holds 20")
+
+
+def test_tensor_larger_than_its_storage(saved: Path, tmp_path: Path) -> None:
+    with zipfile.ZipFile(saved) as zf:
+        pkl = zf.read("model/data.pkl")
+    shape = b"K\x02K\x03\x86"  # BININT1 2, BININT1 3, TUPLE2: the size (2, 3)
+    assert pkl.count(shape) == 1
+    bad = tmp_path / "lying.pt"
+    rewrite(saved, bad, {"model/data.pkl": pkl.replace(shape, b"K\x09K\x03\x86")})
+    expect_corrupt(bad, "reaches byte 108 of storage 'model/data/0', which holds 24")
+
+
+def test_zip_without_data_pkl_is_not_pytorch(tmp_path: Path) -> None:
+    path = tmp_path / "other.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/readme.txt", "hello")
+    proc = run_cli("inspect", str(path))
+    assert_one_line_error(proc, path)
