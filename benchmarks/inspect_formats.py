@@ -232,8 +232,9 @@ def render(rows: list[Row], repeat: int, argv: str) -> str:
         "grow with the tensor data; `onnx.load` parses and copies every `raw_data` byte. gguf-py "
         "also maps the file lazily, but builds numpy objects for every metadata item (here "
         "96,000: the 32,000-token vocabulary, its scores and types). modelsize's operation time "
-        "is mostly its own start-up (building the reader registry, rendering the report): "
-        "the ONNX and GGUF readers themselves take about 10 ms on these files.",
+        "is mostly its own start-up (importing every reader to build the registry, about "
+        "90 ms here, and rendering the report): the readers themselves take 5 to 60 ms on "
+        "these files (most for the 512-initializer ONNX).",
         "",
         f"Reproduce: `{argv}`",
     ]

@@ -64,6 +64,10 @@ _TABLE: tuple[DType, ...] = (
     _plain("qint8", 1),
     _plain("quint8", 1),
     _plain("qint32", 4),
+    DType("int4", 2, 1),
+    DType("uint4", 2, 1),
+    DType("int2", 4, 1),
+    DType("uint2", 4, 1),
     DType("quint4x2", 2, 1),
     DType("quint2x4", 4, 1),
     _plain("bits8", 1),
@@ -93,6 +97,8 @@ _TABLE: tuple[DType, ...] = (
     DType("tq1_0", 256, 54, True),
     DType("tq2_0", 256, 66, True),
     DType("mxfp4", 32, 17, True),
+    DType("nvfp4", 64, 36, True),
+    DType("q1_0", 128, 18, True),
 )
 
 DTYPES: dict[str, DType] = {d.name: d for d in _TABLE}

@@ -130,6 +130,14 @@ def test_hdf5_layouts() -> None:
     assert json.loads(str(root["model_config"].value)) == {"class_name": "Sequential"}
 
 
+def test_hdf5_latest_format() -> None:
+    h5 = _hdf5(FIXTURES / "layouts_latest.h5")
+    assert h5.version == 3
+    assert sorted(d.path for d in h5.datasets) == [
+        "/layers/dense/bias", "/layers/dense/kernel", "/step",
+    ]
+
+
 def test_hdf5_legacy_attributes() -> None:
     h5 = _hdf5(FIXTURES / "legacy.h5")
     assert h5.groups["/model_weights"]["layer_names"].value == [

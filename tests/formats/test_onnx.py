@@ -19,6 +19,7 @@ from modelsize.formats._protobuf import (
     I64,
     LEN,
     VARINT,
+    FileBuffer,
     ProtobufError,
     iter_fields,
     packed_fixed,
@@ -88,6 +89,16 @@ def test_shared_external_bytes_count_once_and_unused_bytes() -> None:
     assert t["B"].stored_nbytes == 32
     assert inv.bytes_by_category[Category.UNUSED_STORAGE] == 100
     assert all("external" in x.tags for x in inv.tensors)
+
+
+def test_external_alignment_padding_is_metadata(tmp_path: Path) -> None:
+    (tmp_path / "w.bin").write_bytes(bytes(4096) + bytes(range(16)) + bytes(7))
+    p = _write(tmp_path, _model(_init(_tensor(
+        "w", [4], external={"location": "w.bin", "offset": "4096", "length": "16"}))))
+    inv = _read(p)
+    assert inv.bytes_by_category[Category.WEIGHTS] == 16
+    assert inv.bytes_by_category[Category.UNUSED_STORAGE] == 7  # the tail is not padding
+    assert inv.bytes_by_category[Category.METADATA] == 4096 + p.stat().st_size
 
 
 def test_sniff_without_extension(tmp_path: Path) -> None:
@@ -313,3 +324,22 @@ def test_packed_helpers() -> None:
     with pytest.raises(ProtobufError):
         list(packed_fixed(b"\x00" * 5, 0, 5, 4))
     assert read_varint(b"\xac\x02", 0, 2) == (300, 2)
+
+
+def test_file_buffer_reads_like_bytes(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40 + (FIXTURES / "mlp.onnx").read_bytes()
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    with open(p, "rb") as fh:
+        fb = FileBuffer(fh.fileno(), len(data), block=64, keep=3)
+        assert len(fb) == len(data)
+        for i in (0, 63, 64, 1000, len(data) - 1):
+            assert fb[i] == data[i]
+        for a, b in ((0, 10), (60, 70), (5, 500), (100, 100), (len(data) - 5, len(data) + 9)):
+            assert fb[a:b] == data[a:b]
+        with pytest.raises(IndexError):
+            fb[len(data)]
+        start = 256 * 40
+        assert [(f.number, f.start, f.end) for f in iter_fields(fb, start, len(data))] == [
+            (f.number, f.start + start, f.end + start) for f in iter_fields(data[start:])
+        ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
+import json
 import os
 import pickle
 import random
@@ -323,4 +325,36 @@ def test_corrupt_pickle_file_names_what_it_called(tmp_path: Path) -> None:
     path = tmp_path / "broken.pkl"
     path.write_bytes(pickle.dumps(EvalBoom(), protocol=2)[:-1] + b"h\x63.")
     with pytest.raises(CorruptFileError, match=r"before that it calls builtins\.eval"):
+        read(path)
+
+
+JOBLIB = Path(__file__).resolve().parents[1] / "fixtures" / "pickle"
+
+
+def test_joblib_file_with_inline_arrays() -> None:
+    manifest = json.loads((JOBLIB / "MANIFEST.json").read_text())
+    entry = manifest["files"]["arrays.joblib"]
+    path = JOBLIB / "arrays.joblib"
+    raw = path.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == entry["sha256"]
+    arrays = entry["arrays"]
+
+    inv = read(path)
+    assert inv.unsafe_globals == ()
+    cats = inv.bytes_by_category
+    assert cats[Category.WEIGHTS] == arrays["coef"]["nbytes"]
+    assert cats[Category.BUFFERS] == arrays["ids"]["nbytes"]
+    assert cats[Category.OTHER] == arrays["names"]["nbytes"]
+    assert inv.file_bytes == entry["bytes"] == sum(cats.values())
+    by_name = {t.name: t for t in inv.tensors}
+    assert by_name["model.coef"].shape == tuple(arrays["coef"]["shape"])
+    offsets = {s.key: s.offset for s in inv.storages}
+    assert offsets[by_name["model.coef"].storage] == arrays["coef"]["offset"]
+    assert offsets[by_name["model.ids"].storage] == arrays["ids"]["offset"]
+
+
+def test_truncated_joblib_file(tmp_path: Path) -> None:
+    path = tmp_path / "cut.joblib"
+    path.write_bytes((JOBLIB / "arrays.joblib").read_bytes()[:300])
+    with pytest.raises(CorruptFileError, match="runs past the end of the file"):
         read(path)

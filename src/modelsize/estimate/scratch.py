@@ -69,26 +69,31 @@ class ScratchModels:
         """Bytes of the CPU tensors PyTorch wraps Python numbers in for the op's duration.
 
         A number passed where the schema takes a Tensor (``x.mul_(0.9)``) becomes an 8-byte
-        0-dim CPU tensor before the kernel runs, and when every operand is 0-dim, TensorIterator
-        also casts it to the result's dtype in a temporary. Fake tensors never see either.
+        0-dim CPU tensor before the kernel runs, and TensorIterator casts it to the result's
+        dtype in a temporary when the two differ. Fake tensors never see either.
         """
         params = self._tensor_params.get(func)
         if params is None:
-            params = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                           if isinstance(a.type, torch.TensorType))
+            params = _wrapping_params(func)
             self._tensor_params[func] = params
         if not params:
             return 0
         total = 0
+        if func.__name__.startswith("_foreach_"):
+            # the CPU slow path loops over the list, wrapping one scalar at a time
+            first = args[0][0] if args and args[0] else None
+            for i, name in params:
+                v = args[i] if i < len(args) else kwargs.get(name)
+                v = v[0] if isinstance(v, (list, tuple)) and v else v
+                if isinstance(v, (bool, int, float, complex)) and first is not None:
+                    total = max(total, _wrap_cost(v, first.dtype, first.element_size()))
+            return total
+        result = out if isinstance(out, torch.Tensor) else None
         for i, name in params:
             v = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(v, (bool, int, float, complex)):
-                total += 16 if isinstance(v, complex) else 8
-                result = out if isinstance(out, torch.Tensor) else None
-                if result is not None and result.dim() == 0 and all(
-                    a.dim() == 0 for a in args if isinstance(a, torch.Tensor)
-                ) and result.dtype != _wrapped_dtype(v):
-                    total += result.element_size()
+                total += _wrap_cost(v, result.dtype if result is not None else None,
+                                    result.element_size() if result is not None else 0)
         return total
 
     def cost(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
@@ -132,6 +137,33 @@ class ScratchModels:
             _note(self.notes, f"{func}: scratch probe failed ({str(exc).splitlines()[0][:120]})")
             return None
         return _extrapolate(func, runs, batch, out, self.notes)
+
+
+
+def _wrapping_params(func: Any) -> tuple[tuple[int, str], ...]:
+    """Arguments where a Python number gets wrapped in a CPU tensor."""
+    foreach = func.__name__.startswith("_foreach_")
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        kind = str(a.type)
+        if isinstance(a.type, torch.TensorType) or (foreach and kind in ("Scalar", "Scalar[]")):
+            out.append((i, a.name))
+    return tuple(out)
+
+
+def _wrap_cost(v: bool | int | float | complex, dtype: torch.dtype | None, itemsize: int) -> int:
+    wrapped = 16 if isinstance(v, complex) else 8
+    return wrapped + (itemsize if dtype is not None and dtype != _wrapped_dtype(v) else 0)
+
+
+def _wrapped_dtype(v: bool | int | float | complex) -> torch.dtype:
+    if isinstance(v, bool):
+        return torch.bool
+    if isinstance(v, int):
+        return torch.int64
+    if isinstance(v, float):
+        return torch.float64
+    return torch.complex128
 
 
 def _note(notes: list[str], text: str) -> None:
@@ -268,16 +300,6 @@ def _rnn_backward_prepare(real: list[Any]) -> None:
             real[14], real[15], real[16], real[17], real[19], real[21], real[18],
         )
     real[7], real[8], real[9], real[22] = fwd
-
-
-def _wrapped_dtype(v: bool | int | float | complex) -> torch.dtype:
-    if isinstance(v, bool):
-        return torch.bool
-    if isinstance(v, int):
-        return torch.int64
-    if isinstance(v, float):
-        return torch.float64
-    return torch.complex128
 
 
 # -- analytic models ------------------------------------------------------------------------

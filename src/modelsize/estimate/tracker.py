@@ -186,6 +186,9 @@ class CountingFakeMode(FakeTensorMode):
             self.depth -= nested
         if not self.counting or self.depth:
             return out
+        kwargs = kwargs or {}
+        scratch = self.scratch
+        extra = scratch.wrapped(func, args, kwargs, out) if scratch and scratch.wrap_numbers else 0
         counted = False
         for t in _tensors(out):
             if not isinstance(t, FakeTensor):
@@ -201,13 +204,8 @@ class CountingFakeMode(FakeTensorMode):
             elif rec.nbytes != st.nbytes():  # resize_ and friends
                 self.live_bytes += st.nbytes() - rec.nbytes
                 rec.nbytes = st.nbytes()
-        if not counted:
-            return out
-        extra = 0
-        if self.scratch is not None and self.scratch.wrap_numbers:
-            extra = self.scratch.wrapped(func, args, kwargs or {}, out)
-        if func in self._scratch_ops and self.scratch is not None:
-            cost = self.scratch.cost(func, args, kwargs or {}, out)
+        if scratch is not None and func in self._scratch_ops:
+            cost = scratch.cost(func, args, kwargs, out)
             if cost is not None:
                 extra += cost.scratch
                 for t, real in zip(_tensors(out), cost.output_nbytes):
@@ -215,6 +213,11 @@ class CountingFakeMode(FakeTensorMode):
                     if real is not None and rec is not None and rec.created == self.tick:
                         self.live_bytes += real - rec.nbytes
                         rec.nbytes = real
+        if not counted:
+            if not extra:
+                return out
+            self.tick += 1  # an in-place op whose kernel still allocates
+            self.ops.append(func)
         if extra:
             self.scratch_at[self.tick] = extra
         if self.progress is not None and not self.tick & 1023:

@@ -30,7 +30,6 @@ __all__ = [
     "Dataset",
     "H5File",
     "HDF5Error",
-    "MappedBlob",
     "find_superblock",
     "read_hdf5",
 ]
@@ -84,8 +83,6 @@ class BytesBlob:
         start = self.base + offset
         return bytes(self.buf[start : start + nbytes])
 
-
-MappedBlob = BytesBlob
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,10 @@ class PickleScan:
     error: str | None = None
 
 
+#: ``on_build(obj, offset) -> (new offset, replacement) | None``: see :func:`scan`.
+BuildHook = Callable[[Call, int], "tuple[int, object] | None"]
+
+
 # -- what is safe to call -------------------------------------------------------------------
 
 _TORCH_REBUILD = frozenset(
@@ -177,6 +181,8 @@ SAFE_CALLS: frozenset[str] = (
         "torch.jit._pickle.build_boollist",
         "torch.jit._pickle.build_tensor_from_id",
         "torch.jit._pickle.restore_type_tag",
+        # joblib's placeholder for an array whose bytes follow it in the file.
+        "joblib.numpy_pickle.NumpyArrayWrapper",
     }
 )
 _TENSOR_TYPES = frozenset(
@@ -236,8 +242,13 @@ def _dynamic(obj: object) -> str:
 
 class _Machine:
     def __init__(
-        self, data: Data, offset: int, persistent_load: Callable[[object], object] | None
+        self,
+        data: Data,
+        offset: int,
+        persistent_load: Callable[[object], object] | None,
+        on_build: BuildHook | None = None,
     ) -> None:
+        self.on_build = on_build
         if isinstance(data, memoryview):
             data = data.tobytes()
         self.data = data
@@ -785,11 +796,23 @@ class _Machine:
         target = self.top()
         if isinstance(target, Call):
             target.state = state
+            if self.on_build is not None:
+                self.after_build(self.on_build, target)
         elif isinstance(target, Global):
             # BUILD on a module or class sets its attributes: loading rewrites code.
             self.flag(str(target))
         elif isinstance(target, PersistentId):
             self.flag(_name(target))
+
+    def after_build(self, hook: BuildHook, target: Call) -> None:
+        found = hook(target, self.pos)
+        if found is None:
+            return
+        pos, replacement = found
+        if not self.pos <= pos <= self.size:
+            raise self.fail(f"data after BUILD claims to end at {pos}, past the data")
+        self.pos = pos
+        self.stack[-1] = replacement
 
     def op_persid(self) -> None:
         pid = self.text(self.readline(), "ascii")
@@ -887,15 +910,19 @@ def scan(
     *,
     offset: int = 0,
     persistent_load: Callable[[object], object] | None = None,
+    on_build: BuildHook | None = None,
 ) -> PickleScan:
     """Parse the pickle starting at ``offset`` without importing or calling anything.
 
     ``persistent_load``, if given, turns each persistent id into the object pushed in its place
-    (it may raise to refuse one); without it, a :class:`PersistentId` is pushed. Raises
+    (it may raise to refuse one); without it, a :class:`PersistentId` is pushed. ``on_build``
+    sees every ``BUILD`` of a :class:`Call` with the offset after it; returning
+    ``(new offset, replacement)`` skips data a custom unpickler reads inline (joblib writes
+    array bytes right after its wrapper object) and replaces the object on the stack. Raises
     :class:`PickleError` on malformed input (its ``unsafe`` lists what was judged unsafe
     before the error: a hostile pickle may break itself after its payload ran).
     """
-    m = _Machine(data, offset, persistent_load)
+    m = _Machine(data, offset, persistent_load, on_build)
     value = m.run()
     return PickleScan(
         value=value, end=m.pos, globals=list(m.globals), unsafe=list(m.unsafe),
@@ -917,7 +944,9 @@ def looks_like_pickle(data: Data, offset: int = 0) -> bool:
     return first in _PROTO0_STARTS
 
 
-def scan_all(data: Data, *, offset: int = 0) -> list[PickleScan]:
+def scan_all(
+    data: Data, *, offset: int = 0, on_build: BuildHook | None = None
+) -> list[PickleScan]:
     """Scan consecutive pickles until the end of the data or bytes that are no pickle.
 
     Attackers hide a second pickle after the first ``STOP``; a loader that calls ``load``
@@ -925,11 +954,11 @@ def scan_all(data: Data, *, offset: int = 0) -> list[PickleScan]:
     breaks off is kept only if it named unsafe callables before breaking (with ``error`` set
     and ``end`` where parsing stopped); otherwise scanning stops before it.
     """
-    scans = [scan(data, offset=offset)]
+    scans = [scan(data, offset=offset, on_build=on_build)]
     pos = scans[0].end
     while looks_like_pickle(data, pos):
         try:
-            scans.append(scan(data, offset=pos))
+            scans.append(scan(data, offset=pos, on_build=on_build))
         except PickleError as exc:
             if exc.unsafe:
                 scans.append(

@@ -18,7 +18,6 @@ so a hostile file cannot make the reader loop, jump outside the table or allocat
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,7 +30,6 @@ MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48
 _TRAILER = 5
 _NO_COMPRESSION = 0
-_U32 = struct.Struct("<I")
 _CRC_MASK_DELTA = 0xA282EAD8
 
 
@@ -123,7 +121,7 @@ def _block(buf: Buffer, handle: BlockHandle, what: str, verify: bool) -> tuple[i
             end,
         )
     if verify:
-        stored = _unmask(_U32.unpack_from(buf, end + 1)[0])
+        stored = _unmask(int.from_bytes(bytes(buf[end + 1 : end + 5]), "little"))
         actual = crc32c(buf[handle.offset : end + 1])
         if stored != actual:
             raise SSTableError(
@@ -131,7 +129,7 @@ def _block(buf: Buffer, handle: BlockHandle, what: str, verify: bool) -> tuple[i
             )
     if handle.size < 4:
         raise SSTableError(f"{what} is {handle.size} bytes, too short for its restart count", end)
-    restarts = _U32.unpack_from(buf, end - 4)[0]
+    restarts = int.from_bytes(bytes(buf[end - 4 : end]), "little")
     if restarts * 4 + 4 > handle.size:
         raise SSTableError(
             f"{what} claims {restarts} restart points but holds only {handle.size} bytes", end - 4

@@ -193,6 +193,8 @@ def mapping_items(obj: object) -> list[tuple[object, object]] | None:
 
 
 def _is_optimizer_state(obj: object) -> bool:
+    if isinstance(obj, dict):
+        return "state" in obj and "param_groups" in obj
     items = mapping_items(obj)
     if items is None:
         return False
@@ -200,8 +202,12 @@ def _is_optimizer_state(obj: object) -> bool:
     return "state" in keys and "param_groups" in keys
 
 
+def _tokens(key: str) -> list[str]:
+    return re.split(r"[._\-]", key)
+
+
 def _is_ema(key: str) -> bool:
-    return key in _EMA_KEYS or "ema" in key.replace("-", "_").split("_")
+    return key in _EMA_KEYS or "ema" in _tokens(key)
 
 
 def _ints(obj: object, what: str) -> tuple[int, ...]:
@@ -223,7 +229,8 @@ def _dtype_of(obj: object) -> str:
     return name
 
 
-def _numpy_dtype(obj: object) -> str | None:
+def numpy_dtype(obj: object) -> str | None:
+    """Canonical dtype of a pickled ``numpy.dtype(...)`` we can itemize as a tensor."""
     if not (isinstance(obj, Call) and global_name(obj.func) == "numpy.dtype" and obj.args):
         return None
     code = obj.args[0]
@@ -233,6 +240,24 @@ def _numpy_dtype(obj: object) -> str | None:
     if order == ">" and code.lstrip("<>=|") not in ("i1", "u1", "b1"):
         return None  # big-endian data: itemized as bytes, not as a tensor
     return _NUMPY_TYPES.get(code.lstrip("<>=|"))
+
+
+_ITEMSIZE_CODE = re.compile(r"^[<>=|]?([a-zA-Z])(\d*)")
+
+
+def numpy_itemsize(dtype: object) -> int | None:
+    """Bytes per element of a pickled ``numpy.dtype(...)``; ``None`` for objects or unknowns."""
+    if not (isinstance(dtype, Call) and global_name(dtype.func) == "numpy.dtype" and dtype.args):
+        return None
+    code = dtype.args[0]
+    state = dtype.state if isinstance(dtype.state, tuple) else ()
+    if len(state) > 5 and type(state[5]) is int and state[5] > 0:
+        return state[5]  # flexible types (strings, records) carry their element size
+    match = _ITEMSIZE_CODE.match(code) if isinstance(code, str) else None
+    if match is None or match.group(1) == "O" or not match.group(2):
+        return None
+    size = int(match.group(2))
+    return size * 4 if match.group(1) == "U" else size
 
 
 class _Walker:
@@ -245,6 +270,7 @@ class _Walker:
         self.summary = Summary()
         self.seen: set[int] = set()
         self.optimizer_keys: set[str] = set()
+        self.optimizer_dicts: dict[int, bool] = {}
         self.todo: list[tuple[object, _Path, _Ctx]] = []
 
     # -- recognising tensors ----------------------------------------------------------
@@ -259,8 +285,9 @@ class _Walker:
         if name == "torch._utils._rebuild_qtensor":
             t = self.strided(a, None, requires_grad_at=5)
             qparams = a[4] if len(a) > 4 and isinstance(a[4], tuple) else ()
-            t.extras = list(zip(("", "q_per_channel_scales", "q_per_channel_zero_points"),
-                                qparams[:3], strict=False))[1:]
+            if len(qparams) >= 3:  # per-channel schemes keep scales and zero points as tensors
+                t.extras = [("q_per_channel_scales", qparams[1]),
+                            ("q_per_channel_zero_points", qparams[2])]
             return t
         if name == "torch._utils._rebuild_tensor_v3":
             if len(a) < 7:
@@ -321,7 +348,9 @@ class _Walker:
         if len(a) < 4:
             raise _Invalid("tensor rebuild call needs (storage, offset, size, stride)")
         storage = a[0]
-        if not isinstance(storage, StorageRef):
+        if isinstance(storage, PersistentId):
+            storage = None  # a torch pickle read on its own: the data is not in this file
+        elif not isinstance(storage, StorageRef):
             raise _Invalid(f"tensor storage is a {type(storage).__name__}, not a saved storage")
         if not isinstance(a[1], int) or a[1] < 0:
             raise _Invalid(f"tensor storage offset {describe(a[1])} is not a non-negative integer")
@@ -329,12 +358,15 @@ class _Walker:
         if len(shape) != len(stride):
             raise _Invalid(f"size {shape} and stride {stride} differ in length")
         rg = 0 <= requires_grad_at < len(a) and a[requires_grad_at] is True
+        if storage is None:
+            dt = dtype or (storage_dtype(a[0].value[1]) if _pid_has_type(a[0]) else None)
+            return _Tensor(dt or "uint8", shape, stride, None, a[1], rg)
         return _Tensor(dtype or storage.dtype, shape, stride, storage, a[1], rg)
 
     def numpy_array(self, state: tuple[Any, ...]) -> _Tensor | None:
         if len(state) < 5 or not isinstance(state[4], Blob):
             return None
-        dtype = _numpy_dtype(state[2])
+        dtype = numpy_dtype(state[2])
         try:
             shape = _ints(state[1], "shape")
         except _Invalid:
@@ -361,18 +393,27 @@ class _Walker:
         dt = DTYPES.get(t.dtype)
         return Category.WEIGHTS if dt is not None and dt.floating else Category.BUFFERS
 
+    def is_optimizer_state(self, value: object) -> bool:
+        """Cached per object: a dict shared under many keys is inspected once."""
+        if not isinstance(value, (dict, Call)):
+            return False
+        found = self.optimizer_dicts.get(id(value))
+        if found is None:
+            found = self.optimizer_dicts[id(value)] = _is_optimizer_state(value)
+        return found
+
     def enter(self, ctx: _Ctx, key: object, value: object) -> _Ctx:
         k = str(key).lower()
         forced, soft, tags, opt = ctx.forced, ctx.soft, ctx.tags, ctx.optimizer
         if forced is None or soft:
             new: Category | None = None
-            if k in _OPTIMIZER_KEYS or _is_optimizer_state(value):
+            if k in _OPTIMIZER_KEYS or self.is_optimizer_state(value):
                 new, opt = Category.OPTIMIZER_STATE, True
             elif k in _GRAD_KEYS or k.endswith(".grad"):
                 new = Category.GRADIENTS
             elif k in _ACTIVATION_KEYS:
                 new = Category.ACTIVATIONS
-            elif "rng" in k.replace("-", "_").split("_") or k in _RNG_KEYS:
+            elif k in _RNG_KEYS or "rng" in _tokens(k):
                 new = Category.OTHER
             if new is not None:
                 forced, soft = new, False
@@ -588,6 +629,12 @@ class _Walker:
         if "momentum" in k and "dampening" in k:
             return "SGD"
         return None
+
+
+def _pid_has_type(pid: object) -> bool:
+    return (
+        isinstance(pid, PersistentId) and isinstance(pid.value, tuple) and len(pid.value) > 1
+    )
 
 
 def _key_text(key: object) -> str:

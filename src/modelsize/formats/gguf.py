@@ -151,8 +151,8 @@ class _Cursor:
 class GgufReader:
     """Reads GGUF v2/v3 files without ggml or gguf-py."""
 
-    name = "gguf"
-    extensions = (".gguf",)
+    name: str = "gguf"
+    extensions: tuple[str, ...] = (".gguf",)
 
     def sniff(self, source: Source) -> bool:
         """GGUF files start with the magic ``GGUF``."""

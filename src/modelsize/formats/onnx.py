@@ -8,8 +8,9 @@ A model is one protobuf ``ModelProto``; its ``graph`` holds ``node`` s, ``initia
   (shape constants, indices) are ``buffers``; ``Constant`` node tensors count the same way;
 * nodes, the graph's inputs/outputs/value_info, functions and training graphs are ``graph``;
 * everything else (version, opsets, producer, tensor names and dims) is ``metadata``;
-* bytes of an external data file that no initializer points at are ``unused_storage``; two
-  initializers pointing at the same external bytes count them once.
+* bytes of an external data file that no initializer points at are ``unused_storage``
+  (alignment padding before a page-aligned tensor, as ``onnx.save`` writes, is metadata);
+  two initializers pointing at the same external bytes count them once.
 
 Only field headers are read (through a small block cache, not a memory map: see
 :class:`._protobuf.FileBuffer`): a 2 GB ``raw_data`` costs one length prefix, never a
@@ -57,6 +58,8 @@ _FLOAT, _DOUBLE, _COMPLEX64, _COMPLEX128 = 1, 11, 14, 15
 #: Integer and bool initializers are shape constants, indices, masks: ``buffers``.
 _BUFFER_DTYPES = frozenset({"int16", "uint16", "int32", "uint32", "int64", "uint64", "bool"})
 _EXTERNAL = 1
+_PAGE = 4096
+_MAX_PADDING = 64 * 1024
 MAX_GRAPH_DEPTH = 32
 
 # Field numbers (onnx.proto).
@@ -77,7 +80,7 @@ class _Tensor:
     category: Category
     offset: int  # inline: byte range of the data in the model file; external: in its file
     nbytes: int
-    encoded: bool = False  # typed repeated fields (varints): bytes are not the raw values
+    encoded: bool = False  # varints, strings, sub-byte types: bytes charged whole, not per element
     location: str | None = None  # external data file, relative to the model's folder
     has_storage: bool = True
 
@@ -94,8 +97,8 @@ class _Model:
 class OnnxReader:
     """Reads ``.onnx`` models and their external data without the ``onnx`` package."""
 
-    name = "onnx"
-    extensions = (".onnx",)
+    name: str = "onnx"
+    extensions: tuple[str, ...] = (".onnx",)
 
     def sniff(self, source: Source) -> bool:
         """``.onnx`` files, or a head that decodes as a ``ModelProto`` (protobuf has no magic)."""
@@ -544,8 +547,12 @@ def _declare_external(builder: InventoryBuilder, file: int, tensors: list[_Tenso
     pos = 0
     for start, stop, members in clusters:
         if start > pos:
-            builder.add_region(pos, start - pos, Category.UNUSED_STORAGE,
-                               "external data no tensor uses", file)
+            # onnx.save pads large tensors to a page boundary (at most 64 KiB of zeros).
+            padding = start % _PAGE == 0 and start - pos < _MAX_PADDING
+            builder.add_region(
+                pos, start - pos, Category.METADATA if padding else Category.UNUSED_STORAGE,
+                "alignment padding" if padding else "external data no tensor uses", file,
+            )
         key = f"{fname}@{start}"
         encoded = any(m.encoded for m in members)
         builder.add_storage(key, start, stop - start, file=file, compressed=encoded,

@@ -6,21 +6,47 @@ NumPy arrays whose data is a bytes payload inside the pickle (protocol 3 and lat
 tensors whose data is accounted as a storage of its own; bytes after the last pickle are
 ``other``. Every callable a load would import and call and that is not known to be safe is
 listed in ``unsafe_globals``.
+
+Uncompressed joblib files are pickles too, with one twist: after each
+``joblib.numpy_pickle.NumpyArrayWrapper`` the array's bytes follow inline (after a one-byte
+padding length and the padding, since joblib 1.2). The parser skips them and hands the array
+to the classifier like any NumPy array. Compressed joblib files are not read.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass, field
 
 from modelsize.categories import Category
-from modelsize.formats._pickle import PickleError, looks_like_pickle, scan_all
-from modelsize.formats._torch_tree import add_pickle_region, classify
+from modelsize.formats._pickle import (
+    Blob,
+    Call,
+    Data,
+    Global,
+    PickleError,
+    looks_like_pickle,
+    scan,
+    scan_all,
+)
+from modelsize.formats._torch_tree import (
+    add_pickle_region,
+    classify,
+    describe,
+    global_name,
+    numpy_dtype,
+    numpy_itemsize,
+)
 from modelsize.formats.base import Source
 from modelsize.formats.torch_legacy import open_mapped
 from modelsize.inventory import Inventory, InventoryBuilder
 
 #: A protocol 0 pickle that opens with ``GLOBAL module\nname\n``: recognised without extension.
 _GLOBAL_START = re.compile(rb"c[A-Za-z_][\w.]*\n[A-Za-z_][\w.]*\n")
+_WRAPPER = "joblib.numpy_pickle.NumpyArrayWrapper"
+_ARRAY_TYPES = frozenset({"numpy.ndarray", "numpy.matrix", "numpy.memmap"})
+_RECONSTRUCT = Global("numpy.core.multiarray", "_reconstruct")
 
 
 class PickleReader:
@@ -42,8 +68,9 @@ class PickleReader:
         """Account for every byte of the file."""
         b = InventoryBuilder(self.name, [source.path])
         data = open_mapped(source.path)
+        joblib = _Joblib(data)
         try:
-            scans = scan_all(data)
+            scans = scan_all(data, on_build=joblib.after_build)
         except PickleError as exc:
             found = ""
             if exc.unsafe:
@@ -51,6 +78,8 @@ class PickleReader:
             elif exc.globals:
                 found = f"; it references {', '.join(exc.globals)}"
             raise b.corrupt(f"{exc}{found}", exc.offset) from exc
+        for name in joblib.unsafe:
+            b.add_unsafe_global(name)
         many = len(scans) > 1
         for i, s in enumerate(scans):
             for name in s.unsafe:
@@ -61,7 +90,12 @@ class PickleReader:
                 continue
             summary = classify(s.value, b, prefix=(f"pickle{i}",) if many else (), blob_base=0)
             category = Category.GRAPH if summary.has_modules else Category.METADATA
-            add_pickle_region(b, s.start, s.end, category, f"pickle {i}", summary.blobs)
+            holes = summary.blobs + [(o, n) for o, n in joblib.opaque if s.start <= o < s.end]
+            add_pickle_region(b, s.start, s.end, category, f"pickle {i}", holes)
+        for offset, nbytes in joblib.opaque:
+            b.add_region(offset, nbytes, Category.OTHER, "joblib array data (non-numeric dtype)")
+        if joblib.arrays:
+            b.facts["joblib_arrays"] = str(joblib.arrays)
         if many:
             b.notes.append(f"file holds {len(scans)} consecutive pickles")
         end = scans[-1].end
@@ -69,3 +103,49 @@ class PickleReader:
             tail = b.files[0].nbytes - end
             b.add_region(end, tail, Category.OTHER, "bytes after the last pickle")
         return b.build()
+
+
+@dataclass
+class _Joblib:
+    """Follows joblib's inline array data while the pickle is parsed."""
+
+    data: Data
+    arrays: int = 0
+    unsafe: list[str] = field(default_factory=list)
+    #: (offset, bytes) of array data that cannot be itemized as a tensor (strings, records).
+    opaque: list[tuple[int, int]] = field(default_factory=list)
+
+    def after_build(self, obj: Call, pos: int) -> tuple[int, object] | None:
+        """Skip the array bytes after a NumpyArrayWrapper; put the array in its place."""
+        if global_name(obj.func) != _WRAPPER or not isinstance(obj.state, dict):
+            return None
+        state = obj.state
+        subclass = state.get("subclass")
+        if global_name(subclass) not in _ARRAY_TYPES:
+            self.unsafe.append(global_name(subclass) or "<array subclass>")
+        shape = state.get("shape")
+        if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+            raise PickleError(f"joblib array shape {describe(shape)} is not a tuple of sizes", pos)
+        itemsize = numpy_itemsize(state.get("dtype"))
+        self.arrays += 1
+        if itemsize is None:  # object arrays follow as a pickle of their own
+            nested = scan(self.data, offset=pos)
+            self.unsafe.extend(nested.unsafe)
+            return nested.end, obj
+        if state.get("numpy_array_alignment_bytes") is not None:
+            if pos >= len(self.data):
+                raise PickleError("joblib array padding runs past the end of the file", pos)
+            pos += 1 + self.data[pos]
+        nbytes = math.prod(shape) * itemsize
+        if pos + nbytes > len(self.data):
+            raise PickleError(
+                f"joblib array of {nbytes} bytes runs past the end of the file", pos
+            )
+        dtype = state.get("dtype")
+        if numpy_dtype(dtype) is None:
+            self.opaque.append((pos, nbytes))
+            return pos + nbytes, obj
+        fortran = state.get("order") == "F"
+        array = Call(_RECONSTRUCT, (Global("numpy", "ndarray"), (0,), b"b"))
+        array.state = (1, shape, dtype, fortran, Blob(pos, nbytes))
+        return pos + nbytes, array

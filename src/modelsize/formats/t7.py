@@ -254,8 +254,8 @@ class _AsciiCursor(_Cursor):
 class T7Reader:
     """Reads Lua Torch ``.t7`` files (binary and ascii) without Lua or torchfile."""
 
-    name = "t7"
-    extensions = (".t7",)
+    name: str = "t7"
+    extensions: tuple[str, ...] = (".t7",)
 
     def sniff(self, source: Source) -> bool:
         """A ``.t7`` file, or a head that starts like a serialized table or torch object."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,7 +119,7 @@ _NON_TRAINABLE_EDGES = frozenset(
 class Layout:
     """The files of one checkpoint or SavedModel, and what the non-bundle ones hold."""
 
-    kind: str  # "checkpoint" or "saved_model"
+    kind: str  # "checkpoint", "saved_model", or "ambiguous" (several bundles, none named)
     root: Path
     prefix: Path | None
     extras: list[tuple[Path, Category, str]] = field(default_factory=list)
@@ -460,7 +459,7 @@ def parse_object_graph(buf: Buffer) -> list[_Node]:
     return nodes
 
 
-def _reach(nodes: list[_Node], starts: Iterator[int] | list[int], skip: set[int],
+def _reach(nodes: list[_Node], starts: list[int], skip: set[int],
            skip_edges: frozenset[str] = frozenset()) -> set[int]:
     seen: set[int] = set()
     stack = [s for s in starts if s not in skip]
