@@ -102,12 +102,25 @@ def _tied_clone(out: Path) -> Path:
     return path
 
 
+def _tensorflow(out: Path) -> Path:
+    """A real TF1 Saver checkpoint shipped with the package (TensorFlow is never a dependency)."""
+    import shutil
+    from importlib.resources import as_file, files
+
+    with as_file(files("modelsize") / "demo_data" / "tf1_mlp_adam") as src:
+        dest = out / "tf1_mlp_adam"
+        shutil.copytree(src, dest, dirs_exist_ok=True)
+    return dest / "model.ckpt"
+
+
 STORIES: tuple[tuple[str, Callable[[Path], Path]], ...] = (
     ("A training checkpoint: a small CNN after one Adam step, saved with its optimizer", _train_checkpoint),
     ("A slice of a big tensor saved with torch.save", _slice),
     ("The same CNN's weights saved in float64", _float64),
     ("A model pickled whole, with activations cached in its modules", _whole_module),
     ("Tied embeddings cloned before saving to safetensors", _tied_clone),
+    ("TensorFlow: a TF1 Saver checkpoint of an MLP after one Adam step (written by TF 2.21)",
+     _tensorflow),
 )
 
 

@@ -200,6 +200,17 @@ def test_unhashable_keys_fall_back() -> None:
     assert key.value == []
 
 
+def test_big_tuple_keys_are_not_rehashed() -> None:
+    # A big tuple used as a key over and over would make hashing quadratic: it is wrapped.
+    big = b"(" + b"N" * 1000 + b"t\x94"
+    data = b"\x80\x04" + big + b"0}" + b"h\x00Ns" * 3 + b"(K\x01K\x02tK\x03s."
+    value = scan(data).value
+    keys = list(value)
+    assert len(keys) == 4
+    assert all(isinstance(k, UnhashableKey) for k in keys[:3])
+    assert keys[3] == (1, 2)
+
+
 def test_offset_and_end() -> None:
     first = pickle.dumps([1, 2], protocol=2)
     second = pickle.dumps({"k": "v"}, protocol=4)

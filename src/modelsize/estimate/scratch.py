@@ -58,6 +58,9 @@ class ScratchModels:
 
     device_type: str
     analytic: dict[Any, Callable[[Sequence[Any]], int]] = field(default_factory=dict)
+    outputs: dict[Any, Callable[[Sequence[Any]], tuple[int | None, ...]]] = field(
+        default_factory=dict
+    )
     probed: dict[Any, Probe] = field(default_factory=dict)
     cache: dict[tuple[Any, ...], KernelCost | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -81,7 +84,8 @@ class ScratchModels:
         total = 0
         if func.__name__.startswith("_foreach_"):
             # the CPU slow path loops over the list, wrapping one scalar at a time
-            first = args[0][0] if args and args[0] else None
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a]
+            first = lists[0][0] if lists else None
             for i, name in params:
                 v = args[i] if i < len(args) else kwargs.get(name)
                 v = v[0] if isinstance(v, (list, tuple)) and v else v
@@ -103,6 +107,9 @@ class ScratchModels:
         if fn is not None:
             n = fn(args)
             return KernelCost(n) if n else None
+        fix = self.outputs.get(func)
+        if fix is not None:
+            return KernelCost(0, fix(args))
         probe = self.probed.get(func)
         if probe is None:
             return None
@@ -140,13 +147,20 @@ class ScratchModels:
 
 
 
+#: Ops whose ``Scalar`` overloads wrap the number in a tensor inside the kernel (measured).
+_WRAPPING_BASES = frozenset({"add", "sub", "mul", "div", "rsub"})
+
+
 def _wrapping_params(func: Any) -> tuple[tuple[int, str], ...]:
     """Arguments where a Python number gets wrapped in a CPU tensor."""
-    foreach = func.__name__.startswith("_foreach_")
+    base = func.__name__.split(".")[0].removeprefix("_foreach_").rstrip("_")
+    wraps_scalars = base in _WRAPPING_BASES or func.__name__ == "_foreach_pow.ScalarAndTensor"
     out = []
     for i, a in enumerate(func._schema.arguments):
         kind = str(a.type)
-        if isinstance(a.type, torch.TensorType) or (foreach and kind in ("Scalar", "Scalar[]")):
+        if isinstance(a.type, torch.TensorType) or (
+            wraps_scalars and kind in ("number", "List[number]") and a.name != "alpha"
+        ):
             out.append((i, a.name))
     return tuple(out)
 
@@ -318,7 +332,7 @@ def _blas_copy(m: Any) -> int:
 
 def _mm(args: Sequence[Any]) -> int:
     a, b = args[0], args[1]
-    if a.shape[1] == 0 or b.dtype not in (torch.float32, torch.float64):
+    if a.shape[1] == 0:
         return 0
     return _blas_copy(a) + _blas_copy(b)
 
@@ -329,7 +343,7 @@ def _addmm(args: Sequence[Any]) -> int:
 
 def _bmm(args: Sequence[Any]) -> int:
     a, b = args[0], args[1]
-    if a.shape[0] == 0 or b.dtype not in (torch.float32, torch.float64):
+    if a.shape[0] == 0:
         return 0
     if a.shape[2] * a.shape[1] * b.shape[2] < 400:  # small problems take a copy-free loop
         return 0
@@ -338,6 +352,16 @@ def _bmm(args: Sequence[Any]) -> int:
 
 def _baddbmm(args: Sequence[Any]) -> int:
     return _bmm(args[1:3])
+
+
+def _batch_norm_outputs(args: Sequence[Any]) -> tuple[int | None, ...]:
+    """In eval mode the meta kernel returns empty ``save_mean``/``save_invstd``; the CPU
+    kernel returns one accumulator-typed value per channel each (freed by its caller)."""
+    x, training = args[0], args[5]
+    if training or x.dim() < 2:
+        return ()
+    acc = 8 if x.dtype == torch.float64 else 4
+    return (None, x.shape[1] * acc, x.shape[1] * acc)
 
 
 def table(device_type: str) -> ScratchModels:
@@ -353,6 +377,7 @@ def table(device_type: str) -> ScratchModels:
         aten.bmm.default: _bmm,
         aten.baddbmm.default: _baddbmm,
     }
+    models.outputs = {aten.native_batch_norm.default: _batch_norm_outputs}
     models.probed = {
         aten.convolution.default: Probe(_conv_dims),
         aten.convolution_backward.default: Probe(_conv_backward_dims),

@@ -92,7 +92,9 @@ class CountingFakeMode(FakeTensorMode):
     def __init__(self, scratch: ScratchModels | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.scratch = scratch
-        self._scratch_ops = set(scratch.analytic) | set(scratch.probed) if scratch else set()
+        self._scratch_ops = (
+            set(scratch.analytic) | set(scratch.probed) | set(scratch.outputs) if scratch else set()
+        )
         self.allocations: list[Allocation] = []
         self.phases: list[Phase] = []
         self.live: dict[int, Allocation] = {}

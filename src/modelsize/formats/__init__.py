@@ -7,11 +7,13 @@ specific magic first). :func:`read` is the one boundary where low-level decoding
 
 from __future__ import annotations
 
+import importlib
 import json
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 from modelsize.errors import (
@@ -27,35 +29,68 @@ from modelsize.inventory import Inventory
 __all__ = ["Reader", "Registry", "Source", "read", "registry"]
 
 
+Hint = Callable[[Source], bool]
+
+
+@dataclass
+class Entry:
+    """A reader known by name before its module is imported.
+
+    ``hint`` is a cheap look at the magic bytes: readers whose hint fires are sniffed first, so
+    the common formats are recognised without importing every reader (imports cost more than
+    reading a checkpoint's metadata).
+    """
+
+    name: str
+    module: str
+    cls: str
+    hint: Hint | None = None
+    _reader: Reader | None = None
+
+    def load(self) -> Reader:
+        """The reader instance (its module imported on first use)."""
+        if self._reader is None:
+            module = importlib.import_module(f"modelsize.formats.{self.module}")
+            self._reader = getattr(module, self.cls)()
+        return self._reader
+
+
 @dataclass
 class Registry:
     """An ordered set of readers; the first whose ``sniff`` accepts a source reads it."""
 
-    readers: list[Reader]
+    items: InitVar[Sequence[Entry | Reader]]
+    entries: list[Entry] = field(init=False)
+
+    def __post_init__(self, items: Sequence[Entry | Reader]) -> None:
+        # Reader instances are accepted too (tests build registries of one or two readers).
+        self.entries = [e if isinstance(e, Entry) else Entry(e.name, "", "", None, e) for e in items]
 
     def register(self, reader: Reader) -> None:
-        """Add a reader at the end of the sniffing order."""
-        if any(r.name == reader.name for r in self.readers):
+        """Add a reader instance at the end of the sniffing order."""
+        if reader.name in self.names:
             raise ValueError(f"reader {reader.name!r} registered twice")
-        self.readers.append(reader)
+        self.entries.append(Entry(reader.name, "", "", None, reader))
 
     def get(self, name: str) -> Reader:
         """The reader called ``name``."""
-        for r in self.readers:
-            if r.name == name:
-                return r
+        for e in self.entries:
+            if e.name == name:
+                return e.load()
         raise KeyError(name)
 
     @property
     def names(self) -> list[str]:
         """Reader names, in sniffing order (for CLI choices)."""
-        return [r.name for r in self.readers]
+        return [e.name for e in self.entries]
 
     def for_source(self, source: Source) -> Reader:
         """The reader that recognises ``source``, or an :class:`InputError` saying why none."""
-        for r in self.readers:
-            if r.sniff(source):
-                return r
+        hinted = [e for e in self.entries if e.hint is not None and e.hint(source)]
+        for e in hinted + [e for e in self.entries if e not in hinted]:
+            reader = e.load()
+            if reader.sniff(source):
+                return reader
         if source.kind == "missing":
             raise PathNotFoundError(source.path)
         if source.kind == "dir":
@@ -64,7 +99,7 @@ class Registry:
             )
         if source.size == 0:
             raise UnknownFormatError(source.path, "file is empty")
-        known = sorted({e for r in self.readers for e in r.extensions})
+        known = sorted({x for e in self.entries for x in e.load().extensions})
         raise UnknownFormatError(
             source.path,
             f"unrecognised format (magic bytes {source.head[:8]!r}); "
@@ -72,35 +107,36 @@ class Registry:
         )
 
 
-def _build_registry() -> Registry:
-    # Explicit and ordered: most specific magic first; each reader imports its framework lazily.
-    from modelsize.formats.gguf import GgufReader
-    from modelsize.formats.keras import KerasH5Reader, KerasReader
-    from modelsize.formats.numpy import NpyReader, NpzReader
-    from modelsize.formats.onnx import OnnxReader
-    from modelsize.formats.pickle_file import PickleReader
-    from modelsize.formats.safetensors import SafetensorsIndexReader, SafetensorsReader
-    from modelsize.formats.t7 import T7Reader
-    from modelsize.formats.tensorflow import TensorflowReader
-    from modelsize.formats.torch_legacy import TorchLegacyReader
-    from modelsize.formats.torch_zip import TorchZipReader
+def _is_zip(s: Source) -> bool:
+    return s.kind == "file" and s.is_zip
 
+
+def _starts(*magic: bytes) -> Hint:
+    return lambda s: s.kind == "file" and s.head.startswith(magic)
+
+
+def _build_registry() -> Registry:
+    # Explicit and ordered: most specific magic first. Each reader imports its framework (if it
+    # has one) inside read(), and its own module only when a source gets as far as it.
     return Registry(
         [
-            SafetensorsIndexReader(),
-            SafetensorsReader(),
-            TorchZipReader(),
-            NpzReader(),
-            NpyReader(),
-            TorchLegacyReader(),
-            GgufReader(),
-            OnnxReader(),
-            T7Reader(),
-            TensorflowReader(),
-            KerasReader(),
-            KerasH5Reader(),
+            Entry("safetensors-index", "safetensors", "SafetensorsIndexReader"),
+            Entry("safetensors", "safetensors", "SafetensorsReader",
+                  lambda s: s.kind == "file" and s.head[8:9] == b"{"),
+            Entry("pytorch", "torch_zip", "TorchZipReader", _is_zip),
+            Entry("npz", "numpy", "NpzReader", _is_zip),
+            Entry("npy", "numpy", "NpyReader", _starts(b"\x93NUMPY")),
+            Entry("pytorch-legacy", "torch_legacy", "TorchLegacyReader",
+                  _starts(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19")),
+            Entry("pytorch-sharded", "torch_sharded", "TorchShardedReader"),
+            Entry("gguf", "gguf", "GgufReader", _starts(b"GGUF")),
+            Entry("onnx", "onnx", "OnnxReader", lambda s: s.suffix == ".onnx"),
+            Entry("t7", "t7", "T7Reader"),
+            Entry("tensorflow", "tensorflow", "TensorflowReader"),
+            Entry("keras", "keras", "KerasReader", _is_zip),
+            Entry("keras-h5", "keras", "KerasH5Reader", _starts(b"\x89HDF\r\n\x1a\n")),
             # Generic pickles last: protocol 0/1 pickles have the weakest magic of all.
-            PickleReader(),
+            Entry("pickle", "pickle_file", "PickleReader"),
         ]
     )
 
@@ -114,7 +150,6 @@ def registry() -> Registry:
     if _REGISTRY is None:
         _REGISTRY = _build_registry()
     return _REGISTRY
-
 
 
 # Low-level failures a reader may let through on a malformed file. MemoryError and

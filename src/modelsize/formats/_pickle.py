@@ -36,6 +36,7 @@ MAX_OPS = 50_000_000
 MAX_MEMO = 10_000_000
 MAX_STACK = 10_000_000
 MAX_LONG_BYTES = 1 << 16
+MAX_HASH_COST = 256
 MAX_LINE = 1 << 26
 HIGHEST_PROTOCOL = 5
 
@@ -263,8 +264,9 @@ class _Machine:
         self.proto = 0
         self.globals: dict[Global, None] = {}
         self.unsafe: dict[str, None] = {}
-        # id -> (depth, obj) for hashable nested values; the object is kept so ids stay unique.
-        self.depths: dict[int, tuple[int, object]] = {}
+        # id -> (depth, hash cost, obj) for nested hashable values; keeping the object keeps
+        # its id unique.
+        self.depths: dict[int, tuple[int, int, object]] = {}
         self.op_pos = offset
         self.op_name = ""
 
@@ -326,18 +328,31 @@ class _Machine:
         return items
 
     def nested(self, obj: Any, children: Iterable[object]) -> Any:
-        d = 1
+        """Record the depth and hashing cost of a tuple, frozenset or persistent id."""
+        depth, cost = 1, 1
         for c in children:
+            cost += 1
             if type(c) in _HASHED_NESTED:
                 entry = self.depths.get(id(c))
-                if entry is not None and entry[1] is c and entry[0] >= d:
-                    d = entry[0] + 1
-        if d > MAX_DEPTH:
+                if entry is not None and entry[2] is c:
+                    depth = max(depth, entry[0] + 1)
+                    cost = min(cost + entry[1], MAX_HASH_COST + 1)
+        if depth > MAX_DEPTH:
             raise self.fail(f"values nested more than {MAX_DEPTH} levels deep")
-        self.depths[id(obj)] = (d, obj)
+        self.depths[id(obj)] = (depth, cost, obj)
         return obj
 
     def key(self, obj: object) -> object:
+        """``obj`` as a dict key or set item; a stand-in if hashing is impossible or costly.
+
+        Tuples do not cache their hash: a big tuple used as a key a million times would make
+        the parse quadratic, so keys that cost more than :data:`MAX_HASH_COST` to hash are
+        wrapped (compared by identity) instead.
+        """
+        if type(obj) in _HASHED_NESTED:
+            entry = self.depths.get(id(obj))
+            if entry is not None and entry[2] is obj and entry[1] > MAX_HASH_COST:
+                return UnhashableKey(obj)
         try:
             hash(obj)
         except TypeError:

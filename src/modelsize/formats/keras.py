@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import BinaryIO
 
 from modelsize.categories import Category
 from modelsize.formats import _zip
@@ -72,8 +73,8 @@ class InflatedBlob:
     _PAGE = 1 << 16
     _CACHE_PAGES = 64
 
-    def __init__(self, buf: mmap.mmap | bytes, member: _zip.Member) -> None:
-        self.buf = buf
+    def __init__(self, fh: BinaryIO, member: _zip.Member) -> None:
+        self.fh = fh
         self.start = member.data_offset
         self.csize = member.compress_size
         self.size = member.file_size
@@ -91,7 +92,7 @@ class InflatedBlob:
         self.snapshot_u.append(0)
         crc, out, last_snap = 0, 0, 0
         for c in range(0, self.csize, self._STEP):
-            chunk = self.buf[self.start + c : self.start + min(c + self._STEP, self.csize)]
+            chunk = self._compressed(c)
             data = d.decompress(chunk)
             crc = zlib.crc32(data, crc)
             out += len(data)
@@ -108,6 +109,14 @@ class InflatedBlob:
                 f"member {member.name!r} inflates to {out} bytes with CRC {crc:#010x}, its "
                 f"header says {self.size} bytes with CRC {member.crc:#010x}"
             )
+
+    def _compressed(self, c: int) -> bytes:
+        # Plain reads, not a memory map: the scan would otherwise count the whole member as RSS.
+        self.fh.seek(self.start + c)
+        chunk = self.fh.read(min(self._STEP, self.csize - c))
+        if not chunk:
+            raise ValueError("deflated member ends early")
+        return chunk
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """Bytes ``offset..offset+nbytes`` of the inflated member."""
@@ -150,7 +159,7 @@ class InflatedBlob:
             drop = min(len(pending), first - u)
             del pending[:drop]
             u += drop
-            chunk = self.buf[self.start + c : self.start + min(c + self._STEP, self.csize)]
+            chunk = self._compressed(c)
             c += len(chunk)
             pending += d.decompress(chunk)
 
@@ -364,7 +373,8 @@ class KerasReader:
             return builder.build()
         with ExitStack() as stack:
             mm = _map(stack, path)
-            blob, place = self._blob(builder, mm, weights)
+            fh = stack.enter_context(open(path, "rb"))
+            blob, place = self._blob(builder, mm, fh, weights)
             h5 = _parse(builder, blob, 0, weights.data_offset)
             builder.facts["weights_member"] = (
                 "stored" if weights.method == _zip.STORED else "deflated"
@@ -373,7 +383,7 @@ class KerasReader:
             # Interpolated spans of a deflated stream are not data: never hash them as such.
             return builder.build(dedupe=weights.method == _zip.STORED)
 
-    def _blob(self, builder: InventoryBuilder, mm: mmap.mmap,
+    def _blob(self, builder: InventoryBuilder, mm: mmap.mmap, fh: BinaryIO,
               member: _zip.Member) -> tuple[Blob, Placer]:
         base = member.data_offset
         if member.method == _zip.STORED:
@@ -384,7 +394,7 @@ class KerasReader:
                 "stored and deflated members", member.header_offset,
             )
         try:
-            inflated = InflatedBlob(mm, member)
+            inflated = InflatedBlob(fh, member)
         except (ValueError, zlib.error) as exc:
             raise builder.corrupt(str(exc), base) from exc
         builder.notes.append(

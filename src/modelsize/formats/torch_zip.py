@@ -64,7 +64,7 @@ class TorchZipReader:
     """``torch.save`` zip archives and TorchScript (``torch.jit.save``) archives."""
 
     name = "pytorch"
-    extensions = (".pt", ".pth", ".bin", ".ckpt", ".pt2", ".tar")
+    extensions = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
     def sniff(self, source: Source) -> bool:
         """A zip whose ``data.pkl`` sits at the top or one folder deep (torch's layout)."""

@@ -1,0 +1,418 @@
+"""Hugging Face model directories and sharded checkpoints whose weights are ``torch.save`` files.
+
+Layouts read here (reader ``pytorch-sharded``)::
+
+    pytorch_model.bin.index.json        {"metadata": {"total_size"}, "weight_map": {name: shard}}
+    pytorch_model-00001-of-00003.bin    one torch.save state dict per shard
+    config.json                         the architecture (graph); generation_config.json (metadata)
+
+or a plain directory holding one ``pytorch_model.bin`` / ``model.pt`` (with its config). Each
+shard is read by the single-file PyTorch readers (zip or legacy format) and the per-file
+inventories are merged into one (:func:`merge`), which the DeepSpeed reader reuses: every byte
+of every file keeps the category its own reader gave it. Directories that also hold safetensors
+weights belong to the safetensors readers (``transformers`` loads those first).
+
+Known limitation: identical tensors stored in two different shards are not flagged as
+duplicates (duplicate detection runs per file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from modelsize.categories import Category
+from modelsize.errors import CorruptFileError, printable
+from modelsize.formats.base import Source
+from modelsize.formats.torch_legacy import TorchLegacyReader
+from modelsize.formats.torch_zip import TorchZipReader
+from modelsize.inventory import (
+    FileInfo,
+    Inventory,
+    Region,
+    StorageRecord,
+    TensorRecord,
+)
+
+FORMAT = "pytorch-sharded"
+#: An index is a JSON map of tensor names; even the largest models stay far below this.
+MAX_INDEX = 100_000_000
+INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
+#: Single-file weights of a model directory, in the order transformers looks for them.
+WEIGHT_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "pytorch_model.pt", "model.bin")
+#: Files of a model directory counted with the weights, and their category.
+SIDE_FILES: dict[str, Category] = {
+    "config.json": Category.GRAPH,
+    "generation_config.json": Category.METADATA,
+}
+
+#: Decides a tensor's category anew after its file's own reader classified it (None: keep).
+Recategorize = Callable[[TensorRecord], Category | None]
+
+
+# -- merging per-file inventories ------------------------------------------------------------
+
+
+@dataclass
+class Part:
+    """One file's inventory inside a multi-file checkpoint.
+
+    ``label`` (the file's path relative to the checkpoint) makes storage keys unique and
+    prefixes notes; ``name_prefix`` is put before every tensor name (empty for shards of one
+    state dict, whose names are already unique).
+    """
+
+    inventory: Inventory
+    label: str
+    name_prefix: str = ""
+    recategorize: Recategorize | None = None
+    allowed_globals: frozenset[str] = frozenset()
+
+
+@dataclass
+class SideFile:
+    """A whole file counted in one category (an index, a config, a ``latest`` tag file)."""
+
+    path: Path
+    category: Category
+    label: str
+
+
+@dataclass
+class Merged:
+    """What :func:`merge` needs besides the parts."""
+
+    format: str
+    root: Path
+    side_files: list[SideFile] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    facts: dict[str, str] = field(default_factory=dict)
+
+
+def read_torch_file(path: Path) -> Inventory:
+    """One ``torch.save`` file (zip or legacy format), read by the single-file PyTorch readers."""
+    source = Source.open(path)
+    if source.kind != "file":
+        raise CorruptFileError(path, "pytorch", "expected a torch.save file, found no file")
+    for reader in (TorchZipReader(), TorchLegacyReader()):
+        if reader.sniff(source):
+            return reader.read(source)
+    raise CorruptFileError(
+        path, "pytorch",
+        f"expected a torch.save file (zip archive or legacy pickle), found magic bytes "
+        f"{source.head[:8]!r}",
+    )
+
+
+def _recategorized(
+    storage: StorageRecord, viewers: list[tuple[TensorRecord, Category]]
+) -> dict[Category, int]:
+    """A storage's bytes moved to its viewers' new categories, where that is unambiguous."""
+    moves: dict[Category, set[Category]] = {}
+    for old, new in ((t.category, new) for t, new in viewers):
+        moves.setdefault(old, set()).add(new)
+    out: dict[Category, int] = {}
+    for cat, n in storage.bytes_by_category.items():
+        targets = moves.get(cat)
+        target = next(iter(targets)) if targets is not None and len(targets) == 1 else cat
+        out[target] = out.get(target, 0) + n
+    return out
+
+
+def _merge_part(
+    part: Part, file_base: int
+) -> tuple[list[TensorRecord], list[StorageRecord], list[Region]]:
+    inv = part.inventory
+    key = f"{part.label}:"
+    new_cat: dict[int, Category] = {}
+    if part.recategorize is not None:
+        for i, t in enumerate(inv.tensors):
+            cat = part.recategorize(t)
+            if cat is not None and cat != t.category and t.category not in (
+                Category.DUPLICATES, Category.UNUSED_STORAGE
+            ):
+                new_cat[i] = cat
+    viewers: dict[str, list[tuple[TensorRecord, Category]]] = {}
+    for i, t in enumerate(inv.tensors):
+        if t.storage is not None:
+            viewers.setdefault(t.storage, []).append((t, new_cat.get(i, t.category)))
+    storages = []
+    for s in inv.storages:
+        totals = s.bytes_by_category
+        if new_cat and any(new != t.category for t, new in viewers.get(s.key, [])):
+            totals = _recategorized(s, viewers[s.key])
+        storages.append(
+            StorageRecord(
+                key + s.key, file_base + s.file, s.offset, s.nbytes, s.logical_nbytes,
+                s.compressed, s.dtype, totals,
+                None if s.duplicate_of is None else key + s.duplicate_of,
+            )
+        )
+    tensors = [
+        TensorRecord(
+            part.name_prefix + t.name, t.dtype, t.shape, new_cat.get(i, t.category), t.nbytes,
+            t.stored_nbytes, None if t.storage is None else key + t.storage, t.storage_offset,
+            t.tags, None if t.duplicate_of is None else part.name_prefix + t.duplicate_of,
+        )
+        for i, t in enumerate(inv.tensors)
+    ]
+    regions = [
+        Region(file_base + r.file, r.offset, r.nbytes, r.category, r.label) for r in inv.regions
+    ]
+    return tensors, storages, regions
+
+
+def merge(spec: Merged, parts: Sequence[Part]) -> Inventory:
+    """One :class:`Inventory` over several files: each part's bytes keep their categories.
+
+    Side files are counted whole in their category. Unsafe globals are the union of the parts'
+    (minus each part's ``allowed_globals``); notes are prefixed with the part's label; facts
+    with the same key and different values are joined.
+    """
+    files: list[FileInfo] = []
+    tensors: list[TensorRecord] = []
+    storages: list[StorageRecord] = []
+    regions: list[Region] = []
+    unsafe: dict[str, None] = {}
+    notes: list[str] = []
+    facts: dict[str, str] = {}
+    for part in parts:
+        t, s, r = _merge_part(part, len(files))
+        files.extend(part.inventory.files)
+        tensors += t
+        storages += s
+        regions += r
+        unsafe.update(
+            dict.fromkeys(g for g in part.inventory.unsafe_globals if g not in part.allowed_globals)
+        )
+        notes += [f"{part.label}: {n}" for n in part.inventory.notes]
+        for k, v in part.inventory.facts.items():
+            if k == "path":
+                continue
+            old = facts.get(k)
+            if old is None:
+                facts[k] = v
+            elif v not in old.split(", "):
+                facts[k] = f"{old}, {v}"
+    for side in spec.side_files:
+        size = side.path.stat().st_size
+        regions.append(Region(len(files), 0, size, side.category, side.label))
+        files.append(FileInfo(side.path, size))
+    facts.update(spec.facts)
+    facts["path"] = str(spec.root)
+    return Inventory(
+        format=spec.format,
+        files=tuple(files),
+        tensors=tuple(tensors),
+        storages=tuple(storages),
+        regions=tuple(regions),
+        unsafe_globals=tuple(unsafe),
+        notes=tuple(dict.fromkeys([*spec.notes, *notes])),
+        facts=facts,
+    )
+
+
+def bytes_by_file(inv: Inventory) -> list[dict[Category, int]]:
+    """Bytes per category of each file of ``inv`` (same order as ``inv.files``)."""
+    out: list[dict[Category, int]] = [{} for _ in inv.files]
+    for r in inv.regions:
+        out[r.file][r.category] = out[r.file].get(r.category, 0) + r.nbytes
+    for s in inv.storages:
+        for cat, n in s.bytes_by_category.items():
+            out[s.file][cat] = out[s.file].get(cat, 0) + n
+    return out
+
+
+def relative(path: Path, base: Path) -> str:
+    """``path`` relative to ``base`` in POSIX form (the path itself if it is elsewhere)."""
+    try:
+        return path.relative_to(base).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def inside(base: Path, name: str, owner: Path, fmt: str, what: str) -> Path:
+    """``base/name`` for a file name read from a checkpoint, refused if it leaves ``base``.
+
+    The check is on the name, not the resolved path: the Hugging Face cache links every file
+    to a blob outside its snapshot directory.
+    """
+    rel = PurePosixPath(name.replace("\\", "/"))
+    if not name or rel.is_absolute() or ".." in rel.parts or ":" in name or "\0" in name:
+        raise CorruptFileError(
+            owner, fmt, f"{what} {printable(name)!r} is not a file name inside {base.name or base}"
+        )
+    return base.joinpath(*rel.parts)
+
+
+def left_out_note(root: Path, files: Iterable[Path]) -> str | None:
+    """The note naming the files of a directory that were not counted."""
+    names = sorted(p.name for p in files)
+    if not names:
+        return None
+    return (
+        f"{len(names)} other file(s) in {printable(root.name)} are not part of the checkpoint "
+        "and were not counted: "
+        + ", ".join(printable(n, 60) for n in names[:5])
+        + (", ..." if len(names) > 5 else "")
+    )
+
+
+# -- the Hugging Face layout -----------------------------------------------------------------
+
+
+def _is_index_name(name: str) -> bool:
+    return name.endswith(INDEX_SUFFIXES)
+
+
+def find_index(directory: Path) -> Path | None:
+    """The torch shard index of a model directory (``pytorch_model.bin.index.json`` first)."""
+    preferred = directory / "pytorch_model.bin.index.json"
+    if preferred.is_file():
+        return preferred
+    found = sorted(p for p in directory.iterdir() if p.is_file() and _is_index_name(p.name))
+    return found[0] if found else None
+
+
+def find_weights(directory: Path) -> Path | None:
+    """The single-file weights of a model directory, if any."""
+    return next((directory / n for n in WEIGHT_NAMES if (directory / n).is_file()), None)
+
+
+def _has_safetensors(directory: Path) -> bool:
+    return any(p.name.endswith((".safetensors", ".safetensors.index.json"))
+               for p in directory.iterdir())
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The weight map of an index file (tensor name -> shard file name), validated."""
+
+    def bad(reason: str) -> CorruptFileError:
+        return CorruptFileError(path, FORMAT, reason)
+
+    size = path.stat().st_size
+    if size > MAX_INDEX:
+        raise bad(f"index is {size} bytes, more than the {MAX_INDEX} modelsize reads")
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad(f"expected a JSON index, found invalid JSON ({exc})") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise bad('expected {"weight_map": {tensor name: shard file name}}')
+    return weight_map
+
+
+def _total_size(index: Path) -> int | None:
+    try:
+        total = json.loads(index.read_bytes().decode("utf-8")).get("metadata", {})["total_size"]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
+
+
+def read_model(root: Path, index: Path | None, weights: list[Path], directory: Path | None
+               ) -> Inventory:
+    """One inventory over an optional index, its torch shards and a directory's config files."""
+    spec = Merged(FORMAT, root)
+    weight_map: dict[str, str] = {}
+    shard_of: dict[str, Path] = {}
+    if index is not None:
+        weight_map = read_index(index)
+        for shard in sorted(set(weight_map.values())):
+            path = inside(index.parent, shard, index, FORMAT, "shard")
+            if not path.is_file():
+                raise CorruptFileError(
+                    index, FORMAT,
+                    f"shard {printable(shard)!r} named in the index is missing "
+                    f"(expected {printable(str(path))})",
+                )
+            shard_of[shard] = path
+        weights = list(dict.fromkeys(shard_of.values()))
+        spec.side_files.append(SideFile(index, Category.METADATA, "shard index"))
+    base = index.parent if index is not None else (directory or weights[0].parent)
+    parts = [Part(read_torch_file(p), relative(p, base)) for p in weights]
+
+    names_in = {p: {t.name for t in part.inventory.tensors} for p, part in zip(weights, parts,
+                                                                               strict=True)}
+    seen: dict[str, str] = {}
+    for part in parts:
+        clash = [t.name for t in part.inventory.tensors if t.name in seen]
+        if clash:
+            part.name_prefix = f"{part.label}:"
+            spec.notes.append(
+                f"{len(clash)} tensor name(s) of {printable(part.label)} also appear in "
+                f"{printable(seen[clash[0]])} (e.g. {printable(clash[0], 80)})"
+            )
+        seen.update(dict.fromkeys((t.name for t in part.inventory.tensors), part.label))
+    if index is not None:
+        for name, shard in weight_map.items():
+            if name not in names_in[shard_of[shard]]:
+                raise CorruptFileError(
+                    index, FORMAT,
+                    f"index places tensor {printable(name)!r} in {printable(shard)!r}, which "
+                    "holds no such tensor",
+                )
+        extra = sum(len(names - set(weight_map)) for names in names_in.values())
+        if extra:
+            spec.notes.append(f"{extra} tensor(s) in the shards are not listed in the index")
+        total = _total_size(index)
+        logical = sum(s.logical_nbytes for part in parts for s in part.inventory.storages)
+        if total is not None and total != logical:
+            spec.notes.append(
+                f"index metadata says total_size {total} bytes; the shards' storages hold "
+                f"{logical} bytes"
+            )
+        spec.facts["shards"] = str(len(weights))
+
+    if directory is not None:
+        counted = {p.resolve() for p in weights}
+        if index is not None:
+            counted.add(index.resolve())
+        for name, cat in SIDE_FILES.items():
+            if (directory / name).is_file():
+                spec.side_files.append(SideFile(directory / name, cat, name))
+                counted.add((directory / name).resolve())
+        note = left_out_note(
+            directory,
+            (p for p in directory.iterdir() if p.is_file() and p.resolve() not in counted),
+        )
+        if note:
+            spec.notes.append(note)
+    return merge(spec, parts)
+
+
+class TorchShardedReader:
+    """``pytorch_model.bin.index.json`` + shards, or a model directory of torch weights."""
+
+    name = FORMAT
+    extensions = INDEX_SUFFIXES
+
+    def sniff(self, source: Source) -> bool:
+        """An index of torch shards, or a directory holding one (or one weights file)."""
+        if source.kind == "dir":
+            d = source.path
+            if _has_safetensors(d) or (d / ".metadata").is_file() or (d / "latest").is_file():
+                return False
+            return find_index(d) is not None or find_weights(d) is not None
+        if source.kind != "file" or source.head.lstrip()[:1] != b"{":
+            return False
+        return _is_index_name(source.path.name) or (
+            source.suffix == ".json"
+            and b'"weight_map"' in source.head
+            and any(s in source.head for s in (b'.bin"', b'.pt"', b'.pth"'))
+        )
+
+    def read(self, source: Source) -> Inventory:
+        """One inventory over every file of the checkpoint."""
+        if source.kind == "dir":
+            index = find_index(source.path)
+            weights = [] if index is not None else [find_weights(source.path)]
+            return read_model(
+                source.path, index, [w for w in weights if w is not None], source.path
+            )
+        return read_model(source.path, source.path, [], None)
