@@ -62,13 +62,20 @@ _SLOT_OWNERS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"exp_avg", "exp_inf"}), "Adamax"),
 )
 
-_GENERIC_NAME = {"step", "state", "param_groups", "lr", "iterations", "iteration", "global_step"}
+_GENERIC_NAME = {"step", "state", "param_groups", "lr", "iterations", "iteration", "global_step",
+                 "optimizer", "optimizer_state", "optimizer_states"}
+#: Name components that say how a variable is stored, not what it is (TF object-graph keys).
+_PLUMBING = {"ATTRIBUTES", "VARIABLE_VALUE", "OBJECT_CONFIG_JSON"}
 
 
 def _slot(t: TensorRecord) -> str:
-    """The slot a tensor stands for: last component of its name that is not a number."""
-    parts = [p for p in t.name.replace("/", ".").split(".") if p and not p.isdigit()]
-    return parts[-1] if parts else t.name
+    """The slot a tensor stands for: last meaningful component of its name."""
+    for tag in t.tags:
+        if tag.startswith("slot="):
+            return tag[5:]
+    parts = [p for p in t.name.replace("/", ".").split(".")
+             if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_")]
+    return parts[-1] if parts else "state"
 
 
 def optimizer_description(inv: Inventory) -> str:
@@ -95,6 +102,19 @@ def _out_name(path: Path) -> str:
     return str(path.with_name(f"{stem}.slim{suffix}"))
 
 
+#: The ``modelsize slim`` flags that fix each finding.
+SLIM_FLAGS: dict[FindingKind, tuple[str, ...]] = {
+    FindingKind.UNSAFE_CODE: ("--to", "safetensors"),
+    FindingKind.OPTIMIZER_STATE: ("--drop", "optimizer_state"),
+    FindingKind.GRADIENTS: ("--drop", "gradients"),
+    FindingKind.ACTIVATIONS: ("--drop", "activations"),
+    FindingKind.UNUSED_STORAGE: (),
+    FindingKind.DUPLICATES: ("--dedupe",),
+    FindingKind.EMA: ("--drop", "ema"),
+    FindingKind.WIDE_DTYPE: ("--cast", "float32"),
+}
+
+
 def _slim(inv: Inventory, *flags: str) -> str:
     path = inv.path
     args = ["modelsize", "slim", str(path), *flags, "-o", _out_name(path)]
@@ -112,28 +132,28 @@ def find(inv: Inventory) -> list[Finding]:
             f"loading this file runs a pickle that imports and calls {names} "
             "(pickle.load, torch.load(weights_only=False), np.load(allow_pickle=True))",
             "never load it with weights_only=False; convert the tensors to safetensors: "
-            + _slim(inv, "--to", "safetensors"),
+            + _slim(inv, *SLIM_FLAGS[FindingKind.UNSAFE_CODE]),
         ))
     if by[Category.OPTIMIZER_STATE]:
         out.append(Finding(
             FindingKind.OPTIMIZER_STATE, by[Category.OPTIMIZER_STATE],
             f"{human_bytes(by[Category.OPTIMIZER_STATE])} is {optimizer_description(inv)}, "
             "only needed to resume training",
-            _slim(inv, "--drop", "optimizer_state"),
+            _slim(inv, *SLIM_FLAGS[FindingKind.OPTIMIZER_STATE]),
         ))
     if by[Category.GRADIENTS]:
         out.append(Finding(
             FindingKind.GRADIENTS, by[Category.GRADIENTS],
             f"{human_bytes(by[Category.GRADIENTS])} is gradients saved with the model; neither "
             "inference nor resuming training needs them",
-            _slim(inv, "--drop", "gradients"),
+            _slim(inv, *SLIM_FLAGS[FindingKind.GRADIENTS]),
         ))
     if by[Category.ACTIVATIONS]:
         out.append(Finding(
             FindingKind.ACTIVATIONS, by[Category.ACTIVATIONS],
             f"{human_bytes(by[Category.ACTIVATIONS])} is activations cached by the last forward/"
             "backward pass (outputs, gradInput, attributes of modules); clear them before saving",
-            _slim(inv, "--drop", "activations"),
+            _slim(inv, *SLIM_FLAGS[FindingKind.ACTIVATIONS]),
         ))
     if by[Category.UNUSED_STORAGE]:
         out.append(Finding(
@@ -151,7 +171,7 @@ def find(inv: Inventory) -> list[Finding]:
             f"{human_bytes(by[Category.DUPLICATES])} is second copies of identical tensors "
             f"stored separately ({pairs}{', ...' if len(dups) > 3 else ''}); tied weights "
             "cloned before saving are the usual cause",
-            _slim(inv, "--dedupe"),
+            _slim(inv, *SLIM_FLAGS[FindingKind.DUPLICATES]),
         ))
     ema = [t for t in inv.tensors if "ema" in t.tags and t.category == Category.WEIGHTS]
     if ema:
@@ -160,7 +180,7 @@ def find(inv: Inventory) -> list[Finding]:
             FindingKind.EMA, n,
             f"{human_bytes(n)} of the weights is an EMA copy of the model ({len(ema)} tensors); "
             "inference needs one set: keep the EMA weights or the raw ones, not both",
-            _slim(inv, "--drop", "ema"),
+            _slim(inv, *SLIM_FLAGS[FindingKind.EMA]),
         ))
     wide = [t for t in inv.tensors if t.dtype == "float64" and t.stored_nbytes
             and t.category not in (Category.DUPLICATES, Category.UNUSED_STORAGE)]
@@ -173,7 +193,7 @@ def find(inv: Inventory) -> list[Finding]:
             FindingKind.WIDE_DTYPE, n // 2,
             f"{which} float64 ({human_bytes(n)}); deep-learning models train and serve in float32 "
             "or narrower, and float32 halves these bytes",
-            _slim(inv, "--cast", "float32"),
+            _slim(inv, *SLIM_FLAGS[FindingKind.WIDE_DTYPE]),
         ))
     first = out[:1] if out and out[0].kind == FindingKind.UNSAFE_CODE else []
     rest = sorted(out[len(first):], key=lambda f: -f.bytes)
@@ -223,10 +243,10 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     if fixable:
         saved = sum(f.bytes for f in fixable)
         saved = min(saved, total)
+        flags = [f for finding in fixable for f in SLIM_FLAGS[finding.kind]]
         sentences.append(
             f"Slimming it for inference would save {human_bytes(saved)} "
-            f"({percent(saved, total)}): {fixable[0].action}"
-            + (" (see findings for the rest)." if len(fixable) > 1 else ".")
+            f"({percent(saved, total)}): {_slim(inv, *flags)}."
         )
     elif not unsafe:
         sentences.append("Nothing to slim: every byte is needed to load the model.")

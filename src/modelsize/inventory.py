@@ -14,11 +14,12 @@ which fills the gaps, resolves shared storages and duplicates, and derives the t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from modelsize.categories import PRECEDENCE, Category, empty_totals
 from modelsize.dtypes import DTYPES, DType, canonical, numel
@@ -294,9 +295,11 @@ class InventoryBuilder:
         rank = {c: i for i, c in enumerate(PRECEDENCE)}
         for key, st in self._storages.items():
             totals: dict[Category, int] = {}
-            views = sorted(by_storage.get(key, []), key=lambda v: (rank[v.category], v.record_index))
+            views = by_storage.get(key, [])
+            if len(views) > 1:
+                views = sorted(views, key=lambda v: (rank[v.category], v.record_index))
             if st.compressed:
-                # Compressed bytes cannot be mapped to element ranges: the best-ranked view owns all.
+                # Compressed bytes cannot be mapped to element ranges: the best view owns all.
                 if views:
                     totals[views[0].category] = st.nbytes
                     stored[views[0].record_index] += st.nbytes
@@ -306,11 +309,11 @@ class InventoryBuilder:
                 covered: list[tuple[int, int]] = []
                 for v in views:
                     start, stop = max(0, v.start), min(st.nbytes, v.stop)
-                    new = _uncovered(covered, start, stop)
+                    new = _uncovered(covered, start, stop) if covered else max(0, stop - start)
                     if new:
                         totals[v.category] = totals.get(v.category, 0) + new
                         stored[v.record_index] += new
-                        covered = _merge(covered, start, stop)
+                        covered = _merge(covered, start, stop) if covered else [(start, stop)]
                 unused = st.nbytes - sum(b - a for a, b in covered)
                 if unused:
                     totals[Category.UNUSED_STORAGE] = unused
@@ -391,10 +394,10 @@ class InventoryBuilder:
     ) -> dict[str, str]:
         """Map storage key -> key of an earlier storage holding identical bytes.
 
-        Candidates must agree on dtype, shape of their first view and size; a cheap sample
-        digest prunes them before the full hash, so only real duplicates are read whole.
-        Storages whose bytes are one value repeated (zero-initialised biases, counters) are
-        left alone: equal by construction, not by accident of saving.
+        Candidates must agree on dtype, shape of their first view and size; their first 4 KiB,
+        then samples of the middle and the end, prune them before the full hash, so only real
+        duplicates are read whole. Storages whose bytes are one value repeated (zero-initialised
+        biases, counters) are left alone: equal by construction, not by accident of saving.
         """
         groups: dict[tuple[Any, ...], list[str]] = {}
         for key, st in storages.items():
@@ -405,53 +408,100 @@ class InventoryBuilder:
             sig = (st.nbytes, st.logical_nbytes, st.compressed, first["dtype"], first["shape"])
             groups.setdefault(sig, []).append(key)
         result: dict[str, str] = {}
-        for sig, keys in groups.items():
-            if len(keys) < 2:
-                continue
-            itemsize = max(1, int(DTYPES[sig[3]].itemsize)) if sig[3] in DTYPES else 1
-            by_sample: dict[bytes, list[str]] = {}
-            for key in keys:
-                by_sample.setdefault(self._sample(storages[key]), []).append(key)
-            for same in by_sample.values():
-                if len(same) < 2:
+        with _FileReader(self) as reader:
+            for sig, keys in groups.items():
+                if len(keys) < 2:
                     continue
-                seen: dict[bytes, str] = {}
-                for key in same:
-                    digest, constant = self._digest(storages[key], itemsize)
-                    if constant:
-                        continue
-                    if digest in seen:
-                        result[key] = seen[digest]
-                    else:
-                        seen[digest] = key
+                itemsize = max(1, int(DTYPES[sig[3]].itemsize)) if sig[3] in DTYPES else 1
+                for same in _split(keys, lambda k: reader.head(storages[k])):
+                    for equal in _split(same, lambda k: reader.rest(storages[k])):
+                        seen: dict[bytes, str] = {}
+                        for key in equal:
+                            digest, constant = reader.digest(storages[key], itemsize)
+                            if constant:
+                                continue
+                            if digest in seen:
+                                result[key] = seen[digest]
+                            else:
+                                seen[digest] = key
+                reader.whole.clear()
         return result
 
-    def _read_chunks(self, st: StorageRecord, start: int, stop: int) -> Iterator[bytes]:
-        with open(self.files[st.file].path, "rb") as fh:
-            fh.seek(st.offset + start)
-            left = stop - start
-            while left > 0:
-                chunk = fh.read(min(left, 1 << 20))
-                if not chunk:
-                    raise self.corrupt(f"storage {st.key} ends early", st.offset, st.file)
-                left -= len(chunk)
-                yield chunk
 
-    def _sample(self, st: StorageRecord) -> bytes:
+#: Bytes sampled at the start, the middle and the end of a duplicate candidate.
+_PROBE = 4096
+_CHUNK = 1 << 20
+
+
+def _split(keys: list[str], sample: Callable[[str], bytes]) -> list[list[str]]:
+    """The groups (of two or more, in order) of ``keys`` whose samples are equal."""
+    by_sample: dict[bytes, list[str]] = {}
+    for key in keys:
+        by_sample.setdefault(sample(key), []).append(key)
+    return [same for same in by_sample.values() if len(same) > 1]
+
+
+class _FileReader:
+    """Reads storage bytes for duplicate detection through one open handle per file."""
+
+    def __init__(self, builder: InventoryBuilder) -> None:
+        self.builder = builder
+        self.handles: dict[int, BinaryIO] = {}
+        self.closing = contextlib.ExitStack()
+        #: Storages of the current group whose samples were all of their bytes.
+        self.whole: dict[str, bytes] = {}
+
+    def __enter__(self) -> _FileReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closing.close()
+
+    def chunks(self, st: StorageRecord, start: int, stop: int) -> Iterator[bytes]:
+        """Bytes ``start..stop`` of a storage, in chunks of at most 1 MiB."""
+        fh = self.handles.get(st.file)
+        if fh is None:
+            # Unbuffered: reads are scattered samples; one handle per file for the whole build.
+            fh = open(self.builder.files[st.file].path, "rb", buffering=0)  # noqa: SIM115 (closed by __exit__)
+            self.handles[st.file] = self.closing.enter_context(fh)
+        fh.seek(st.offset + start)
+        left = stop - start
+        while left > 0:
+            chunk = fh.read(min(left, _CHUNK))
+            if not chunk:
+                raise self.builder.corrupt(f"storage {st.key} ends early", st.offset, st.file)
+            left -= len(chunk)
+            yield chunk
+
+    def read(self, st: StorageRecord, start: int, stop: int) -> bytes:
+        """Bytes ``start..stop`` of a storage (a sample: small)."""
+        return b"".join(self.chunks(st, start, stop))
+
+    def head(self, st: StorageRecord) -> bytes:
+        """The first :data:`_PROBE` bytes."""
+        data = self.read(st, 0, min(st.nbytes, _PROBE))
+        if st.nbytes <= _PROBE:
+            self.whole[st.key] = data
+        return data
+
+    def rest(self, st: StorageRecord) -> bytes:
+        """The sample after the head: the rest if small, else the middle and the last bytes."""
         n = st.nbytes
-        probe = 4096
-        if n <= 3 * probe:
-            return b"".join(self._read_chunks(st, 0, n))
+        if n <= _PROBE:
+            return b""
+        if n <= 3 * _PROBE:
+            data = self.whole[st.key] = self.read(st, 0, n)
+            return data[_PROBE:]
         mid = n // 2
-        return b"".join(
-            b"".join(self._read_chunks(st, a, a + probe)) for a in (0, mid, n - probe)
-        )
+        return self.read(st, mid, mid + _PROBE) + self.read(st, n - _PROBE, n)
 
-    def _digest(self, st: StorageRecord, itemsize: int) -> tuple[bytes, bool]:
+    def digest(self, st: StorageRecord, itemsize: int) -> tuple[bytes, bool]:
+        """A hash of all the bytes, and whether they are one ``itemsize`` value repeated."""
         h = hashlib.blake2b(digest_size=20)
         first: bytes | None = None
         constant = not st.compressed
-        for chunk in self._read_chunks(st, 0, st.nbytes):
+        whole = self.whole.get(st.key)
+        for chunk in [whole] if whole is not None else self.chunks(st, 0, st.nbytes):
             h.update(chunk)
             if constant:
                 if first is None:

@@ -170,3 +170,42 @@ class Estimate:
             "device_estimate": self.device_estimate.to_dict(),
             "notes": list(self.notes),
         }
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change that would shrink the peak, with the peak a re-trace gave for it."""
+
+    label: str
+    change: str
+    peak_bytes: int
+    device_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"label": self.label, "change": self.change, "peak_bytes": self.peak_bytes,
+                "device_bytes": self.device_bytes}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The largest value of ``dimension`` whose traced peak fits ``budget_bytes``.
+
+    ``best`` is 0 when even 1 does not fit. ``probes`` lists every traced value and its
+    measured bytes; ``best`` fits and ``best + 1`` was traced and does not (unless ``best``
+    hit ``limit``).
+    """
+
+    dimension: str
+    budget_bytes: int
+    measure: str
+    best: int
+    best_bytes: int
+    limit: int
+    probes: tuple[tuple[int, int], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"dimension": self.dimension, "budget_bytes": self.budget_bytes,
+                "measure": self.measure, "best": self.best, "best_bytes": self.best_bytes,
+                "limit": self.limit, "probes": [list(p) for p in self.probes]}

@@ -31,7 +31,9 @@ from torch import nn
 
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimate.optimizers import Implementation, OptimizerSpec, make_factory
-from modelsize.estimate.tracker import CountingFakeMode, Origin
+from torch.overrides import TorchFunctionMode
+
+from modelsize.estimate.tracker import Allocation, CountingFakeMode, Origin
 
 LossFn = Callable[[Any], torch.Tensor]
 ProgressFn = Callable[[str, int], None]
@@ -157,9 +159,15 @@ def _training_flags(model: nn.Module, training: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _checkpointed(model: nn.Module, patterns: Sequence[str]) -> Iterator[list[str]]:
-    """Wrap the ``forward`` of the modules matching ``patterns`` in non-reentrant checkpoint."""
+    """Wrap the ``forward`` of the modules matching ``patterns`` in non-reentrant checkpoint.
+
+    Checkpoint keeps a copy of the CPU RNG state (``torch.get_rng_state()``, a real tensor)
+    until the region's backward is done. The wrapper stands a fake tensor of the same size in
+    for it, held by the recomputation closure so that it lives exactly as long.
+    """
     import torch.utils.checkpoint as cp
 
+    rng_nbytes = torch.get_rng_state().nbytes
     matched: list[tuple[nn.Module, bool, Any]] = []
     names: list[str] = []
     for name, m in model.named_modules():
@@ -172,13 +180,20 @@ def _checkpointed(model: nn.Module, patterns: Sequence[str]) -> Iterator[list[st
             orig = m.forward
 
             def wrapped(*args: Any, __orig: Any = orig, **kwargs: Any) -> Any:
-                return cp.checkpoint(__orig, *args, use_reentrant=False, **kwargs)
+                rng_state = torch.empty(rng_nbytes, dtype=torch.uint8)
+
+                def run(*a: Any, __state: Any = rng_state, **k: Any) -> Any:
+                    return __orig(*a, **k)
+
+                del rng_state
+                return cp.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
+                                     **kwargs)
 
             m.forward = wrapped  # type: ignore[method-assign]
             matched.append((m, had, orig))
             names.append(name)
     if patterns and not matched:
-        raise UsageError(f"--checkpoint {', '.join(patterns)}: no module matches")
+        raise UsageError(f"checkpoint {', '.join(patterns)}: no module matches")
     try:
         yield names
     finally:
@@ -187,6 +202,19 @@ def _checkpointed(model: nn.Module, patterns: Sequence[str]) -> Iterator[list[st
                 m.forward = orig  # type: ignore[method-assign]
             else:
                 del m.forward
+
+
+@contextlib.contextmanager
+def _swapped_state(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The model's parameters and buffers are the fake copies for the whole program.
+
+    Not just during each forward: activation checkpointing re-runs module code inside the
+    backward, and that code must see the fake parameters too.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(model, state, tie_weights=True, strict=False):
+        yield
 
 
 def _states(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]:
@@ -239,10 +267,18 @@ def run_trace(
     module_acts: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_training_flags(model, train))
+        stack.enter_context(_swapped_state(model, state))
         stack.enter_context(_checkpointed(model, program.checkpoint if train else ()))
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(mode)
-        call = _caller(model, state, args, kwargs, device, program.amp)
+        scalars = _SavedScalars(mode)
+        if train and device.type == "cpu":
+            stack.enter_context(scalars)
+        if device.type == "cuda":
+            from modelsize.estimate.cuda_kernels import CudaKernelChoices
+
+            stack.enter_context(CudaKernelChoices())
+        call = _caller(model, args, kwargs, program.amp)
         label = ["forward"]
         if progress is not None:
             mode.progress = lambda tick: progress(label[0], tick)
@@ -252,7 +288,7 @@ def run_trace(
             mode.origin = Origin.FORWARD
             with torch.no_grad():
                 out = call()
-            _mark_saved(mode)
+            _mark_saved(mode, scalars)
             module_acts = _module_bytes(mode)
             del out
             mode.end_phase()
@@ -268,13 +304,14 @@ def run_trace(
                     mode.begin_phase("forward", step, micro)
                     mode.origin = Origin.FORWARD
                     loss = _forward_loss(call, loss_fn)
-                    _mark_saved(mode)
+                    _mark_saved(mode, scalars)
                     if step == 1 and micro == 1:
                         module_acts = _module_bytes(mode)
                     mode.begin_phase("backward", step, micro)
                     mode.origin = Origin.BACKWARD
                     loss.backward()
                     del loss
+                    scalars.release_all()
                 mode.begin_phase("optimizer", step)
                 mode.origin = Origin.OPTIMIZER
                 optimizer.step()
@@ -298,14 +335,14 @@ def _forward_loss(call: Callable[[], Any], loss_fn: LossFn) -> torch.Tensor:
     return loss
 
 
-def _caller(model: nn.Module, state: dict[str, torch.Tensor], args: tuple[Any, ...],
-            kwargs: dict[str, Any], device: torch.device,
+def _caller(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             amp: torch.dtype | None) -> Callable[[], Any]:
     def call() -> Any:
+        # The trace runs CPU kernels whatever the target device, so CPU autocast it is.
         ctx = (torch.autocast("cpu", dtype=amp) if amp is not None
                else contextlib.nullcontext())
         with ctx:
-            return torch.func.functional_call(model, state, args, kwargs, strict=False)
+            return model(*args, **kwargs)
 
     return call
 
@@ -332,6 +369,52 @@ def _fake_inputs(inputs: tuple[Any, ...] | Mapping[str, Any], copier: _FakeCopie
     return tuple(conv(v) for v in inputs), {}
 
 
+class _SavedScalars(TorchFunctionMode):
+    """Count the Python numbers autograd keeps for the backward of ``x * 0.5`` and ``x / 2``.
+
+    PyTorch wraps the number in an 8-byte CPU tensor and the backward node saves it until the
+    node runs: real bytes of the CPU allocator that fake tensors never see (GPT-2's GELU keeps
+    three per layer).
+    """
+
+    def __init__(self, mode: CountingFakeMode) -> None:
+        super().__init__()
+        self.mode = mode
+        self.pending: list[Allocation] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVES_SCALAR and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            numbers = [a for a in args if isinstance(a, (int, float, complex))
+                       and not isinstance(a, bool)]
+            if numbers and torch.is_grad_enabled():
+                rec = self.mode.track_virtual(16 if isinstance(numbers[0], complex) else 8)
+                self.pending.append(rec)
+                out.grad_fn.register_hook(_release(self.mode, rec))
+        return out
+
+    def release_all(self) -> None:
+        """The graph is gone after the backward: so are the scalars it held."""
+        for rec in self.pending:
+            self.mode.release(rec)
+        self.pending.clear()
+
+
+def _release(mode: CountingFakeMode, rec: Allocation) -> Callable[..., None]:
+    def hook(*_: Any) -> None:
+        mode.release(rec)
+
+    return hook
+
+
+_SAVES_SCALAR = {
+    torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.Tensor.__imul__, torch.div, torch.Tensor.div, torch.Tensor.div_,
+    torch.Tensor.__truediv__, torch.Tensor.__itruediv__, torch.true_divide,
+}
+
+
 def _grad_marker(mode: CountingFakeMode) -> Callable[[torch.Tensor], None]:
     def mark(p: torch.Tensor) -> None:
         if p.grad is not None:
@@ -340,10 +423,10 @@ def _grad_marker(mode: CountingFakeMode) -> Callable[[torch.Tensor], None]:
     return mark
 
 
-def _mark_saved(mode: CountingFakeMode) -> None:
+def _mark_saved(mode: CountingFakeMode, scalars: _SavedScalars) -> None:
     """Forward-made storages still alive when the forward ends are activations."""
-    for rec in mode.live.values():
-        if rec.origin is Origin.FORWARD:
+    for rec in (*mode.live.values(), *scalars.pending):
+        if rec.origin is Origin.FORWARD and rec.freed < 0:
             rec.saved = True
 
 

@@ -137,6 +137,25 @@ class CountingFakeMode(FakeTensorMode):
         weakref.finalize(st, self._free, key)
         return rec
 
+    def track_virtual(self, nbytes: int) -> Allocation:
+        """Count ``nbytes`` that no fake storage holds, from the next op until :meth:`release`."""
+        rec = Allocation(
+            nbytes=nbytes,
+            origin=self.origin,
+            created=self.tick + 1,
+            phase=len(self.phases) - 1,
+            module=self.modules[-1] if self.modules else "",
+        )
+        self.allocations.append(rec)
+        self.live_bytes += nbytes
+        return rec
+
+    def release(self, rec: Allocation) -> None:
+        """End a virtual allocation (idempotent)."""
+        if rec.freed < 0:
+            rec.freed = self.tick
+            self.live_bytes -= rec.nbytes
+
     def allocation_of(self, tensor: torch.Tensor) -> Allocation | None:
         """The live record of ``tensor``'s storage, if counted."""
         return self.live.get(tensor.untyped_storage()._cdata)

@@ -53,18 +53,25 @@ class PickleError(ValueError):
         self.globals = list(globals)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Global:
-    """A ``module.name`` reference (``GLOBAL``, ``STACK_GLOBAL``, ``INST``); never imported."""
+    """A ``module.name`` reference (``GLOBAL``, ``STACK_GLOBAL``, ``INST``); never imported.
+
+    ``qualname`` is ``module.name``, computed once: it is compared on every call judged.
+    """
 
     module: str
     name: str
+    qualname: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qualname", f"{self.module}.{self.name}")
 
     def __str__(self) -> str:
-        return f"{self.module}.{self.name}"
+        return self.qualname
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """What ``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ`` or ``INST`` would have built.
 
@@ -209,7 +216,7 @@ def is_module_class(ref: Global) -> bool:
 
 def is_safe_class(ref: Global) -> bool:
     """Whether instantiating ``ref`` (``NEWOBJ``, ``_reconstructor``) runs only known code."""
-    name = str(ref)
+    name = ref.qualname
     return is_module_class(ref) or name in _TENSOR_TYPES or (
         name in SAFE_CALLS and name not in _TORCH_REBUILD
     )
@@ -217,19 +224,31 @@ def is_safe_class(ref: Global) -> bool:
 
 # -- the machine ----------------------------------------------------------------------------
 
-
-_STRUCTS = {f: struct.Struct(f) for f in ("<B", "<H", "<i", "<I", "<Q")}
+_U16 = struct.Struct("<H").unpack_from
+_I32 = struct.Struct("<i").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+_F64 = struct.Struct(">d").unpack_from
 
 
 class _Stop(Exception):
     pass
 
 
+class _Fail(Exception):
+    """Raised inside an opcode; the loop turns it into a :class:`PickleError` naming the opcode.
+
+    Only the loop knows where the current opcode started, so handlers need not record it.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _name(obj: object) -> str:
     if isinstance(obj, Global):
-        return str(obj)
+        return obj.qualname
     if isinstance(obj, Call):
         return f"<object returned by {_name(obj.func)}>"
     if isinstance(obj, PersistentId):
@@ -239,6 +258,10 @@ def _name(obj: object) -> str:
 
 def _dynamic(obj: object) -> str:
     return f"<{obj}>" if isinstance(obj, Global) else _name(obj)
+
+
+_OBJECT = Global("builtins", "object")
+_NDARRAY = Global("numpy", "ndarray")
 
 
 class _Machine:
@@ -267,79 +290,103 @@ class _Machine:
         # id -> (depth, hash cost, obj) for nested hashable values; keeping the object keeps
         # its id unique.
         self.depths: dict[int, tuple[int, int, object]] = {}
-        self.op_pos = offset
-        self.op_name = ""
 
     # -- helpers -----------------------------------------------------------------------
-    def fail(self, reason: str) -> PickleError:
-        where = f"offset {self.op_pos}"
-        if self.op_name:
-            where = f"{self.op_name} at {where}"
+    def error(self, reason: str, op: int, name: str) -> PickleError:
+        """The error for a failure in the opcode ``name`` that starts at ``op``."""
+        where = f"{name} at offset {op}" if name else f"offset {op}"
         return PickleError(
-            f"{reason} ({where})", self.op_pos, self.unsafe, (str(g) for g in self.globals)
+            f"{reason} ({where})", op, self.unsafe, (str(g) for g in self.globals)
         )
 
-    def read(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > self.size:
-            raise self.fail(
-                f"needs {n} bytes but only {max(0, self.size - self.pos)} remain in the data"
-            )
-        out = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return out
+    def short(self, n: int) -> _Fail:
+        """The failure of a read of ``n`` bytes at the current position."""
+        return _Fail(f"needs {n} bytes but only {max(0, self.size - self.pos)} remain in the data")
 
-    def read_uint(self, fmt: str) -> int:
-        codec = _STRUCTS[fmt]
-        if self.pos + codec.size > self.size:
-            self.read(codec.size)  # raises with the standard message
-        value: int = codec.unpack_from(self.data, self.pos)[0]
-        self.pos += codec.size
+    def read(self, n: int) -> memoryview:
+        pos = self.pos
+        end = pos + n
+        if n < 0 or end > self.size:
+            raise self.short(n)
+        self.pos = end
+        return self.view[pos:end]
+
+    def read_byte(self) -> int:
+        pos = self.pos
+        if pos >= self.size:
+            raise self.short(1)
+        self.pos = pos + 1
+        return self.data[pos]
+
+    def read_u32(self) -> int:
+        pos = self.pos
+        if pos + 4 > self.size:
+            raise self.short(4)
+        self.pos = pos + 4
+        value: int = _U32(self.data, pos)[0]
+        return value
+
+    def read_i32(self) -> int:
+        pos = self.pos
+        if pos + 4 > self.size:
+            raise self.short(4)
+        self.pos = pos + 4
+        value: int = _I32(self.data, pos)[0]
+        return value
+
+    def read_u64(self) -> int:
+        pos = self.pos
+        if pos + 8 > self.size:
+            raise self.short(8)
+        self.pos = pos + 8
+        value: int = _U64(self.data, pos)[0]
         return value
 
     def readline(self) -> bytes:
         stop = min(self.size, self.pos + MAX_LINE)
         nl = self.data.find(b"\n", self.pos, stop)
         if nl < 0:
-            raise self.fail("line argument has no end of line")
+            raise _Fail("line argument has no end of line")
         line = bytes(self.view[self.pos : nl])
         self.pos = nl + 1
         return line
 
-    def push(self, obj: object) -> None:
-        if len(self.stack) >= MAX_STACK:
-            raise self.fail(f"more than {MAX_STACK} items on the stack")
-        self.stack.append(obj)
-
     def pop(self) -> Any:
         if not self.stack:
-            raise self.fail("stack underflow")
+            raise _Fail("stack underflow")
         return self.stack.pop()
 
     def top(self) -> Any:
         if not self.stack:
-            raise self.fail("stack underflow")
+            raise _Fail("stack underflow")
         return self.stack[-1]
 
     def pop_mark(self) -> list[Any]:
         if not self.metastack:
-            raise self.fail("no MARK to return to")
+            raise _Fail("no MARK to return to")
         items = self.stack
         self.stack = self.metastack.pop()
         return items
 
     def nested(self, obj: Any, children: Iterable[object]) -> Any:
-        """Record the depth and hashing cost of a tuple, frozenset or persistent id."""
-        depth, cost = 1, 1
+        """Record the depth and hashing cost of a tuple, frozenset or persistent id.
+
+        The cost saturates at ``MAX_HASH_COST + 1``: only whether it exceeds
+        :data:`MAX_HASH_COST` matters, and saturating at the end or along the way agrees on it.
+        """
+        depth = cost = 1
+        depths = self.depths
         for c in children:
             cost += 1
             if type(c) in _HASHED_NESTED:
-                entry = self.depths.get(id(c))
+                entry = depths.get(id(c))
                 if entry is not None and entry[2] is c:
-                    depth = max(depth, entry[0] + 1)
-                    cost = min(cost + entry[1], MAX_HASH_COST + 1)
+                    if entry[0] >= depth:
+                        depth = entry[0] + 1
+                    cost += entry[1]
         if depth > MAX_DEPTH:
-            raise self.fail(f"values nested more than {MAX_DEPTH} levels deep")
-        self.depths[id(obj)] = (depth, cost, obj)
+            raise _Fail(f"values nested more than {MAX_DEPTH} levels deep")
+        depths[id(obj)] = (depth, cost if cost <= MAX_HASH_COST else MAX_HASH_COST + 1, obj)
         return obj
 
     def key(self, obj: object) -> object:
@@ -349,7 +396,10 @@ class _Machine:
         the parse quadratic, so keys that cost more than :data:`MAX_HASH_COST` to hash are
         wrapped (compared by identity) instead.
         """
-        if type(obj) in _HASHED_NESTED:
+        t = type(obj)
+        if t is str or t is int:
+            return obj
+        if t in _HASHED_NESTED:
             entry = self.depths.get(id(obj))
             if entry is not None and entry[2] is obj and entry[1] > MAX_HASH_COST:
                 return UnhashableKey(obj)
@@ -363,7 +413,7 @@ class _Machine:
         try:
             return str(raw, encoding, errors)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise self.fail(f"undecodable text ({exc})") from exc
+            raise _Fail(f"undecodable text ({exc})") from exc
 
     def flag(self, name: str) -> None:
         self.unsafe.setdefault(name, None)
@@ -382,96 +432,114 @@ class _Machine:
     def judge_class(self, cls: object) -> None:
         if isinstance(cls, Global):
             if not is_safe_class(cls):
-                self.flag(str(cls))
+                self.flag(cls.qualname)
         else:
             self.judge_call(cls, ())
 
     def judge_call(self, func: object, args: object) -> None:
         """Record ``func`` as unsafe unless calling it with ``args`` is known to be harmless."""
-        if isinstance(func, PersistentId):
-            value = func.value
-            if isinstance(value, tuple) and len(value) > 1 and isinstance(value[1], Global):
-                self.judge_class(value[1])
-            else:
-                self.flag(_name(func))
-            return
-        if isinstance(func, Call):
-            if _name(func.func) not in self.unsafe:
-                self.flag(_name(func))
-            return
         if not isinstance(func, Global):
-            return  # calling a str or an int fails on load: nothing runs
-        name = str(func)
+            if isinstance(func, PersistentId):
+                value = func.value
+                if isinstance(value, tuple) and len(value) > 1 and isinstance(value[1], Global):
+                    self.judge_class(value[1])
+                else:
+                    self.flag(_name(func))
+            elif isinstance(func, Call) and _name(func.func) not in self.unsafe:
+                self.flag(_name(func))
+            return  # else calling a str or an int fails on load: nothing runs
+        name = func.qualname
         if name not in SAFE_CALLS:
             self.flag(name)
             return
+        if name in _PLAIN_CALLS:
+            return  # their arguments are data: nothing more to judge
         argv = args if isinstance(args, tuple) else ()
         if name in _CONVERTERS:
             for a in argv:
                 if isinstance(a, Global):
-                    self.flag(str(a))
+                    self.flag(a.qualname)
         elif name == "copyreg._reconstructor" and argv:
             self.judge_class(argv[0])
-            if len(argv) > 1 and argv[1] != Global("builtins", "object"):
+            if len(argv) > 1 and argv[1] != _OBJECT:
                 self.judge_class(argv[1])
         elif name == "torch._tensor._rebuild_from_type_v2" and len(argv) > 2:
             self.judge_call(argv[0], argv[2])
             self.judge_tensor_type(argv[1])
         elif name == "torch._utils._rebuild_wrapper_subclass" and argv:
             self.judge_tensor_type(argv[0])
-        elif name.endswith("._reconstruct") and argv and argv[0] != Global("numpy", "ndarray"):
+        elif name.endswith("._reconstruct") and argv and argv[0] != _NDARRAY:
             self.judge_class(argv[0])
 
     def judge_tensor_type(self, cls: object) -> None:
-        if not (isinstance(cls, Global) and str(cls) in _TENSOR_TYPES):
+        if not (isinstance(cls, Global) and cls.qualname in _TENSOR_TYPES):
             self.flag(_name(cls))
 
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> object:
-        dispatch = _DISPATCH
-        ops = 0
+        data, size = self.data, self.size
+        table = [getattr(self, f"op_{n.lower()}") if n else None for n in _NAMES]
+        # Every opcode consumes at least its own byte, pushes at most one item, MARKs or
+        # memoizes at most once, and the position never moves back (after_build checks it):
+        # n bytes run at most n opcodes. Pickles shorter than every ceiling cannot reach one,
+        # so only longer data pays for checking the stack, the MARKs and the memo.
+        checked = size - self.start > min(MAX_OPS, MAX_STACK, MAX_MEMO)
+        op = self.pos
         try:
-            while True:
-                if self.pos >= self.size:
-                    self.op_pos, self.op_name = self.pos, ""
-                    raise self.fail("data ends before the pickle's STOP opcode")
-                self.op_pos = self.pos
-                code = self.data[self.pos]
-                self.pos += 1
-                handler = dispatch.get(code)
+            # The range counts the opcodes (MAX_OPS) at no cost per opcode.
+            for _ in range(MAX_OPS):
+                op = self.pos
+                if op >= size:
+                    raise self.error("data ends before the pickle's STOP opcode", op, "")
+                handler = table[data[op]]
                 if handler is None:
-                    self.op_name = ""
-                    raise self.fail(f"unknown opcode {bytes([code])!r}")
-                self.op_name = handler[0]
-                ops += 1
-                if ops > MAX_OPS:
-                    raise self.fail(f"more than {MAX_OPS} opcodes")
-                handler[1](self)
+                    raise self.error(f"unknown opcode {bytes([data[op]])!r}", op, "")
+                self.pos = op + 1
+                handler()
+                if checked:
+                    self.check_ceilings()
+            op = self.pos
+            if op >= size:
+                raise self.error("data ends before the pickle's STOP opcode", op, "")
+            if table[data[op]] is None:
+                raise self.error(f"unknown opcode {bytes([data[op]])!r}", op, "")
+            raise self.error(f"more than {MAX_OPS} opcodes", op, _NAMES[data[op]])
         except _Stop:
             return self.stack.pop() if self.stack else None
+        except _Fail as exc:
+            raise self.error(exc.reason, op, _NAMES[data[op]]) from exc.__cause__
         except (struct.error, OverflowError, MemoryError, RecursionError) as exc:
-            raise self.fail(f"{type(exc).__name__}: {exc}") from exc
+            raise self.error(f"{type(exc).__name__}: {exc}", op, _NAMES[data[op]]) from exc
+
+    def check_ceilings(self) -> None:
+        """After an opcode: the ceilings it may have crossed (each opcode grows each by <= 1)."""
+        if len(self.stack) > MAX_STACK:
+            raise _Fail(f"more than {MAX_STACK} items on the stack")
+        if len(self.metastack) > MAX_STACK:
+            raise _Fail("too many MARKs")
+        if len(self.memo) > MAX_MEMO:
+            raise _Fail(f"more than {MAX_MEMO} memo entries")
 
     # -- opcodes -----------------------------------------------------------------------
+    # The frequent ones inline their reads and stack access: this loop is most of the time
+    # ``inspect`` spends on a checkpoint.
     def op_proto(self) -> None:
-        proto = self.read(1)[0]
+        proto = self.read_byte()
         if proto > HIGHEST_PROTOCOL:
-            raise self.fail(f"unsupported pickle protocol {proto}")
+            raise _Fail(f"unsupported pickle protocol {proto}")
         self.proto = proto
 
     def op_frame(self) -> None:
-        n = self.read_uint("<Q")
+        n = self.read_u64()
         if self.pos + n > self.size:
-            raise self.fail(f"frame of {n} bytes runs past the end of the data")
+            raise _Fail(f"frame of {n} bytes runs past the end of the data")
 
     def op_stop(self) -> None:
         if not self.stack:
-            raise self.fail("STOP with an empty stack")
+            raise _Fail("STOP with an empty stack")
         raise _Stop
 
     def op_mark(self) -> None:
-        if len(self.metastack) >= MAX_STACK:
-            raise self.fail("too many MARKs")
         self.metastack.append(self.stack)
         self.stack = []
 
@@ -485,163 +553,211 @@ class _Machine:
         self.pop_mark()
 
     def op_dup(self) -> None:
-        self.push(self.top())
+        self.stack.append(self.top())
 
     # constants and numbers
     def op_none(self) -> None:
-        self.push(None)
+        self.stack.append(None)
 
     def op_newtrue(self) -> None:
-        self.push(True)
+        self.stack.append(True)
 
     def op_newfalse(self) -> None:
-        self.push(False)
+        self.stack.append(False)
 
     def op_int(self) -> None:
         line = self.readline()
         if line == b"00":
-            self.push(False)
+            self.stack.append(False)
         elif line == b"01":
-            self.push(True)
+            self.stack.append(True)
         else:
-            self.push(self.parse_int(line))
+            self.stack.append(self.parse_int(line))
 
     def parse_int(self, line: bytes) -> int:
         if len(line) > 4000:
-            raise self.fail("integer literal longer than 4000 digits")
+            raise _Fail("integer literal longer than 4000 digits")
         try:
             return int(line.rstrip(b"L"), 0 if line[:2] in (b"0x", b"0o") else 10)
         except ValueError as exc:
-            raise self.fail(f"bad integer literal {line[:40]!r}") from exc
+            raise _Fail(f"bad integer literal {line[:40]!r}") from exc
 
     def op_long(self) -> None:
-        self.push(self.parse_int(self.readline()))
+        self.stack.append(self.parse_int(self.readline()))
 
     def op_binint(self) -> None:
-        self.push(self.read_uint("<i"))
+        self.stack.append(self.read_i32())
 
     def op_binint1(self) -> None:
-        self.push(self.read(1)[0])
+        pos = self.pos
+        if pos >= self.size:
+            raise self.short(1)
+        self.pos = pos + 1
+        self.stack.append(self.data[pos])
 
     def op_binint2(self) -> None:
-        self.push(self.read_uint("<H"))
+        pos = self.pos
+        if pos + 2 > self.size:
+            raise self.short(2)
+        self.pos = pos + 2
+        self.stack.append(_U16(self.data, pos)[0])
 
     def op_long1(self) -> None:
-        n = self.read(1)[0]
-        self.push(int.from_bytes(self.read(n), "little", signed=True))
+        n = self.read_byte()
+        self.stack.append(int.from_bytes(self.read(n), "little", signed=True))
 
     def op_long4(self) -> None:
-        n = self.read_uint("<i")
+        n = self.read_i32()
         if n < 0 or n > MAX_LONG_BYTES:
-            raise self.fail(f"LONG4 of {n} bytes (at most {MAX_LONG_BYTES} accepted)")
-        self.push(int.from_bytes(self.read(n), "little", signed=True))
+            raise _Fail(f"LONG4 of {n} bytes (at most {MAX_LONG_BYTES} accepted)")
+        self.stack.append(int.from_bytes(self.read(n), "little", signed=True))
 
     def op_float(self) -> None:
         line = self.readline()
         try:
-            self.push(float(line))
+            self.stack.append(float(line))
         except ValueError as exc:
-            raise self.fail(f"bad float literal {line[:40]!r}") from exc
+            raise _Fail(f"bad float literal {line[:40]!r}") from exc
 
     def op_binfloat(self) -> None:
-        self.push(struct.unpack(">d", self.read(8))[0])
+        self.stack.append(_F64(self.read(8))[0])
 
     # strings and bytes
     def op_string(self) -> None:
         line = self.readline().rstrip(b"\r")
         if len(line) < 2 or line[:1] != line[-1:] or line[:1] not in (b"'", b'"'):
-            raise self.fail("STRING argument is not quoted")
+            raise _Fail("STRING argument is not quoted")
         try:
             raw = codecs.escape_decode(line[1:-1])[0]
         except ValueError as exc:
-            raise self.fail(f"bad STRING escape ({exc})") from exc
-        self.push(raw.decode("latin-1"))
+            raise _Fail(f"bad STRING escape ({exc})") from exc
+        self.stack.append(raw.decode("latin-1"))
 
     def op_binstring(self) -> None:
-        n = self.read_uint("<i")
-        self.push(self.text(self.read(n), "latin-1"))
+        n = self.read_i32()
+        self.stack.append(self.text(self.read(n), "latin-1"))
 
     def op_short_binstring(self) -> None:
-        n = self.read(1)[0]
-        self.push(self.text(self.read(n), "latin-1"))
+        n = self.read_byte()
+        self.stack.append(self.text(self.read(n), "latin-1"))
 
     def op_unicode(self) -> None:
-        self.push(self.text(self.readline(), "raw-unicode-escape"))
+        self.stack.append(self.text(self.readline(), "raw-unicode-escape"))
 
     def op_binunicode(self) -> None:
-        n = self.read_uint("<I")
-        self.push(self.text(self.read(n), "utf-8", "surrogatepass"))
+        pos = self.pos
+        if pos + 4 > self.size:
+            raise self.short(4)
+        n = _U32(self.data, pos)[0]
+        self.pos = pos = pos + 4
+        end = pos + n
+        if end > self.size:
+            raise self.short(n)
+        self.pos = end
+        try:
+            self.stack.append(str(self.view[pos:end], "utf-8", "surrogatepass"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _Fail(f"undecodable text ({exc})") from exc
 
     def op_short_binunicode(self) -> None:
-        n = self.read(1)[0]
-        self.push(self.text(self.read(n), "utf-8", "surrogatepass"))
+        pos = self.pos
+        if pos >= self.size:
+            raise self.short(1)
+        n = self.data[pos]
+        self.pos = pos = pos + 1
+        end = pos + n
+        if end > self.size:
+            raise self.short(n)
+        self.pos = end
+        try:
+            self.stack.append(str(self.view[pos:end], "utf-8", "surrogatepass"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _Fail(f"undecodable text ({exc})") from exc
 
     def op_binunicode8(self) -> None:
-        n = self.read_uint("<Q")
-        self.push(self.text(self.read(n), "utf-8", "surrogatepass"))
+        n = self.read_u64()
+        self.stack.append(self.text(self.read(n), "utf-8", "surrogatepass"))
 
     def blob(self, n: int, kind: str = "bytes") -> None:
         offset = self.pos
         self.read(n)
-        self.push(Blob(offset, n, kind))
+        self.stack.append(Blob(offset, n, kind))
 
     def op_binbytes(self) -> None:
-        self.blob(self.read_uint("<I"))
+        self.blob(self.read_u32())
 
     def op_short_binbytes(self) -> None:
-        self.blob(self.read(1)[0])
+        self.blob(self.read_byte())
 
     def op_binbytes8(self) -> None:
-        self.blob(self.read_uint("<Q"))
+        self.blob(self.read_u64())
 
     def op_bytearray8(self) -> None:
-        self.blob(self.read_uint("<Q"), "bytearray")
+        self.blob(self.read_u64(), "bytearray")
 
-    def op_out_of_band(self) -> None:
-        raise self.fail("out-of-band buffers (protocol 5) cannot be read from a file")
+    def op_next_buffer(self) -> None:
+        raise _Fail("out-of-band buffers (protocol 5) cannot be read from a file")
+
+    op_readonly_buffer = op_next_buffer
 
     # containers
     def op_empty_list(self) -> None:
-        self.push([])
+        self.stack.append([])
 
     def op_empty_dict(self) -> None:
-        self.push({})
+        self.stack.append({})
 
     def op_empty_set(self) -> None:
-        self.push(set())
+        self.stack.append(set())
 
     def op_empty_tuple(self) -> None:
-        self.push(())
-
-    def tuple_of(self, items: list[Any]) -> tuple[Any, ...]:
-        return self.nested(tuple(items), items)  # type: ignore[no-any-return]
+        self.stack.append(())
 
     def op_tuple(self) -> None:
-        self.push(self.tuple_of(self.pop_mark()))
+        metastack = self.metastack
+        if not metastack:
+            raise _Fail("no MARK to return to")
+        items = self.stack
+        self.stack = stack = metastack.pop()
+        stack.append(self.nested(tuple(items), items))
 
     def op_tuple1(self) -> None:
-        self.push(self.tuple_of([self.pop()]))
+        stack = self.stack
+        if not stack:
+            raise _Fail("stack underflow")
+        t = (stack[-1],)
+        stack[-1] = self.nested(t, t)
 
     def op_tuple2(self) -> None:
-        b, a = self.pop(), self.pop()
-        self.push(self.tuple_of([a, b]))
+        stack = self.stack
+        if len(stack) < 2:
+            raise _Fail("stack underflow")
+        t = (stack[-2], stack[-1])
+        del stack[-1]
+        stack[-1] = self.nested(t, t)
 
     def op_tuple3(self) -> None:
-        c, b, a = self.pop(), self.pop(), self.pop()
-        self.push(self.tuple_of([a, b, c]))
+        stack = self.stack
+        if len(stack) < 3:
+            raise _Fail("stack underflow")
+        t = (stack[-3], stack[-2], stack[-1])
+        del stack[-2:]
+        stack[-1] = self.nested(t, t)
 
     def op_list(self) -> None:
-        self.push(self.pop_mark())
+        items = self.pop_mark()
+        self.stack.append(items)
 
     def op_dict(self) -> None:
         items = self.pop_mark()
         if len(items) % 2:
-            raise self.fail("odd number of items for DICT")
-        self.push({self.key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
+            raise _Fail("odd number of items for DICT")
+        key = self.key
+        self.stack.append({key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
 
     def op_frozenset(self) -> None:
         items = [self.key(x) for x in self.pop_mark()]
-        self.push(self.nested(frozenset(items), items))
+        self.stack.append(self.nested(frozenset(items), items))
 
     def extend(self, target: object, items: list[Any]) -> None:
         if isinstance(target, list):
@@ -649,7 +765,7 @@ class _Machine:
         elif isinstance(target, Call):
             target.items.extend(items)
         else:
-            raise self.fail(f"cannot append to a {type(target).__name__}")
+            raise _Fail(f"cannot append to a {type(target).__name__}")
 
     def op_append(self) -> None:
         value = self.pop()
@@ -661,19 +777,26 @@ class _Machine:
 
     def set_items(self, target: object, items: list[Any]) -> None:
         if len(items) % 2:
-            raise self.fail("odd number of items for SETITEMS")
-        pairs = [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+            raise _Fail("odd number of items for SETITEMS")
         if isinstance(target, dict):
-            for k, v in pairs:
-                target[self.key(k)] = v
+            key = self.key
+            for i in range(0, len(items), 2):
+                k = items[i]
+                # str and int keys hash cheaply and never fail: no need for key().
+                target[k if type(k) is str or type(k) is int else key(k)] = items[i + 1]
         elif isinstance(target, Call):
-            target.dictitems.extend(pairs)
+            target.dictitems.extend((items[i], items[i + 1]) for i in range(0, len(items), 2))
         else:
-            raise self.fail(f"cannot set items on a {type(target).__name__}")
+            raise _Fail(f"cannot set items on a {type(target).__name__}")
 
     def op_setitem(self) -> None:
-        value, key = self.pop(), self.pop()
-        self.set_items(self.top(), [key, value])
+        stack = self.stack
+        if len(stack) < 3:
+            # Two pops, then the target: the same checks in the same order, one message.
+            raise _Fail("stack underflow")
+        value = stack.pop()
+        key = stack.pop()
+        self.set_items(stack[-1], [key, value])
 
     def op_setitems(self) -> None:
         items = self.pop_mark()
@@ -687,27 +810,40 @@ class _Machine:
         elif isinstance(target, Call):
             target.items.extend(items)
         else:
-            raise self.fail(f"cannot add items to a {type(target).__name__}")
+            raise _Fail(f"cannot add items to a {type(target).__name__}")
 
     # memo
     def memo_put(self, idx: int) -> None:
-        if len(self.memo) >= MAX_MEMO and idx not in self.memo:
-            raise self.fail(f"more than {MAX_MEMO} memo entries")
         self.memo[idx] = self.top()
 
     def memo_get(self, idx: int) -> None:
-        if idx not in self.memo:
-            raise self.fail(f"memo entry {idx} was never stored")
-        self.push(self.memo[idx])
+        try:
+            self.stack.append(self.memo[idx])
+        except KeyError:
+            raise _Fail(f"memo entry {idx} was never stored") from None
 
     def op_put(self) -> None:
         self.memo_put(self.parse_int(self.readline()))
 
     def op_binput(self) -> None:
-        self.memo_put(self.read(1)[0])
+        pos = self.pos
+        if pos >= self.size:
+            raise self.short(1)
+        self.pos = pos + 1
+        stack = self.stack
+        if not stack:
+            raise _Fail("stack underflow")
+        self.memo[self.data[pos]] = stack[-1]
 
     def op_long_binput(self) -> None:
-        self.memo_put(self.read_uint("<I"))
+        pos = self.pos
+        if pos + 4 > self.size:
+            raise self.short(4)
+        self.pos = pos + 4
+        stack = self.stack
+        if not stack:
+            raise _Fail("stack underflow")
+        self.memo[_U32(self.data, pos)[0]] = stack[-1]
 
     def op_memoize(self) -> None:
         self.memo_put(len(self.memo))
@@ -716,10 +852,26 @@ class _Machine:
         self.memo_get(self.parse_int(self.readline()))
 
     def op_binget(self) -> None:
-        self.memo_get(self.read(1)[0])
+        pos = self.pos
+        if pos >= self.size:
+            raise self.short(1)
+        self.pos = pos + 1
+        idx = self.data[pos]
+        try:
+            self.stack.append(self.memo[idx])
+        except KeyError:
+            raise _Fail(f"memo entry {idx} was never stored") from None
 
     def op_long_binget(self) -> None:
-        self.memo_get(self.read_uint("<I"))
+        pos = self.pos
+        if pos + 4 > self.size:
+            raise self.short(4)
+        self.pos = pos + 4
+        idx = _U32(self.data, pos)[0]
+        try:
+            self.stack.append(self.memo[idx])
+        except KeyError:
+            raise _Fail(f"memo entry {idx} was never stored") from None
 
     # globals and calls
     def line_name(self) -> str:
@@ -728,7 +880,7 @@ class _Machine:
     def op_global(self) -> None:
         module = self.line_name()
         name = self.line_name()
-        self.push(self.make_global(module, name))
+        self.stack.append(self.make_global(module, name))
 
     def op_stack_global(self) -> None:
         name, module = self.pop(), self.pop()
@@ -740,45 +892,51 @@ class _Machine:
                 name if isinstance(name, str) else _dynamic(name),
             )
             self.globals.setdefault(ref, None)
-            self.flag(str(ref))
-            self.push(ref)
+            self.flag(ref.qualname)
+            self.stack.append(ref)
             return
-        self.push(self.make_global(module, name))
+        self.stack.append(self.make_global(module, name))
 
-    def op_ext(self, size: int) -> None:
-        code = self.read_uint({1: "<B", 2: "<H", 4: "<i"}[size])
+    def ext(self, code: int) -> None:
         ref = Global("copyreg-ext", str(code))
         self.globals.setdefault(ref, None)
-        self.flag(str(ref))
-        self.push(ref)
+        self.flag(ref.qualname)
+        self.stack.append(ref)
 
     def op_ext1(self) -> None:
-        self.op_ext(1)
+        self.ext(self.read_byte())
 
     def op_ext2(self) -> None:
-        self.op_ext(2)
+        pos = self.pos
+        if pos + 2 > self.size:
+            raise self.short(2)
+        self.pos = pos + 2
+        self.ext(_U16(self.data, pos)[0])
 
     def op_ext4(self) -> None:
-        self.op_ext(4)
+        self.ext(self.read_i32())
 
     def args_tuple(self, args: object) -> tuple[Any, ...]:
         if isinstance(args, tuple):
             return args
         if isinstance(args, list):
             return tuple(args)
-        raise self.fail(f"call arguments are a {type(args).__name__}, not a tuple")
+        raise _Fail(f"call arguments are a {type(args).__name__}, not a tuple")
 
     def op_reduce(self) -> None:
-        args = self.pop()
-        func = self.pop()
+        stack = self.stack
+        if len(stack) < 2:
+            raise _Fail("stack underflow")
+        args = stack.pop()
+        func = stack.pop()
         self.judge_call(func, args)
-        self.push(Call(func, self.args_tuple(args)))
+        stack.append(Call(func, args if type(args) is tuple else self.args_tuple(args)))
 
     def op_newobj(self) -> None:
         args = self.pop()
         cls = self.pop()
         self.judge_class(cls)
-        self.push(Call(cls, self.args_tuple(args), kind="newobj"))
+        self.stack.append(Call(cls, self.args_tuple(args), kind="newobj"))
 
     def op_newobj_ex(self) -> None:
         kwargs = self.pop()
@@ -788,15 +946,15 @@ class _Machine:
         call = Call(cls, self.args_tuple(args), kind="newobj")
         if isinstance(kwargs, dict):
             call.kwargs = kwargs
-        self.push(call)
+        self.stack.append(call)
 
     def op_obj(self) -> None:
         items = self.pop_mark()
         if not items:
-            raise self.fail("OBJ without a class")
+            raise _Fail("OBJ without a class")
         cls, args = items[0], tuple(items[1:])
         self.judge_call(cls, args)
-        self.push(Call(cls, args, kind="obj"))
+        self.stack.append(Call(cls, args, kind="obj"))
 
     def op_inst(self) -> None:
         module = self.line_name()
@@ -804,7 +962,7 @@ class _Machine:
         cls = self.make_global(module, name)
         args = tuple(self.pop_mark())
         self.judge_call(cls, args)
-        self.push(Call(cls, args, kind="inst"))
+        self.stack.append(Call(cls, args, kind="inst"))
 
     def op_build(self) -> None:
         state = self.pop()
@@ -815,7 +973,7 @@ class _Machine:
                 self.after_build(self.on_build, target)
         elif isinstance(target, Global):
             # BUILD on a module or class sets its attributes: loading rewrites code.
-            self.flag(str(target))
+            self.flag(target.qualname)
         elif isinstance(target, PersistentId):
             self.flag(_name(target))
 
@@ -825,16 +983,20 @@ class _Machine:
             return
         pos, replacement = found
         if not self.pos <= pos <= self.size:
-            raise self.fail(f"data after BUILD claims to end at {pos}, past the data")
+            raise _Fail(f"data after BUILD claims to end at {pos}, past the data")
         self.pos = pos
         self.stack[-1] = replacement
 
     def op_persid(self) -> None:
         pid = self.text(self.readline(), "ascii")
-        self.push(self.persistent(pid))
+        self.stack.append(self.persistent(pid))
 
     def op_binpersid(self) -> None:
-        self.push(self.persistent(self.pop()))
+        stack = self.stack
+        if not stack:
+            raise _Fail("stack underflow")
+        pid = stack.pop()
+        stack.append(self.persistent(pid))
 
     def persistent(self, pid: object) -> object:
         if self.persistent_load is not None:
@@ -844,80 +1006,32 @@ class _Machine:
 
 #: Types whose hash recurses into their contents (their nesting depth is tracked).
 _HASHED_NESTED = frozenset({tuple, frozenset, PersistentId})
+#: Safe callables with no argument that needs judging (see :meth:`_Machine.judge_call`).
+_PLAIN_CALLS = SAFE_CALLS - _CONVERTERS - {
+    "copyreg._reconstructor", "torch._tensor._rebuild_from_type_v2",
+    "torch._utils._rebuild_wrapper_subclass",
+} - {n for n in SAFE_CALLS if n.endswith("._reconstruct")}
 
-_OPCODES: dict[bytes, tuple[str, Callable[[_Machine], None]]] = {
-    b"\x80": ("PROTO", _Machine.op_proto),
-    b"\x95": ("FRAME", _Machine.op_frame),
-    b".": ("STOP", _Machine.op_stop),
-    b"(": ("MARK", _Machine.op_mark),
-    b"0": ("POP", _Machine.op_pop),
-    b"1": ("POP_MARK", _Machine.op_pop_mark),
-    b"2": ("DUP", _Machine.op_dup),
-    b"N": ("NONE", _Machine.op_none),
-    b"\x88": ("NEWTRUE", _Machine.op_newtrue),
-    b"\x89": ("NEWFALSE", _Machine.op_newfalse),
-    b"I": ("INT", _Machine.op_int),
-    b"L": ("LONG", _Machine.op_long),
-    b"J": ("BININT", _Machine.op_binint),
-    b"K": ("BININT1", _Machine.op_binint1),
-    b"M": ("BININT2", _Machine.op_binint2),
-    b"\x8a": ("LONG1", _Machine.op_long1),
-    b"\x8b": ("LONG4", _Machine.op_long4),
-    b"F": ("FLOAT", _Machine.op_float),
-    b"G": ("BINFLOAT", _Machine.op_binfloat),
-    b"S": ("STRING", _Machine.op_string),
-    b"T": ("BINSTRING", _Machine.op_binstring),
-    b"U": ("SHORT_BINSTRING", _Machine.op_short_binstring),
-    b"V": ("UNICODE", _Machine.op_unicode),
-    b"X": ("BINUNICODE", _Machine.op_binunicode),
-    b"\x8c": ("SHORT_BINUNICODE", _Machine.op_short_binunicode),
-    b"\x8d": ("BINUNICODE8", _Machine.op_binunicode8),
-    b"B": ("BINBYTES", _Machine.op_binbytes),
-    b"C": ("SHORT_BINBYTES", _Machine.op_short_binbytes),
-    b"\x8e": ("BINBYTES8", _Machine.op_binbytes8),
-    b"\x96": ("BYTEARRAY8", _Machine.op_bytearray8),
-    b"\x97": ("NEXT_BUFFER", _Machine.op_out_of_band),
-    b"\x98": ("READONLY_BUFFER", _Machine.op_out_of_band),
-    b"]": ("EMPTY_LIST", _Machine.op_empty_list),
-    b"}": ("EMPTY_DICT", _Machine.op_empty_dict),
-    b"\x8f": ("EMPTY_SET", _Machine.op_empty_set),
-    b")": ("EMPTY_TUPLE", _Machine.op_empty_tuple),
-    b"t": ("TUPLE", _Machine.op_tuple),
-    b"\x85": ("TUPLE1", _Machine.op_tuple1),
-    b"\x86": ("TUPLE2", _Machine.op_tuple2),
-    b"\x87": ("TUPLE3", _Machine.op_tuple3),
-    b"l": ("LIST", _Machine.op_list),
-    b"d": ("DICT", _Machine.op_dict),
-    b"\x91": ("FROZENSET", _Machine.op_frozenset),
-    b"a": ("APPEND", _Machine.op_append),
-    b"e": ("APPENDS", _Machine.op_appends),
-    b"s": ("SETITEM", _Machine.op_setitem),
-    b"u": ("SETITEMS", _Machine.op_setitems),
-    b"\x90": ("ADDITEMS", _Machine.op_additems),
-    b"p": ("PUT", _Machine.op_put),
-    b"q": ("BINPUT", _Machine.op_binput),
-    b"r": ("LONG_BINPUT", _Machine.op_long_binput),
-    b"\x94": ("MEMOIZE", _Machine.op_memoize),
-    b"g": ("GET", _Machine.op_get),
-    b"h": ("BINGET", _Machine.op_binget),
-    b"j": ("LONG_BINGET", _Machine.op_long_binget),
-    b"c": ("GLOBAL", _Machine.op_global),
-    b"\x93": ("STACK_GLOBAL", _Machine.op_stack_global),
-    b"\x82": ("EXT1", _Machine.op_ext1),
-    b"\x83": ("EXT2", _Machine.op_ext2),
-    b"\x84": ("EXT4", _Machine.op_ext4),
-    b"R": ("REDUCE", _Machine.op_reduce),
-    b"\x81": ("NEWOBJ", _Machine.op_newobj),
-    b"\x92": ("NEWOBJ_EX", _Machine.op_newobj_ex),
-    b"o": ("OBJ", _Machine.op_obj),
-    b"i": ("INST", _Machine.op_inst),
-    b"b": ("BUILD", _Machine.op_build),
-    b"P": ("PERSID", _Machine.op_persid),
-    b"Q": ("BINPERSID", _Machine.op_binpersid),
+_OPCODES: dict[bytes, str] = {
+    b"\x80": "PROTO", b"\x95": "FRAME", b".": "STOP", b"(": "MARK", b"0": "POP",
+    b"1": "POP_MARK", b"2": "DUP", b"N": "NONE", b"\x88": "NEWTRUE", b"\x89": "NEWFALSE",
+    b"I": "INT", b"L": "LONG", b"J": "BININT", b"K": "BININT1", b"M": "BININT2",
+    b"\x8a": "LONG1", b"\x8b": "LONG4", b"F": "FLOAT", b"G": "BINFLOAT", b"S": "STRING",
+    b"T": "BINSTRING", b"U": "SHORT_BINSTRING", b"V": "UNICODE", b"X": "BINUNICODE",
+    b"\x8c": "SHORT_BINUNICODE", b"\x8d": "BINUNICODE8", b"B": "BINBYTES",
+    b"C": "SHORT_BINBYTES", b"\x8e": "BINBYTES8", b"\x96": "BYTEARRAY8",
+    b"\x97": "NEXT_BUFFER", b"\x98": "READONLY_BUFFER", b"]": "EMPTY_LIST", b"}": "EMPTY_DICT",
+    b"\x8f": "EMPTY_SET", b")": "EMPTY_TUPLE", b"t": "TUPLE", b"\x85": "TUPLE1",
+    b"\x86": "TUPLE2", b"\x87": "TUPLE3", b"l": "LIST", b"d": "DICT", b"\x91": "FROZENSET",
+    b"a": "APPEND", b"e": "APPENDS", b"s": "SETITEM", b"u": "SETITEMS", b"\x90": "ADDITEMS",
+    b"p": "PUT", b"q": "BINPUT", b"r": "LONG_BINPUT", b"\x94": "MEMOIZE", b"g": "GET",
+    b"h": "BINGET", b"j": "LONG_BINGET", b"c": "GLOBAL", b"\x93": "STACK_GLOBAL",
+    b"\x82": "EXT1", b"\x83": "EXT2", b"\x84": "EXT4", b"R": "REDUCE", b"\x81": "NEWOBJ",
+    b"\x92": "NEWOBJ_EX", b"o": "OBJ", b"i": "INST", b"b": "BUILD", b"P": "PERSID",
+    b"Q": "BINPERSID",
 }
-_DISPATCH: dict[int, tuple[str, Callable[[_Machine], None]]] = {
-    k[0]: v for k, v in _OPCODES.items()
-}
+#: Opcode name by byte ("" for bytes that are no opcode); the handler is ``op_<name>``.
+_NAMES: list[str] = [_OPCODES.get(bytes([b]), "") for b in range(256)]
 
 
 def scan(

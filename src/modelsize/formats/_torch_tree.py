@@ -22,6 +22,7 @@ a tensor pickled twice through the memo is one tensor, named by its first path.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -96,8 +97,7 @@ class StorageRef:
     @property
     def itemsize(self) -> int:
         """Bytes per storage element (packed sub-byte types count one byte, as torch does)."""
-        dt = DTYPES.get(self.dtype)
-        return max(1, math.ceil(dt.itemsize)) if dt else 1
+        return storage_itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -174,7 +174,21 @@ class _Invalid(Exception):
 
 def global_name(obj: object) -> str:
     """``module.name`` of a :class:`Global`, else an empty string."""
-    return str(obj) if isinstance(obj, Global) else ""
+    return obj.qualname if isinstance(obj, Global) else ""
+
+
+_ITEMSIZES: dict[str, int] = {}
+
+
+def storage_itemsize(dtype: str) -> int:
+    """Bytes per element of a storage of ``dtype``: packed sub-byte types count one byte."""
+    size = _ITEMSIZES.get(dtype)
+    if size is None:
+        dt = DTYPES.get(dtype)
+        if dt is None:
+            return 1
+        size = _ITEMSIZES[dtype] = max(1, math.ceil(dt.itemsize))
+    return size
 
 
 def mapping_items(obj: object) -> list[tuple[object, object]] | None:
@@ -202,8 +216,13 @@ def _is_optimizer_state(obj: object) -> bool:
     return "state" in keys and "param_groups" in keys
 
 
-def _tokens(key: str) -> list[str]:
-    return re.split(r"[._\-]", key)
+_SEPARATORS = re.compile(r"[._\-]")
+
+
+@functools.lru_cache(maxsize=4096)
+def _tokens(key: str) -> frozenset[str]:
+    # Cached: checkpoints repeat the same few keys (weight, bias, exp_avg...) thousands of times.
+    return frozenset(_SEPARATORS.split(key))
 
 
 def _is_ema(key: str) -> bool:
@@ -211,6 +230,13 @@ def _is_ema(key: str) -> bool:
 
 
 def _ints(obj: object, what: str) -> tuple[int, ...]:
+    if type(obj) is tuple and len(obj) <= MAX_DIMS:
+        # The common case, checked without building anything: a tuple of plain ints >= 0.
+        for d in obj:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return obj
     if isinstance(obj, Call) and global_name(obj.func) == "torch.Size" and obj.args:
         obj = obj.args[0]
     if not isinstance(obj, (tuple, list)) or len(obj) > MAX_DIMS:
@@ -419,6 +445,8 @@ class _Walker:
                 forced, soft = new, False
         if "ema" not in tags and _is_ema(k):
             tags = (*tags, "ema")
+        if forced is ctx.forced and soft == ctx.soft and tags is ctx.tags and opt == ctx.optimizer:
+            return ctx  # contexts are frozen: most keys change nothing and share their parent's
         return _Ctx(forced, soft, tags, opt)
 
     # -- declaring --------------------------------------------------------------------
@@ -447,16 +475,18 @@ class _Walker:
         if dt is None:
             raise _Invalid(f"tensor {name!r} has unknown dtype {t.dtype}")
         n = math.prod(t.shape)
+        base = ref.base * ref.itemsize
         if n:
-            span = 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride or (), strict=False))
-            if t.stride is None:
+            stride = t.stride
+            if stride is None:
                 span = n
-            start = ref.base * ref.itemsize + dt.nbytes(t.offset)
-            if start + dt.nbytes(span) > ref.nbytes:
+            else:
+                span = 1 + sum((d - 1) * s for d, s in zip(t.shape, stride, strict=False))
+            end = base + dt.nbytes(t.offset) + dt.nbytes(span)
+            if end > ref.nbytes:
                 raise _Invalid(
                     f"tensor {name!r} ({t.dtype}{list(t.shape)} at element {t.offset}) "
-                    f"reaches byte {start + dt.nbytes(span)} of storage {ref.key!r}, "
-                    f"which holds {ref.nbytes}"
+                    f"reaches byte {end} of storage {ref.key!r}, which holds {ref.nbytes}"
                 )
         if t.blob is not None:
             if self.blob_base is None:
@@ -467,7 +497,7 @@ class _Walker:
                 offset = self.blob_base + t.blob.offset
                 self.builder.add_storage(ref.key, offset, t.blob.nbytes, dtype=t.dtype)
                 self.summary.blobs.append((offset, t.blob.nbytes))
-        offset = t.offset + (ref.base * ref.itemsize // max(1, math.ceil(dt.itemsize)))
+        offset = t.offset + base // storage_itemsize(t.dtype)
         self.builder.add_tensor(
             name, t.dtype, t.shape, cat, storage=ref.key, storage_offset=offset,
             strides=t.stride, tags=tags,

@@ -45,16 +45,29 @@ class Member:
         return self.data_offset - self.header_offset
 
 
-def members(path: Path, builder: InventoryBuilder, file: int = 0) -> list[Member]:
-    """All members with their data offsets, each checked to lie inside the file."""
+def members(
+    path: Path,
+    builder: InventoryBuilder,
+    file: int = 0,
+    infos: list[zipfile.ZipInfo] | None = None,
+) -> list[Member]:
+    """All members with their data offsets, each checked to lie inside the file.
+
+    ``infos`` is the central directory if the caller already parsed it
+    (:meth:`~modelsize.formats.base.Source.zip_infos`); it is read from ``path`` otherwise.
+    """
     size = builder.files[file].nbytes
-    try:
-        with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
-    except zipfile.BadZipFile as exc:
-        raise builder.corrupt(f"zip central directory unreadable ({exc})", None, file) from exc
+    if infos is None:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                infos = zf.infolist()
+        except zipfile.BadZipFile as exc:
+            raise builder.corrupt(
+                f"zip central directory unreadable ({exc})", None, file
+            ) from exc
     out: list[Member] = []
-    with open(path, "rb") as fh:
+    # Unbuffered: each header is one small read at a far offset, a buffer would only cost.
+    with open(path, "rb", buffering=0) as fh:
         for info in infos:
             if info.header_offset + _LOCAL.size > size:
                 raise builder.corrupt(
@@ -63,12 +76,12 @@ def members(path: Path, builder: InventoryBuilder, file: int = 0) -> list[Member
                 )
             fh.seek(info.header_offset)
             raw = fh.read(_LOCAL.size)
-            fields = _LOCAL.unpack(raw)
-            if fields[0] != _LOCAL_MAGIC:
+            if len(raw) < _LOCAL.size or raw[:4] != _LOCAL_MAGIC:
                 raise builder.corrupt(
                     f"member {info.filename!r}: no local header at {info.header_offset}",
                     info.header_offset, file,
                 )
+            fields = _LOCAL.unpack(raw)
             name_len, extra_len = fields[9], fields[10]
             data_offset = info.header_offset + _LOCAL.size + name_len + extra_len
             builder.check_range(data_offset, info.compress_size, f"member {info.filename!r}", file)

@@ -25,7 +25,7 @@ class Source:
     kind: str  # "file", "dir" or "missing"
     head: bytes = b""
     size: int = 0
-    _zip_names: list[str] | None = field(default=None, repr=False)
+    _zip_infos: list[zipfile.ZipInfo] | None = field(default=None, repr=False)
     _zip_checked: bool = field(default=False, repr=False)
 
     @classmethod
@@ -50,17 +50,25 @@ class Source:
         """A zip archive (local file header magic)."""
         return self.head[:4] == b"PK\x03\x04"
 
-    def zip_names(self) -> list[str]:
-        """Member names of a zip archive from its central directory (empty if unreadable)."""
+    def zip_infos(self) -> list[zipfile.ZipInfo] | None:
+        """The central directory of a zip archive, parsed once; ``None`` if unreadable.
+
+        Sniffing reads it and the reader reuses it: parsing it costs as much as a checkpoint's
+        whole pickle.
+        """
         if not self._zip_checked:
             self._zip_checked = True
             if self.is_zip:
                 try:
                     with zipfile.ZipFile(self.path) as zf:
-                        self._zip_names = zf.namelist()
+                        self._zip_infos = zf.infolist()
                 except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-                    self._zip_names = None
-        return self._zip_names or []
+                    self._zip_infos = None
+        return self._zip_infos
+
+    def zip_names(self) -> list[str]:
+        """Member names of a zip archive from its central directory (empty if unreadable)."""
+        return [info.filename for info in self.zip_infos() or ()]
 
 
 @runtime_checkable

@@ -46,7 +46,7 @@ from modelsize.formats._torch_tree import (
 )
 from modelsize.formats.base import Source
 from modelsize.formats.safetensors import classify_name
-from modelsize.formats.torch_sharded import inside, relative
+from modelsize.formats.torch_sharded import inside, relative, split_facts
 from modelsize.inventory import Inventory, InventoryBuilder
 
 FORMAT = "torch-dcp"
@@ -380,7 +380,7 @@ class _DcpRead:
         for name in self.unsafe:
             b.add_unsafe_global(name)
         for i, p in enumerate(stale, start=1 + len(names)):
-            b.add_region(0, b.files[i].nbytes, Category.OTHER, f"{p.name} (not in .metadata)")
+            b.add_region(0, b.files[i].nbytes, Category.OTHER, f"{p.name} (not in .metadata)", i)
         if stale:
             b.notes.append(
                 f"{len(stale)} .distcp file(s) are not referenced by .metadata (left over from "
@@ -406,25 +406,21 @@ class _DcpRead:
             if missing:
                 raise self.bad(f"tensor {printable(t.fqn)!r} chunk at {missing[0]} has no entry "
                                "in storage_data")
-        self.facts(names, version)
-        b.notes.extend(self.notes)
-        return b.build()
-
-    def facts(self, names: list[str], version: list[str]) -> None:
-        b = self.builder
-        ranks: dict[int, int] = {}
-        for i, n in enumerate(names, start=1):
-            m = _RANK_FILE.match(Path(n).name)
-            if m:
-                r = int(m.group(1))
-                ranks[r] = ranks.get(r, 0) + b.files[i].nbytes
-        if ranks:
-            b.facts["ranks"] = str(len(ranks))
-            for r in sorted(ranks):
-                b.facts[f"rank {r} bytes"] = str(ranks[r])
         b.facts["dcp_files"] = str(len(names))
         if version:
             b.facts["dcp_version"] = version[0]
+        b.notes.extend(self.notes)
+        inv = b.build()
+        ranks: dict[str, list[int]] = {}
+        for i, n in enumerate(names, start=1):
+            m = _RANK_FILE.match(Path(n).name)
+            if m:
+                ranks.setdefault(f"rank {int(m.group(1))}", []).append(i)
+        if ranks:
+            inv.facts["ranks"] = str(len(ranks))
+            inv.facts.update(split_facts(inv, dict(sorted(ranks.items(),
+                                                          key=lambda kv: int(kv[0][5:])))))
+        return inv
 
     def corrupt_item(self, item: _Item, file: int, reason: str) -> CorruptFileError:
         return self.builder.corrupt(
@@ -518,9 +514,8 @@ class _DcpRead:
             raise self.corrupt_item(
                 item, file, f".metadata says {meta.dtype}{list(chunk.sizes)}, the item holds "
                 f"{args[0].dtype}{list(shape)}")
-        n = math.prod(shape)
-        if n and dt.nbytes(args[1] + 1 + sum((d - 1) * s for d, s in zip(shape, stride,
-                                                                         strict=False))) > args[0].nbytes:
+        last = args[1] + sum((d - 1) * s for d, s in zip(shape, stride, strict=False))
+        if math.prod(shape) and dt.nbytes(last + 1) > args[0].nbytes:
             raise self.corrupt_item(item, file, "the tensor reaches past its storage")
         b.add_tensor(name, meta.dtype, shape, cat[0], storage=args[0].key,
                      storage_offset=args[1], strides=stride, tags=cat[1])
@@ -575,13 +570,13 @@ class TorchDcpReader:
     extensions = (SUFFIX, METADATA_NAME)
 
     def sniff(self, source: Source) -> bool:
-        """A directory with a ``.metadata`` file, or that file or a ``.distcp`` file itself."""
+        """A directory with a ``.metadata`` file, or that pickle or a ``.distcp`` file itself."""
         if source.kind == "dir":
             return (source.path / METADATA_NAME).is_file()
         if source.kind != "file":
             return False
         if source.path.name == METADATA_NAME:
-            return True
+            return source.head[:1] == b"\x80"  # a pickle, as DCP writes it
         return source.suffix == SUFFIX and (source.path.parent / METADATA_NAME).is_file()
 
     def read(self, source: Source) -> Inventory:

@@ -225,6 +225,23 @@ def bytes_by_file(inv: Inventory) -> list[dict[Category, int]]:
     return out
 
 
+def split_facts(inv: Inventory, groups: dict[str, list[int]]) -> dict[str, str]:
+    """``{group: "N bytes: a weights, b optimizer_state, ..."}`` for groups of file indices.
+
+    How a multi-file checkpoint splits across ranks (or model and optimizer files).
+    """
+    per_file = bytes_by_file(inv)
+    out = {}
+    for label, indices in groups.items():
+        totals: dict[Category, int] = {}
+        for i in indices:
+            for cat, n in per_file[i].items():
+                totals[cat] = totals.get(cat, 0) + n
+        parts = ", ".join(f"{totals[c]} {c.value}" for c in Category if totals.get(c))
+        out[label] = f"{sum(totals.values())} bytes" + (f": {parts}" if parts else "")
+    return out
+
+
 def relative(path: Path, base: Path) -> str:
     """``path`` relative to ``base`` in POSIX form (the path itself if it is elsewhere)."""
     try:

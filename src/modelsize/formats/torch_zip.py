@@ -83,6 +83,7 @@ class TorchZipReader:
 
 class _ZipRead:
     def __init__(self, source: Source, fmt: str) -> None:
+        self.source = source
         self.path = source.path
         self.builder = InventoryBuilder(fmt, [source.path])
         self.members: dict[str, _zip.Member] = {}
@@ -91,7 +92,7 @@ class _ZipRead:
 
     def run(self) -> Inventory:
         b = self.builder
-        items = _zip.members(self.path, b)
+        items = _zip.members(self.path, b, infos=self.source.zip_infos())
         self.members = {m.name: m for m in items}
         data_pkl = next((m for m in items if _is_data_pkl(m.name)), None)
         if data_pkl is None:

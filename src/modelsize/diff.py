@@ -1,0 +1,165 @@
+"""``modelsize diff A B``: two checkpoints side by side, by category and by tensor.
+
+Both sides are read like ``inspect`` reads them (metadata only, any format). Tensors are
+matched by name; names that differ only by a file label (``mp0.model:``, ``shard:``) or a
+wrapper prefix (``module.`` of DDP/DeepSpeed, ``_orig_mod.`` of ``torch.compile``) are
+matched too when that leaves no ambiguity, so a DeepSpeed checkpoint compares with the state
+dict exported from it. A matched tensor whose dtype, shape or category differs is *changed*;
+values are never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelsize.categories import Category
+from modelsize.inventory import Inventory, TensorRecord
+
+#: Prefixes that wrappers add to every parameter name (DDP / DeepSpeed, torch.compile).
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """One tensor present on both sides whose dtype, shape or category differs."""
+
+    name: str
+    a: TensorRecord
+    b: TensorRecord
+
+    @property
+    def changes(self) -> tuple[str, ...]:
+        """What differs: any of ``dtype``, ``shape``, ``category``."""
+        out = []
+        if self.a.dtype != self.b.dtype:
+            out.append("dtype")
+        if self.a.shape != self.b.shape:
+            out.append("shape")
+        if self.a.category != self.b.category:
+            out.append("category")
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "b_name": self.b.name if self.b.name != self.name else None,
+            "changes": list(self.changes),
+            "a": _brief(self.a),
+            "b": _brief(self.b),
+        }
+
+
+def _brief(t: TensorRecord) -> dict[str, Any]:
+    return {"dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+            "category": t.category.value}
+
+
+@dataclass(frozen=True)
+class Diff:
+    """Two inventories compared: bytes per category and tensors added, removed, changed."""
+
+    a: Inventory
+    b: Inventory
+    added: tuple[TensorRecord, ...]
+    removed: tuple[TensorRecord, ...]
+    changed: tuple[TensorChange, ...]
+    unchanged: int
+    renamed: int = 0
+
+    def category_delta(self) -> dict[Category, tuple[int, int]]:
+        """``{category: (bytes in A, bytes in B)}`` for every category, in display order."""
+        return {c: (self.a.bytes_by_category[c], self.b.bytes_by_category[c]) for c in Category}
+
+    @property
+    def identical_layout(self) -> bool:
+        """No tensor added, removed or changed (values may still differ)."""
+        return not (self.added or self.removed or self.changed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form of the comparison."""
+
+        def side(inv: Inventory) -> dict[str, Any]:
+            return {"path": str(inv.path), "format": inv.format, "file_bytes": inv.file_bytes,
+                    "files": len(inv.files), "tensor_count": len(inv.tensors)}
+
+        return {
+            "a": side(self.a),
+            "b": side(self.b),
+            "file_bytes": {"a": self.a.file_bytes, "b": self.b.file_bytes,
+                           "delta": self.b.file_bytes - self.a.file_bytes},
+            "bytes_by_category": {
+                c.value: {"a": x, "b": y, "delta": y - x}
+                for c, (x, y) in self.category_delta().items()
+            },
+            "tensors": {"unchanged": self.unchanged, "changed": len(self.changed),
+                        "added": len(self.added), "removed": len(self.removed),
+                        "matched_by_stripped_name": self.renamed},
+            "added": [t.to_dict() for t in self.added],
+            "removed": [t.to_dict() for t in self.removed],
+            "changed": [c.to_dict() for c in self.changed],
+        }
+
+
+def _stripped(name: str) -> str:
+    """The name without a file label (``label:``) and wrapper prefixes."""
+    bare = name.rsplit(":", 1)[-1]
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if bare.startswith(prefix):
+                bare, changed = bare[len(prefix):], True
+    return bare
+
+
+def _first_by_name(tensors: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
+    out: dict[str, TensorRecord] = {}
+    for t in tensors:
+        out.setdefault(t.name, t)
+    return out
+
+
+def _unique_by(tensors: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
+    groups: dict[str, list[TensorRecord]] = {}
+    for t in tensors:
+        groups.setdefault(_stripped(t.name), []).append(t)
+    return {k: v[0] for k, v in groups.items() if len(v) == 1}
+
+
+def compare(a: Inventory, b: Inventory) -> Diff:
+    """The :class:`Diff` of two inventories already read."""
+    left, right = _first_by_name(a.tensors), _first_by_name(b.tensors)
+    pairs = [(name, left[name], right[name]) for name in left if name in right]
+    only_a = [t for n, t in left.items() if n not in right]
+    only_b = [t for n, t in right.items() if n not in left]
+    renamed = 0
+    if only_a and only_b:
+        ua, ub = _unique_by(only_a), _unique_by(only_b)
+        matched = {k for k in ua if k in ub}
+        for k in matched:
+            pairs.append((ua[k].name, ua[k], ub[k]))
+        renamed = len(matched)
+        taken_a = {id(ua[k]) for k in matched}
+        taken_b = {id(ub[k]) for k in matched}
+        only_a = [t for t in only_a if id(t) not in taken_a]
+        only_b = [t for t in only_b if id(t) not in taken_b]
+    changes = [TensorChange(name, x, y) for name, x, y in pairs]
+    changed = tuple(c for c in changes if c.changes)
+    return Diff(a, b, tuple(only_b), tuple(only_a), changed, len(changes) - len(changed),
+                renamed)
+
+
+def diff(a: str | Path | Inventory, b: str | Path | Inventory) -> Diff:
+    """Compare two checkpoints (paths of any format modelsize reads, or inventories).
+
+    Raises the same :class:`~modelsize.errors.InputError` subclasses as ``inspect``.
+    """
+    from modelsize import formats
+
+    left = a if isinstance(a, Inventory) else formats.read(a)
+    right = b if isinstance(b, Inventory) else formats.read(b)
+    return compare(left, right)

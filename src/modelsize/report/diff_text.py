@@ -1,0 +1,96 @@
+"""Plain-text rendering of a :class:`~modelsize.diff.Diff`."""
+
+from __future__ import annotations
+
+from modelsize.diff import Diff, TensorChange
+from modelsize.errors import printable
+from modelsize.inventory import Inventory, TensorRecord
+from modelsize.report.units import human_bytes
+
+#: Rows shown per list (added, removed, changed) before "... and N more".
+MAX_ROWS = 20
+
+
+def _table(rows: list[list[str]], align: str) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [c.rjust(w) if a == "r" else c.ljust(w)
+                 for c, w, a in zip(row, widths, align, strict=True)]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def _signed(n: int) -> str:
+    if n == 0:
+        return "="
+    return ("+" if n > 0 else "-") + human_bytes(abs(n))
+
+
+def _ratio(a: int, b: int) -> str:
+    if a == b:
+        return ""
+    if a == 0:
+        return "new"
+    return f"{100.0 * (b - a) / a:+.0f}%"
+
+
+def _shape(t: TensorRecord) -> str:
+    return "x".join(str(d) for d in t.shape) or "scalar"
+
+
+def _side(label: str, inv: Inventory) -> str:
+    return (f"{label}: {printable(str(inv.path))}  ({inv.format}, {inv.file_bytes:,} bytes, "
+            f"{len(inv.tensors)} tensors)")
+
+
+def _tensor_rows(title: str, tensors: tuple[TensorRecord, ...]) -> list[str]:
+    if not tensors:
+        return []
+    rows = [["name", "dtype", "shape", "size", "category"]]
+    for t in sorted(tensors, key=lambda t: -t.nbytes)[:MAX_ROWS]:
+        rows.append([printable(t.name, 70), t.dtype, _shape(t), human_bytes(t.nbytes),
+                     t.category.value])
+    lines = ["", f"{title} ({len(tensors)}, {human_bytes(sum(t.nbytes for t in tensors))})"]
+    lines += _table(rows, "lllrl")
+    if len(tensors) > MAX_ROWS:
+        lines.append(f"  ... and {len(tensors) - MAX_ROWS} more")
+    return lines
+
+
+def _change_rows(changes: tuple[TensorChange, ...]) -> list[str]:
+    if not changes:
+        return []
+    rows = [["name", "A", "B"]]
+    for c in sorted(changes, key=lambda c: -max(c.a.nbytes, c.b.nbytes))[:MAX_ROWS]:
+        rows.append([
+            printable(c.name, 70),
+            f"{c.a.dtype} {_shape(c.a)} {c.a.category.value}",
+            f"{c.b.dtype} {_shape(c.b)} {c.b.category.value}",
+        ])
+    lines = ["", f"Changed dtype, shape or category ({len(changes)})"]
+    lines += _table(rows, "lll")
+    if len(changes) > MAX_ROWS:
+        lines.append(f"  ... and {len(changes) - MAX_ROWS} more")
+    return lines
+
+
+def render_diff(d: Diff) -> str:
+    """Bytes by category side by side, then tensors removed, added and changed."""
+    lines = [_side("A", d.a), _side("B", d.b), ""]
+    rows = [["category", "A", "B", "change", ""]]
+    for cat, (x, y) in d.category_delta().items():
+        if x or y:
+            rows.append([cat.value, f"{x:,}", f"{y:,}", _signed(y - x), _ratio(x, y)])
+    fa, fb = d.a.file_bytes, d.b.file_bytes
+    rows.append(["total", f"{fa:,}", f"{fb:,}", _signed(fb - fa), _ratio(fa, fb)])
+    lines += _table(rows, "lrrrr")
+    lines += ["", f"Tensors: {d.unchanged} with the same dtype, shape and category, "
+                  f"{len(d.changed)} changed, {len(d.removed)} only in A, {len(d.added)} "
+                  "only in B"]
+    if d.renamed:
+        lines.append(f"  ({d.renamed} matched after dropping file labels or 'module.' prefixes)")
+    lines += _tensor_rows("Only in A (removed)", d.removed)
+    lines += _tensor_rows("Only in B (added)", d.added)
+    lines += _change_rows(d.changed)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,128 @@
+"""Plain-text rendering of an :class:`~modelsize.estimate.Estimate` (and of ``--fit``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from modelsize.errors import printable
+from modelsize.estimate.result import Estimate, FitResult, MemoryCategory, Suggestion
+from modelsize.report.units import human_mem, percent
+
+_PHASE_WORDS = {
+    "forward": "the forward",
+    "backward": "the backward",
+    "optimizer": "the optimizer step",
+    "zero_grad": "zero_grad",
+    "setup": "setup",
+}
+
+
+def _table(rows: list[list[str]], align: str) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align)]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def _shape(est: Estimate, batch: int | None, seq: int | None) -> str:
+    if batch is None:
+        shapes = [("x".join(str(d) for d in s) or "scalar") for _, s, _ in est.setup.inputs]
+        return "inputs " + ", ".join(shapes)
+    return f"batch {batch}" + (f" x seq {seq}" if seq else "")
+
+
+def _what(est: Estimate) -> str:
+    s = est.setup
+    if s.mode == "infer":
+        what = "inference (one forward, no_grad)"
+    else:
+        impl = f" ({s.implementation})" if s.implementation and s.implementation != "default" else ""
+        acc = f", {s.accumulate} micro-batches" if s.accumulate > 1 else ""
+        ckpt = f", checkpointing {', '.join(s.checkpoint)}" if s.checkpoint else ""
+        what = f"training step with {s.optimizer}{impl}{acc}{ckpt}"
+    amp = f", {s.amp} autocast" if s.amp else ""
+    return what + amp
+
+
+def module_groups(modules: dict[str, int]) -> list[tuple[str, int]]:
+    """Per-module activation bytes grouped at the first numbered level (one layer, one row)."""
+    groups: dict[str, int] = {}
+    for name, n in modules.items():
+        m = re.match(r"^(.*?\.\d+)(\.|$)", name)
+        key = m.group(1) if m else name
+        groups[key] = groups.get(key, 0) + n
+    return sorted(groups.items(), key=lambda kv: -kv[1])
+
+
+def render_estimate(est: Estimate, *, description: str = "", batch: int | None = None,
+                    seq: int | None = None, suggestions: Sequence[Suggestion] = (),
+                    fit: FitResult | None = None, modules: int = 6) -> str:
+    """The human report: peak, what it is made of, what dominates, what would shrink it."""
+    s = est.setup
+    peak = est.peak_bytes
+    params = f"{est.parameter_count / 1e6:,.1f}M parameters"
+    lines = [f"{printable(s.model)}: {printable(description) or params}" if description
+             else f"{printable(s.model)} ({params})"]
+    lines.append(f"{_what(est)}, {_shape(est, batch, seq)}, estimated for {s.device}")
+    where = _PHASE_WORDS.get(est.phase.name, est.phase.name)
+    step = f" of step {est.phase.step}" if s.mode == "train" else ""
+    lines.append(f"peak {human_mem(peak)} ({peak:,} bytes) in {where}{step}, "
+                 f"op {est.phase.start}..{est.phase.end} of {est.op_count:,}; "
+                 f"traced in {est.trace_seconds:.1f} s")
+    lines.append("")
+    rows = [["at the peak", "bytes", "size", "share"]]
+    for cat in MemoryCategory:
+        n = est.categories[cat]
+        label = cat.value
+        if cat is MemoryCategory.TEMPORARIES and est.scratch_bytes:
+            label += f" (kernel scratch {human_mem(est.scratch_bytes)})"
+        rows.append([label, f"{n:,}", human_mem(n), percent(n, peak) if n else "-"])
+    rows.append(["total", f"{peak:,}", human_mem(peak), "100%"])
+    lines += _table(rows, "lrrr")
+    top_cat = max(MemoryCategory, key=lambda c: est.categories[c])
+    lines += ["", f"Dominated by {top_cat.value} ({percent(est.categories[top_cat], peak)} "
+                  "of the peak)."]
+    groups = module_groups(est.module_activations)
+    if groups and modules:
+        lines.append("Forward activations by module (alive when the forward ends):")
+        mrows = [[printable(n, 60), human_mem(b)] for n, b in groups[:modules]]
+        if len(groups) > modules:
+            rest = sum(b for _, b in groups[modules:])
+            mrows.append([f"({len(groups) - modules} more)", human_mem(rest)])
+        lines += _table(mrows, "lr")
+    if suggestions:
+        lines += ["", "What would shrink it (each re-traced):"]
+        srows = [[sg.change, sg.label, human_mem(sg.peak_bytes),
+                  f"{100.0 * (sg.peak_bytes - peak) / peak:+.0f}%"] for sg in suggestions]
+        lines += _table(srows, "llrr")
+    dev = est.device_estimate
+    if dev.device == "cuda":
+        lines += ["", "CUDA device estimate (not validated on a GPU; terms named):"]
+        drows = [[t.name, human_mem(t.nbytes), t.note] for t in dev.terms]
+        drows.append(["max_memory_allocated", human_mem(dev.allocated_bytes), ""])
+        drows.append(["total with context", human_mem(dev.total_bytes), ""])
+        lines += _table(drows, "lrl")
+    if fit is not None:
+        lines += ["", render_fit(fit).rstrip("\n")]
+    for note in est.notes:
+        lines.append(f"note: {printable(note, 300)}")
+    return "\n".join(lines) + "\n"
+
+
+def render_fit(fit: FitResult, description: str = "") -> str:
+    """One paragraph: the largest value that fits, and the traced value just above it."""
+    head = f"{printable(description)}: " if description else ""
+    traced = dict(fit.probes)
+    if fit.best == 0:
+        first = traced.get(1, 0)
+        return (f"{head}nothing fits {human_mem(fit.budget_bytes)}: {fit.dimension} 1 already "
+                f"needs {human_mem(first)} ({fit.measure}). {len(fit.probes)} trace(s).\n")
+    above = traced.get(fit.best + 1)
+    tail = (f"; {fit.best + 1} needs {human_mem(above)}" if above is not None
+            else f" (the search limit, {fit.limit})")
+    return (f"{head}largest {fit.dimension} that fits {human_mem(fit.budget_bytes)}: "
+            f"{fit.best} ({human_mem(fit.best_bytes)} {fit.measure}){tail}. "
+            f"{len(fit.probes)} exact traces.\n")

@@ -1,0 +1,128 @@
+"""``inspect --load-cost``: ways to load a file, each measured in a subprocess.
+
+Files are tiny and no timing or memory value is asserted beyond being measured and
+non-negative: the point is which ways run, which are skipped and why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from modelsize.formats import read
+from modelsize.loadcost import LoadCost, WayResult, WayStatus, measure_load_cost
+from modelsize.report.loadcost_text import render_load_cost
+from tests.conftest import REPO, run_cli
+
+np = pytest.importorskip("numpy")
+
+
+class Payload:
+    """A class a pickle must import from this test module: loading it runs foreign code."""
+
+
+def _npy(tmp_path: Path) -> Path:
+    path = tmp_path / "a.npy"
+    np.save(path, np.arange(1000, dtype=np.float32))
+    return path
+
+
+def test_numpy_ways_are_measured(tmp_path: Path) -> None:
+    cost = measure_load_cost(read(_npy(tmp_path)))
+    assert [w.way for w in cost.ways] == ["numpy.load", "numpy.load(mmap_mode='r')"]
+    for w in cost.ways:
+        assert w.status is WayStatus.MEASURED, w.note
+        assert w.peak_rss_bytes is not None and w.peak_rss_bytes >= 0
+        assert w.seconds is not None and w.seconds >= 0
+        assert w.total_peak_rss_bytes is not None and w.total_peak_rss_bytes >= w.peak_rss_bytes
+    assert cost.cheapest is not None and cost.cheapest.way in {w.way for w in cost.ways}
+    assert [i.framework for i in cost.imports] == ["numpy"]
+    out = cost.to_dict()
+    json.dumps(out)
+    assert out["cheapest"] == cost.cheapest.way
+    assert out["import_cost"][0]["peak_rss_bytes"] > 0
+
+
+def test_torch_ways(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(16, 16)}, path)
+    cost = measure_load_cost(read(path), ways=["torch.load()", "torch.load(mmap=True)"])
+    assert {w.way: w.status for w in cost.ways} == {
+        "torch.load()": WayStatus.MEASURED, "torch.load(mmap=True)": WayStatus.MEASURED}
+    assert "memory-mapped" in cost.ways[1].note
+
+
+def test_unrestricted_unpickling_is_never_run_on_unsafe_files(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "obj.pt"
+    torch.save({"w": torch.zeros(2), "obj": Payload()}, path)
+    inv = read(path)
+    assert inv.unsafe_globals
+    cost = measure_load_cost(inv, ways=["torch.load(weights_only=False)"])
+    (way,) = cost.ways
+    assert way.status is WayStatus.SKIPPED
+    assert "unrestricted unpickler" in way.note and "Payload" in way.note
+
+
+def test_missing_framework_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numpy" else real(name, *a))
+    cost = measure_load_cost(read(_npy(tmp_path)))
+    assert {w.status for w in cost.ways} == {WayStatus.SKIPPED}
+    assert all(w.note == "numpy is not installed" for w in cost.ways)
+    assert cost.cheapest is None
+
+
+def test_failures_are_reported_not_raised() -> None:
+    pytest.importorskip("torch")
+    inv = read(REPO / "tests" / "fixtures" / "deepspeed" / "zero1")
+    cost = measure_load_cost(inv, ways=["torch.load(weights_only=True)"])
+    (way,) = cost.ways
+    # DeepSpeed pickles its own classes, which weights_only refuses.
+    assert way.status is WayStatus.FAILED
+    assert way.note
+    assert any("DeepSpeed" in n for n in cost.notes)
+
+
+def test_legacy_torch_files_cannot_map(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.zeros(2)}, path, _use_new_zipfile_serialization=False)
+    cost = measure_load_cost(read(path), ways=[])
+    assert cost.ways == ()
+    assert any("mmap" in n for n in cost.notes)
+
+
+def test_formats_without_ways_say_so() -> None:
+    cost = measure_load_cost(read(REPO / "tests" / "fixtures" / "gguf" / "tiny.gguf"))
+    assert cost.ways == () and cost.notes
+
+
+def test_render() -> None:
+    cost = LoadCost(Path("m.pt"), "pytorch", 100, (
+        WayResult("torch.load()", "torch", WayStatus.MEASURED, 2 << 20, 0.5, 300 << 20, 2.0),
+        WayResult("torch.load(mmap=True)", "torch", WayStatus.MEASURED, 1 << 20, 0.7,
+                  299 << 20, 2.1, "memory-mapped"),
+        WayResult("torch.load(weights_only=False)", "torch", WayStatus.SKIPPED,
+                  note="not run: unsafe"),
+    ))
+    text = render_load_cost(cost)
+    assert "Cheapest: torch.load(mmap=True) (1 MiB" in text
+    assert "fastest: torch.load() (500 ms)" in text
+    assert "skipped: not run: unsafe" in text
+
+
+def test_cli(tmp_path: Path) -> None:
+    path = _npy(tmp_path)
+    proc = run_cli("inspect", str(path), "--load-cost", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [w["way"] for w in out["load_cost"]["ways"]] == [
+        "numpy.load", "numpy.load(mmap_mode='r')"]
+    text = run_cli("inspect", str(path), "--load-cost")
+    assert text.returncode == 0 and "What loading costs" in text.stdout
