@@ -15,7 +15,7 @@ which fills the gaps, resolves shared storages and duplicates, and derives the t
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,12 +150,21 @@ class Inventory:
         return [t for t in self.tensors if t.category in wanted]
 
 
-@dataclass
 class _View:
-    record_index: int
-    start: int
-    stop: int
-    category: Category
+    """The bytes ``start..stop`` of its storage that tensor ``record_index`` reaches."""
+
+    __slots__ = ("category", "record_index", "start", "stop")
+
+    def __init__(self, record_index: int, start: int, stop: int, category: Category) -> None:
+        self.record_index = record_index
+        self.start = start
+        self.stop = stop
+        self.category = category
+
+
+#: What a reader declared of a storage: (file, offset, nbytes, logical nbytes, compressed,
+#: dtype). The :class:`StorageRecord` is made once, by ``build``, with its totals.
+_Declared = tuple[int, int, int, int, bool, "str | None"]
 
 
 class InventoryBuilder:
@@ -174,7 +183,7 @@ class InventoryBuilder:
             path = Path(p)
             self.files.append(FileInfo(path, path.stat().st_size))
         self._regions: list[Region] = []
-        self._storages: dict[str, StorageRecord] = {}
+        self._storages: dict[str, _Declared] = {}
         self._tensors: list[dict[str, Any]] = []
         self._unsafe: dict[str, None] = {}
         self.notes: list[str] = []
@@ -221,8 +230,8 @@ class InventoryBuilder:
         self.check_range(offset, nbytes, f"storage {key}", file)
         if key in self._storages:
             raise self.corrupt(f"storage {key!r} declared twice", offset, file)
-        self._storages[key] = StorageRecord(
-            key, file, offset, nbytes, nbytes if logical_nbytes is None else logical_nbytes,
+        self._storages[key] = (
+            file, offset, nbytes, nbytes if logical_nbytes is None else logical_nbytes,
             compressed, dtype,
         )
 
@@ -249,20 +258,21 @@ class InventoryBuilder:
         ``itemsize`` gives the bytes per element of a dtype outside the table (NumPy strings,
         structured records); without it such a dtype is sized 0 with a note.
         """
-        shape_t = tuple(int(d) for d in shape)
-        dt_name = canonical(dtype) or dtype
+        shape_t = tuple(map(int, shape))
+        dt_name = dtype if dtype in DTYPES else canonical(dtype) or dtype
         dt = DTYPES.get(dt_name)
         if dt is None and itemsize is not None:
             dt = DType(dt_name, 1, int(itemsize))
-        n = numel(shape_t)
+        n = math.prod(shape_t)
         nbytes = dt.nbytes(n) if dt else 0
         if dt is None:
             self.notes.append(f"unknown dtype {dtype!r} for {name}: size taken as 0")
         if strides is None or n == 0:
             span = nbytes
         else:
-            stride_t = tuple(int(s) for s in strides)
-            last = sum((d - 1) * abs(s) for d, s in zip(shape_t, stride_t, strict=False))
+            last = 0
+            for d, s in zip(shape_t, map(int, strides), strict=False):
+                last += (d - 1) * abs(s)
             span = dt.nbytes(last + 1) if dt else 0
         offset_bytes = dt.nbytes(int(storage_offset)) if dt and storage_offset else 0
         self._tensors.append(
@@ -293,33 +303,32 @@ class InventoryBuilder:
 
         storages: dict[str, StorageRecord] = {}
         rank = {c: i for i, c in enumerate(PRECEDENCE)}
-        for key, st in self._storages.items():
+        for key, (file, offset, nbytes, logical, compressed, dtype) in self._storages.items():
             totals: dict[Category, int] = {}
             views = by_storage.get(key, [])
             if len(views) > 1:
                 views = sorted(views, key=lambda v: (rank[v.category], v.record_index))
-            if st.compressed:
+            if compressed:
                 # Compressed bytes cannot be mapped to element ranges: the best view owns all.
                 if views:
-                    totals[views[0].category] = st.nbytes
-                    stored[views[0].record_index] += st.nbytes
+                    totals[views[0].category] = nbytes
+                    stored[views[0].record_index] += nbytes
                 else:
-                    totals[Category.UNUSED_STORAGE] = st.nbytes
+                    totals[Category.UNUSED_STORAGE] = nbytes
             else:
                 covered: list[tuple[int, int]] = []
                 for v in views:
-                    start, stop = max(0, v.start), min(st.nbytes, v.stop)
+                    start, stop = max(0, v.start), min(nbytes, v.stop)
                     new = _uncovered(covered, start, stop) if covered else max(0, stop - start)
                     if new:
                         totals[v.category] = totals.get(v.category, 0) + new
                         stored[v.record_index] += new
                         covered = _merge(covered, start, stop) if covered else [(start, stop)]
-                unused = st.nbytes - sum(b - a for a, b in covered)
+                unused = nbytes - sum(b - a for a, b in covered)
                 if unused:
                     totals[Category.UNUSED_STORAGE] = unused
             storages[key] = StorageRecord(
-                st.key, st.file, st.offset, st.nbytes, st.logical_nbytes, st.compressed, st.dtype,
-                totals,
+                key, file, offset, nbytes, logical, compressed, dtype, totals
             )
 
         dup_of: dict[str, str] = self._find_duplicates(storages, by_storage) if dedupe else {}
@@ -336,13 +345,14 @@ class InventoryBuilder:
             )
 
         first_viewer: dict[str, str] = {}
-        for t in self._tensors:
-            if t["storage"] is not None:
-                first_viewer.setdefault(t["storage"], t["name"])
+        if dup_of:
+            for t in self._tensors:
+                if t["storage"] is not None:
+                    first_viewer.setdefault(t["storage"], t["name"])
         tensors = []
         for i, t in enumerate(self._tensors):
             cat, dup = t["category"], None
-            if t["storage"] in dup_of:
+            if dup_of and t["storage"] in dup_of:
                 cat = Category.DUPLICATES
                 dup = first_viewer.get(dup_of[t["storage"]], dup_of[t["storage"]])
             tensors.append(
@@ -459,23 +469,24 @@ class _FileReader:
 
     def chunks(self, st: StorageRecord, start: int, stop: int) -> Iterator[bytes]:
         """Bytes ``start..stop`` of a storage, in chunks of at most 1 MiB."""
+        for pos in range(start, stop, _CHUNK):
+            yield self.read(st, pos, min(stop, pos + _CHUNK))
+
+    def read(self, st: StorageRecord, start: int, stop: int) -> bytes:
+        """Bytes ``start..stop`` of a storage, read whole (at most a chunk)."""
         fh = self.handles.get(st.file)
         if fh is None:
             # Unbuffered: reads are scattered samples; one handle per file for the whole build.
             fh = open(self.builder.files[st.file].path, "rb", buffering=0)  # noqa: SIM115 (closed by __exit__)
             self.handles[st.file] = self.closing.enter_context(fh)
         fh.seek(st.offset + start)
-        left = stop - start
-        while left > 0:
-            chunk = fh.read(min(left, _CHUNK))
-            if not chunk:
+        data = fh.read(stop - start)
+        while len(data) < stop - start:  # a short read: the file ends, or shrank meanwhile
+            more = fh.read(stop - start - len(data))
+            if not more:
                 raise self.builder.corrupt(f"storage {st.key} ends early", st.offset, st.file)
-            left -= len(chunk)
-            yield chunk
-
-    def read(self, st: StorageRecord, start: int, stop: int) -> bytes:
-        """Bytes ``start..stop`` of a storage (a sample: small)."""
-        return b"".join(self.chunks(st, start, stop))
+            data += more
+        return data
 
     def head(self, st: StorageRecord) -> bytes:
         """The first :data:`_PROBE` bytes."""
@@ -496,12 +507,20 @@ class _FileReader:
         return self.read(st, mid, mid + _PROBE) + self.read(st, n - _PROBE, n)
 
     def digest(self, st: StorageRecord, itemsize: int) -> tuple[bytes, bool]:
-        """A hash of all the bytes, and whether they are one ``itemsize`` value repeated."""
+        """A key equal for equal bytes, and whether the bytes are one value repeated.
+
+        Small storages, already read whole, are their own key; larger ones are hashed.
+        """
+        whole = self.whole.get(st.key)
+        if whole is not None:
+            value = whole[:itemsize]  # storages here are never empty
+            return whole, not st.compressed and whole == value * (len(whole) // len(value))
+        import hashlib  # here: only large duplicate candidates need it, and it is slow to import
+
         h = hashlib.blake2b(digest_size=20)
         first: bytes | None = None
         constant = not st.compressed
-        whole = self.whole.get(st.key)
-        for chunk in [whole] if whole is not None else self.chunks(st, 0, st.nbytes):
+        for chunk in self.chunks(st, 0, st.nbytes):
             h.update(chunk)
             if constant:
                 if first is None:

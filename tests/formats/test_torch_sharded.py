@@ -9,6 +9,7 @@ dict: tied weights (``lm_head`` shares ``wte``'s storage) are counted once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 
 from modelsize.categories import Category
 from modelsize.formats import read, sniff_format
-from tests.conftest import assert_one_line_error, cli_json, run_cli
+from tests.conftest import REPO, assert_one_line_error, cli_json, run_cli
 
 torch = pytest.importorskip("torch")
 
@@ -182,3 +183,45 @@ def test_total_size_disagreement_is_a_note(
     index.write_text(json.dumps(doc))
     inv = read(directory)
     assert any("total_size" in n for n in inv.notes)
+
+
+# -- transformers' Trainer checkpoints (committed: Trainer needs accelerate) -----------------
+
+TRAINER = REPO / "tests" / "fixtures" / "hf_trainer"
+
+
+def test_trainer_checkpoint_fixture_is_what_trainer_wrote() -> None:
+    manifest = json.loads((TRAINER / "MANIFEST.json").read_text())
+    for name, entry in manifest["files"].items():
+        data = (TRAINER / "checkpoint-2" / name).read_bytes()
+        assert len(data) == entry["bytes"]
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+
+
+def test_trainer_checkpoint_counts_optimizer_and_rng_files() -> None:
+    manifest = json.loads((TRAINER / "MANIFEST.json").read_text())
+    out = cli_json("inspect", str(TRAINER / "checkpoint-2"))
+    assert out["format"] == "pytorch-sharded"
+    assert out["file_bytes"] == sum(e["bytes"] for e in manifest["files"].values())
+    assert {k: v for k, v in out["bytes_by_category"].items() if v} == manifest["categories"]
+    assert out["facts"]["trainer_global_step"] == "2"
+    assert out["notes"] == []
+    names = {t["name"]: t["category"] for t in out["tensors"]}
+    assert names["rng_state.pth:cpu"] == "other"
+    assert names["transformer.wte.weight"] == "weights"
+    assert {c for n, c in names.items() if n.startswith("optimizer.pt:")} == {"optimizer_state"}
+    # training_args.bin really is a pickle of transformers classes: loading it runs their code.
+    assert any(g.startswith("transformers.") for g in out["unsafe_globals"])
+
+
+def test_trainer_checkpoint_with_torch_weights(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoint-2"
+    shutil.copytree(TRAINER / "checkpoint-2", directory)
+    (directory / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(3, 3)}, directory / "pytorch_model.bin")
+    inv = read(directory)
+    assert inv.format == "pytorch-sharded"
+    assert inv.bytes_by_category[Category.WEIGHTS] == 36
+    manifest = json.loads((TRAINER / "MANIFEST.json").read_text())
+    assert inv.bytes_by_category[Category.OPTIMIZER_STATE] == manifest["categories"][
+        "optimizer_state"]

@@ -108,7 +108,8 @@ def resolve(spec: str, args: argparse.Namespace) -> Target:
     dtype = getattr(torch, args.dtype)
     path = Path(spec)
     entry: zoo.ZooModel | None = zoo.MODELS.get(spec.lower())
-    if entry is None and (path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())):
+    is_config = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
+    if entry is None and is_config:
         entry = zoo.from_config_json(path)
     if entry is not None:
         model = zoo.build(entry, dtype)

@@ -54,6 +54,7 @@ def estimate(
         raise UsageError(f"device must be 'cpu' or 'cuda', not {device!r}")
     if isinstance(checkpoint, str):
         checkpoint = (checkpoint,)
+    described = _describe_inputs(inputs)
     program = Program(
         mode=mode,
         optimizer=optimizer,
@@ -72,7 +73,7 @@ def estimate(
     except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EstimateError(f"tracing {name or type(model).__name__} failed: {first}") from exc
-    return summarize(trace, program, name or type(model).__name__, inputs)
+    return summarize(trace, program, name or type(model).__name__, described)
 
 
 def classify(rec: Allocation) -> MemoryCategory:
@@ -92,7 +93,8 @@ def classify(rec: Allocation) -> MemoryCategory:
     return MemoryCategory.TEMPORARIES
 
 
-def summarize(trace: Trace, program: Program, name: str, inputs: Any) -> Estimate:
+def summarize(trace: Trace, program: Program, name: str,
+              inputs: tuple[tuple[str, tuple[int, ...], str], ...]) -> Estimate:
     """Turn a finished trace into an :class:`Estimate`."""
     mode = trace.mode
     peak, tick = mode.peak_bytes, mode.peak_tick
@@ -124,7 +126,7 @@ def summarize(trace: Trace, program: Program, name: str, inputs: Any) -> Estimat
         accumulate=program.accumulate,
         checkpoint=tuple(program.checkpoint),
         steps=program.steps,
-        inputs=_describe_inputs(inputs),
+        inputs=inputs,
     )
     modules = {(k or "<model>"): v for k, v in
                sorted(trace.module_activations.items(), key=lambda kv: -kv[1])}
@@ -172,6 +174,7 @@ def _describe_inputs(inputs: Any) -> tuple[tuple[str, tuple[int, ...], str], ...
     elif isinstance(inputs, (tuple, list)):
         items = [(str(i), v) for i, v in enumerate(inputs)]
     else:
-        raise EstimateError(f"inputs must be a tuple or a dict of tensors, not {type(inputs).__name__}")
+        kind = type(inputs).__name__
+        raise UsageError(f"inputs must be a tuple or a dict of tensors, not {kind}")
     return tuple((k, tuple(v.shape), str(v.dtype).replace("torch.", ""))
                  for k, v in items if isinstance(v, torch.Tensor))

@@ -68,6 +68,7 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
                     allocations: Sequence[Allocation], scratch_at: dict[int, int],
                     ticks: int, uses_matmul: bool, gpu: str = "sm90") -> DeviceEstimate:
     """The named terms between the tensor peak and what ``device`` would report."""
+    terms: tuple[DeviceTerm, ...]
     if device != "cuda":
         terms = (
             DeviceTerm("tensors", peak_bytes - scratch_bytes, "live tensor storages at the peak"),

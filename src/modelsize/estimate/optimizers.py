@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from modelsize.errors import UsageError
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 OptimizerFactory = Callable[[Iterable[Any]], "torch.optim.Optimizer"]
-OptimizerSpec = Union[str, OptimizerFactory]
+OptimizerSpec: TypeAlias = "str | OptimizerFactory"
 
 
 class OptimizerName(str, Enum):

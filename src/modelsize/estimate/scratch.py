@@ -196,7 +196,8 @@ def _signature(a: Any) -> Any:
 def _span(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (1 + last) * t.element_size()
 
 
 def _out_tensors(out: Any) -> list[torch.Tensor]:
@@ -227,7 +228,7 @@ def _real(a: Any, resize: tuple[int, int] | None = None) -> Any:
         if resize is not None:
             shape[resize[0]] = resize[1]
             stride, offset = _strides_like(shape, stride), 0
-        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
         base = torch.zeros(span + offset, dtype=a.dtype, device="cpu")
         return base.as_strided(shape, stride, offset)
     if isinstance(a, (list, tuple)):
@@ -235,8 +236,10 @@ def _real(a: Any, resize: tuple[int, int] | None = None) -> Any:
     return a
 
 
-def _run(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
-         resize: dict[int, tuple[int, int]], prepare: Prepare | None) -> tuple[list[int], list[int]]:
+def _run(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+    resize: dict[int, tuple[int, int]], prepare: Prepare | None,
+) -> tuple[list[int], list[int]]:
     """Run ``func`` for real; return the allocator's events and the real outputs' sizes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -261,7 +264,7 @@ def _cost(events: Sequence[int], sizes: Sequence[int], out: Any) -> KernelCost |
         cur += n
         high = max(high, cur)
     fixes: list[int | None] = []
-    for fake, real in zip(_out_tensors(out), sizes):
+    for fake, real in zip(_out_tensors(out), sizes, strict=False):
         fixes.append(real if real != fake.untyped_storage().nbytes() else None)
     scratch = max(high - cur, 0)
     if not scratch and not any(f is not None for f in fixes):
@@ -275,12 +278,12 @@ def _extrapolate(func: Any, runs: list[tuple[list[int], list[int]]], batch: int,
     if not (len(e1) == len(e2) == len(e3) and len(s1) == len(s2) == len(s3)):
         _note(notes, f"{func}: scratch not modelled (its allocations change with the batch size)")
         return None
-    for a, b, c in (*zip(e1, e2, e3), *zip(s1, s2, s3)):
+    for a, b, c in (*zip(e1, e2, e3, strict=True), *zip(s1, s2, s3, strict=True)):
         if c - b != b - a:
             _note(notes, f"{func}: scratch not modelled (not linear in the batch size)")
             return None
-    events = [a + (b - a) * (batch - 1) for a, b in zip(e1, e2)]
-    sizes = [a + (b - a) * (batch - 1) for a, b in zip(s1, s2)]
+    events = [a + (b - a) * (batch - 1) for a, b in zip(e1, e2, strict=True)]
+    sizes = [a + (b - a) * (batch - 1) for a, b in zip(s1, s2, strict=True)]
     return _cost(events, sizes, out)
 
 

@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimate.optimizers import Implementation, OptimizerSpec, make_factory
-from torch.overrides import TorchFunctionMode
-
 from modelsize.estimate.tracker import Allocation, CountingFakeMode, Origin
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -122,7 +121,7 @@ class _FakeCopier:
 def _span(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return (last + 1) * t.element_size()
 
 
@@ -217,7 +216,9 @@ def _swapped_state(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator
         yield
 
 
-def _states(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]:
+def _states(
+    model: nn.Module,
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]:
     params = list(model.named_parameters(remove_duplicate=False))
     buffers = [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None]
     return params, buffers
@@ -295,9 +296,9 @@ def run_trace(
         else:
             factory = make_factory(program.optimizer, program.implementation, device.type)
             optimizer = factory(unique_params)
-            for p in unique_params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(_grad_marker(mode))
+            for leaf in unique_params:
+                if leaf.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(_grad_marker(mode))
             for step in range(1, program.steps + 1):
                 for micro in range(1, program.accumulate + 1):
                     label[0] = f"step {step}/{program.steps}"

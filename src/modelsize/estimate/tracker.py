@@ -31,7 +31,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from modelsize.estimate.scratch import ScratchModels
 
 
-
 class Origin(str, Enum):
     """Where a counted storage came from (the estimator turns this into a category)."""
 
@@ -229,7 +228,7 @@ class CountingFakeMode(FakeTensorMode):
             cost = scratch.cost(func, args, kwargs, out)
             if cost is not None:
                 extra += cost.scratch
-                for t, real in zip(_tensors(out), cost.output_nbytes):
+                for t, real in zip(_tensors(out), cost.output_nbytes, strict=False):
                     rec = self.live.get(t.untyped_storage()._cdata)
                     if real is not None and rec is not None and rec.created == self.tick:
                         self.live_bytes += real - rec.nbytes

@@ -115,7 +115,7 @@ class ResNet(nn.Module):
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         inplanes = 64
         stages = []
-        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), layers)):
+        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), layers, strict=True)):
             stride = 1 if i == 0 else 2
             seq = [Bottleneck(inplanes, planes, stride)]
             inplanes = planes * Bottleneck.expansion
@@ -139,7 +139,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:
-        raise MissingDependencyError("transformers", "this built-in model", extra="estimate") from exc
+        raise MissingDependencyError(
+            "transformers", "this built-in model", extra="estimate"
+        ) from exc
     transformers.logging.set_verbosity_error()
     return transformers
 
@@ -208,8 +210,9 @@ def build(entry: ZooModel, dtype: torch.dtype = torch.float32) -> nn.Module:
     return model.to(dtype) if dtype != torch.float32 else model
 
 
-def make_inputs(entry: ZooModel, batch: int, seq: int, train: bool,
-                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | tuple[torch.Tensor]:
+def make_inputs(
+    entry: ZooModel, batch: int, seq: int, train: bool, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor] | tuple[torch.Tensor]:
     """Meta-device inputs (with labels for training) in the shape ``entry`` expects."""
     meta = torch.device("meta")
     if entry.kind is Kind.TOKENS:

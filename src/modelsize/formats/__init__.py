@@ -64,7 +64,9 @@ class Registry:
 
     def __post_init__(self, items: Sequence[Entry | Reader]) -> None:
         # Reader instances are accepted too (tests build registries of one or two readers).
-        self.entries = [e if isinstance(e, Entry) else Entry(e.name, "", "", None, e) for e in items]
+        self.entries = [
+            e if isinstance(e, Entry) else Entry(e.name, "", "", None, e) for e in items
+        ]
 
     def register(self, reader: Reader) -> None:
         """Add a reader instance at the end of the sniffing order."""
@@ -129,7 +131,8 @@ def _build_registry() -> Registry:
             Entry("npy", "numpy", "NpyReader", _starts(b"\x93NUMPY")),
             Entry("pytorch-legacy", "torch_legacy", "TorchLegacyReader",
                   _starts(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19")),
-            Entry("pytorch-sharded", "torch_sharded", "TorchShardedReader"),
+            Entry("pytorch-sharded", "torch_sharded", "TorchShardedReader",
+                  lambda s: s.kind == "dir" and (s.path / "trainer_state.json").is_file()),
             Entry("deepspeed", "deepspeed", "DeepSpeedReader"),
             Entry("gguf", "gguf", "GgufReader", _starts(b"GGUF")),
             Entry("onnx", "onnx", "OnnxReader", lambda s: s.suffix == ".onnx"),
@@ -170,6 +173,7 @@ _DECODE_ERRORS = (
     OverflowError,
     RecursionError,
     MemoryError,
+    NotImplementedError,  # zipfile on archive features it does not implement
 )
 
 

@@ -147,25 +147,59 @@ class _Path:
         return ".".join(reversed(parts))
 
 
-@dataclass(frozen=True)
+# _Ctx and _Tensor are plain slotted classes, not dataclasses: one is made per tensor or key
+# walked, and defining a dataclass costs about a millisecond of every inspect.
+
+
 class _Ctx:
-    forced: Category | None = None
-    soft: bool = False  # forced by a module attribute: a nested module's own params win
-    tags: tuple[str, ...] = ()
-    optimizer: bool = False
+    """What the path to a value decides: a forced category, tags, inside an optimizer."""
+
+    __slots__ = ("forced", "optimizer", "soft", "tags")
+
+    def __init__(
+        self,
+        forced: Category | None = None,
+        soft: bool = False,  # forced by a module attribute: a nested module's own params win
+        tags: tuple[str, ...] = (),
+        optimizer: bool = False,
+    ) -> None:
+        self.forced = forced
+        self.soft = soft
+        self.tags = tags
+        self.optimizer = optimizer
 
 
-@dataclass
 class _Tensor:
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None
-    storage: StorageRef | None
-    offset: int = 0
-    requires_grad: bool = False
-    parameter: bool = False
-    blob: Blob | None = None
-    extras: list[tuple[str, object]] = field(default_factory=list)
+    """A tensor as its rebuild call describes it."""
+
+    __slots__ = (
+        "blob", "dtype", "extras", "offset", "parameter", "requires_grad", "shape", "storage",
+        "stride",
+    )
+
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...] | None,
+        storage: StorageRef | None,
+        offset: int = 0,
+        requires_grad: bool = False,
+        blob: Blob | None = None,
+    ) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.stride = stride
+        self.storage = storage
+        self.offset = offset
+        self.requires_grad = requires_grad
+        self.parameter = False
+        self.blob = blob
+        self.extras: list[tuple[str, object]] = []
+
+
+#: Values that hold nothing to walk.
+_LEAVES = (str, bytes, int, float, complex, Blob, Global)
 
 
 class _Invalid(Exception):
@@ -227,6 +261,19 @@ def _tokens(key: str) -> frozenset[str]:
 
 def _is_ema(key: str) -> bool:
     return key in _EMA_KEYS or "ema" in _tokens(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
+    """What a lower-cased key says by itself: (names optimizer state, category, EMA copy)."""
+    new: Category | None = None
+    if k in _GRAD_KEYS or k.endswith(".grad"):
+        new = Category.GRADIENTS
+    elif k in _ACTIVATION_KEYS:
+        new = Category.ACTIVATIONS
+    elif k in _RNG_KEYS or "rng" in _tokens(k):
+        new = Category.OTHER
+    return k in _OPTIMIZER_KEYS, new, _is_ema(k)
 
 
 def _ints(obj: object, what: str) -> tuple[int, ...]:
@@ -429,21 +476,14 @@ class _Walker:
         return found
 
     def enter(self, ctx: _Ctx, key: object, value: object) -> _Ctx:
-        k = str(key).lower()
+        optimizer_key, new, ema = _key_facts(str(key).lower())
         forced, soft, tags, opt = ctx.forced, ctx.soft, ctx.tags, ctx.optimizer
         if forced is None or soft:
-            new: Category | None = None
-            if k in _OPTIMIZER_KEYS or self.is_optimizer_state(value):
+            if optimizer_key or self.is_optimizer_state(value):
                 new, opt = Category.OPTIMIZER_STATE, True
-            elif k in _GRAD_KEYS or k.endswith(".grad"):
-                new = Category.GRADIENTS
-            elif k in _ACTIVATION_KEYS:
-                new = Category.ACTIVATIONS
-            elif k in _RNG_KEYS or "rng" in _tokens(k):
-                new = Category.OTHER
             if new is not None:
                 forced, soft = new, False
-        if "ema" not in tags and _is_ema(k):
+        if ema and "ema" not in tags:
             tags = (*tags, "ema")
         if forced is ctx.forced and soft == ctx.soft and tags is ctx.tags and opt == ctx.optimizer:
             return ctx  # contexts are frozen: most keys change nothing and share their parent's
@@ -474,14 +514,17 @@ class _Walker:
         dt = DTYPES.get(t.dtype)
         if dt is None:
             raise _Invalid(f"tensor {name!r} has unknown dtype {t.dtype}")
-        n = math.prod(t.shape)
-        base = ref.base * ref.itemsize
+        shape = t.shape
+        n = math.prod(shape)
+        base = ref.base * ref.itemsize if ref.base else 0
         if n:
             stride = t.stride
             if stride is None:
                 span = n
             else:
-                span = 1 + sum((d - 1) * s for d, s in zip(t.shape, stride, strict=False))
+                span = 1
+                for d, s in zip(shape, stride, strict=False):
+                    span += (d - 1) * s
             end = base + dt.nbytes(t.offset) + dt.nbytes(span)
             if end > ref.nbytes:
                 raise _Invalid(
@@ -508,28 +551,32 @@ class _Walker:
         path = _Path()
         for part in prefix:
             path = path.child(part)
-        self.todo = [(root, path, _Ctx())]
-        while self.todo:
-            value, path, ctx = self.todo.pop()
-            if value is None or isinstance(value, (str, bytes, int, float, complex, Blob, Global)):
+        self.todo = todo = [(root, path, _Ctx())]
+        seen = self.seen
+        while todo:
+            value, path, ctx = todo.pop()
+            if value is None or isinstance(value, _LEAVES):
                 continue
-            if id(value) in self.seen:
+            if id(value) in seen:
                 continue
-            self.seen.add(id(value))
+            seen.add(id(value))
             if ctx.optimizer:
                 items = mapping_items(value)
                 if items:
                     self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
-            self.todo.extend(reversed(list(self.children(value, path, ctx))))
+            if isinstance(value, Call):
+                # Tensors first, and without a generator: they are most of what is walked.
+                t = self.tensor(value)
+                if t is not None:
+                    self.declare(t, path, ctx)
+                    continue
+            todo.extend(reversed(list(self.children(value, path, ctx))))
 
     def children(
         self, value: object, path: _Path, ctx: _Ctx
     ) -> Iterator[tuple[object, _Path, _Ctx]]:
+        """What ``value`` holds (a :class:`Call` here builds no tensor: walk() checked)."""
         if isinstance(value, Call):
-            t = self.tensor(value)
-            if t is not None:
-                self.declare(t, path, ctx)
-                return
             module = self.module_state(value)
             if module is not None:
                 yield from self.module_children(module, path, ctx)
@@ -709,7 +756,11 @@ def classify(
 
 def storage_dtype(storage_type: object) -> str | None:
     """Canonical dtype of a storage class named in a persistent id (``torch.FloatStorage``)."""
-    name = global_name(storage_type)
+    return _storage_dtype(global_name(storage_type))
+
+
+@functools.lru_cache(maxsize=256)
+def _storage_dtype(name: str) -> str | None:
     if not name.startswith("torch."):
         return None
     bare = name.rsplit(".", 1)[-1]

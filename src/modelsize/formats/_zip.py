@@ -11,8 +11,8 @@ from __future__ import annotations
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from modelsize.categories import Category
 from modelsize.inventory import InventoryBuilder
@@ -27,9 +27,12 @@ _MAX_RATIO = 1100
 MAX_READ = 1 << 30
 
 
-@dataclass(frozen=True)
-class Member:
-    """One archive member: where its header and data lie."""
+class Member(NamedTuple):
+    """One archive member: where its header and data lie.
+
+    A named tuple, not a dataclass: checkpoints have thousands of members, and a tuple is made
+    several times faster.
+    """
 
     name: str
     header_offset: int
@@ -69,10 +72,10 @@ def members(
     # Unbuffered: each header is one small read at a far offset, a buffer would only cost.
     with open(path, "rb", buffering=0) as fh:
         for info in infos:
-            if info.header_offset + _LOCAL.size > size:
+            if not 0 <= info.header_offset <= size - _LOCAL.size:
                 raise builder.corrupt(
-                    f"member {info.filename!r} header at {info.header_offset} is past the end "
-                    f"of the file ({size} bytes)", info.header_offset, file
+                    f"member {info.filename!r} header at {info.header_offset} is outside "
+                    f"the file ({size} bytes)", info.header_offset, file
                 )
             fh.seek(info.header_offset)
             raw = fh.read(_LOCAL.size)
@@ -84,7 +87,10 @@ def members(
             fields = _LOCAL.unpack(raw)
             name_len, extra_len = fields[9], fields[10]
             data_offset = info.header_offset + _LOCAL.size + name_len + extra_len
-            builder.check_range(data_offset, info.compress_size, f"member {info.filename!r}", file)
+            if data_offset + info.compress_size > size:  # sizes from zipfile are never < 0
+                builder.check_range(
+                    data_offset, info.compress_size, f"member {info.filename!r}", file
+                )
             if info.compress_type == STORED and info.file_size != info.compress_size:
                 raise builder.corrupt(
                     f"stored member {info.filename!r} claims {info.file_size} bytes "

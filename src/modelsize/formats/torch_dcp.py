@@ -70,6 +70,8 @@ DCP_GLOBALS: frozenset[str] = frozenset(
 )
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
+#: What zipfile raises on a malformed archive (NotImplementedError: "zip file version 24.4").
+_ZIP_ERRORS = (zipfile.BadZipFile, ValueError, EOFError, struct.error, NotImplementedError)
 _OPTIMIZER_ROOTS = frozenset(
     {"optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "optimizer_states",
      "optimizer_state_dict"}
@@ -179,6 +181,9 @@ def _item_members(fh: IO[bytes], start: int, length: int) -> dict[str, _Member]:
         infos = zf.infolist()
     out: dict[str, _Member] = {}
     for info in infos:
+        if not 0 <= info.header_offset <= length - _LOCAL.size:
+            raise ValueError(f"member {info.filename!r} header at {info.header_offset} lies "
+                             "outside the item")
         window.seek(info.header_offset)
         raw = window.read(_LOCAL.size)
         if len(raw) != _LOCAL.size or raw[:4] != b"PK\x03\x04":
@@ -431,7 +436,7 @@ class _DcpRead:
     def members(self, fh: IO[bytes], item: _Item, file: int) -> tuple[dict[str, _Member], str]:
         try:
             members = _item_members(fh, item.start, item.length)
-        except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as exc:
+        except _ZIP_ERRORS as exc:
             raise self.corrupt_item(item, file, f"expected a torch.save archive ({exc})") from exc
         pkl = next((n for n in members if n == "data.pkl" or (
             n.endswith("/data.pkl") and n.count("/") == 1)), None)

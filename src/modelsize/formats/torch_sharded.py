@@ -6,11 +6,15 @@ Layouts read here (reader ``pytorch-sharded``)::
     pytorch_model-00001-of-00003.bin    one torch.save state dict per shard
     config.json                         the architecture (graph); generation_config.json (metadata)
 
-or a plain directory holding one ``pytorch_model.bin`` / ``model.pt`` (with its config). Each
+or a plain directory holding one ``pytorch_model.bin`` / ``model.pt`` (with its config), or a
+``checkpoint-N`` directory of transformers' Trainer: the weights (torch or safetensors) plus
+``optimizer.pt`` / ``scheduler.pt`` / ``scaler.pt`` (optimizer state), ``rng_state*.pth`` and
+``training_args.bin`` (other) and ``trainer_state.json`` (metadata). Each
 shard is read by the single-file PyTorch readers (zip or legacy format) and the per-file
 inventories are merged into one (:func:`merge`), which the DeepSpeed reader reuses: every byte
-of every file keeps the category its own reader gave it. Directories that also hold safetensors
-weights belong to the safetensors readers (``transformers`` loads those first).
+of every file keeps the category its own reader gave it. Model directories that hold
+safetensors weights (and are no Trainer checkpoint) belong to the safetensors readers
+(``transformers`` loads those first).
 
 Known limitation: identical tensors stored in two different shards are not flagged as
 duplicates (duplicate detection runs per file).
@@ -332,9 +336,15 @@ def _total_size(index: Path) -> int | None:
     return total if isinstance(total, int) and not isinstance(total, bool) else None
 
 
-def read_model(root: Path, index: Path | None, weights: list[Path], directory: Path | None
-               ) -> Inventory:
-    """One inventory over an optional index, its torch shards and a directory's config files."""
+def read_model(
+    root: Path, index: Path | None, weights: list[Path], directory: Path | None,
+    extra: Sequence[Part] = (), extra_files: Sequence[Path] = (),
+) -> Inventory:
+    """One inventory over an optional index, its torch shards and a directory's config files.
+
+    ``extra`` parts (a Trainer's optimizer, its safetensors weights...) are merged after the
+    shards; ``extra_files`` are the files they and the side files cover.
+    """
     spec = Merged(FORMAT, root)
     weight_map: dict[str, str] = {}
     shard_of: dict[str, Path] = {}
@@ -374,9 +384,9 @@ def read_model(root: Path, index: Path | None, weights: list[Path], directory: P
                     f"index places tensor {printable(name)!r} in {printable(shard)!r}, which "
                     "holds no such tensor",
                 )
-        extra = sum(len(names - set(weight_map)) for names in names_in.values())
-        if extra:
-            spec.notes.append(f"{extra} tensor(s) in the shards are not listed in the index")
+        unlisted = sum(len(names - set(weight_map)) for names in names_in.values())
+        if unlisted:
+            spec.notes.append(f"{unlisted} tensor(s) in the shards are not listed in the index")
         total = _total_size(index)
         logical = sum(s.logical_nbytes for part in parts for s in part.inventory.storages)
         if total is not None and total != logical:
@@ -387,20 +397,103 @@ def read_model(root: Path, index: Path | None, weights: list[Path], directory: P
         spec.facts["shards"] = str(len(weights))
 
     if directory is not None:
-        counted = {p.resolve() for p in weights}
+        counted = {p.resolve() for p in [*weights, *extra_files]}
         if index is not None:
             counted.add(index.resolve())
         for name, cat in SIDE_FILES.items():
             if (directory / name).is_file():
                 spec.side_files.append(SideFile(directory / name, cat, name))
                 counted.add((directory / name).resolve())
+        for side in trainer_side_files(directory, spec.facts):
+            spec.side_files.append(side)
+            counted.add(side.path.resolve())
         note = left_out_note(
             directory,
             (p for p in directory.iterdir() if p.is_file() and p.resolve() not in counted),
         )
         if note:
             spec.notes.append(note)
+    parts += extra
     return merge(spec, parts)
+
+
+# -- Hugging Face Trainer checkpoints (checkpoint-N/) ----------------------------------------
+
+#: Files ``Trainer._save_checkpoint`` writes beside the weights, and what their tensors are.
+TRAINER_FILES: dict[str, Category] = {
+    "optimizer.pt": Category.OPTIMIZER_STATE,
+    "optimizer.bin": Category.OPTIMIZER_STATE,
+    "scheduler.pt": Category.OPTIMIZER_STATE,
+    "scaler.pt": Category.OPTIMIZER_STATE,
+    "training_args.bin": Category.OTHER,
+}
+TRAINER_STATE = "trainer_state.json"
+_MAX_TRAINER_STATE = 1 << 26
+
+
+def is_trainer_dir(directory: Path) -> bool:
+    """A ``checkpoint-N`` directory written by transformers' Trainer."""
+    return (directory / TRAINER_STATE).is_file() or any(
+        (directory / n).is_file() for n in ("optimizer.pt", "optimizer.bin")
+    )
+
+
+def _trainer_files(directory: Path) -> list[tuple[Path, Category]]:
+    found = [(directory / n, c) for n, c in TRAINER_FILES.items() if (directory / n).is_file()]
+    found += [(p, Category.OTHER) for p in sorted(directory.glob("rng_state*.pth"))
+              if p.is_file()]
+    return found
+
+
+def trainer_side_files(directory: Path, facts: dict[str, str]) -> list[SideFile]:
+    """``trainer_state.json`` (metadata), with its global step as a fact."""
+    path = directory / TRAINER_STATE
+    if not path.is_file():
+        return []
+    if path.stat().st_size <= _MAX_TRAINER_STATE:
+        try:
+            step = json.loads(path.read_bytes().decode("utf-8")).get("global_step")
+        except (ValueError, AttributeError, RecursionError):
+            step = None
+        if isinstance(step, int):
+            facts["trainer_global_step"] = str(step)
+    return [SideFile(path, Category.METADATA, TRAINER_STATE)]
+
+
+def trainer_parts(directory: Path) -> tuple[list[Part], list[Path]]:
+    """The Trainer's own files as parts: every tensor in them takes the file's category.
+
+    ``optimizer.pt`` is the optimizer's state dict (torch's own classification would see plain
+    float tensors), ``rng_state*.pth`` holds random generator states (other).
+    """
+    parts = []
+    files = []
+    for path, cat in _trainer_files(directory):
+
+        def recategorize(t: TensorRecord, cat: Category = cat) -> Category:
+            return cat
+
+        parts.append(Part(read_torch_file(path), path.name, name_prefix=f"{path.name}:",
+                          recategorize=recategorize))
+        files.append(path)
+    return parts, files
+
+
+def safetensors_part(directory: Path) -> tuple[Part | None, list[Path]]:
+    """The safetensors weights of a Trainer directory (index and shards), if any."""
+    from modelsize.formats import safetensors
+
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        index = next(iter(sorted(directory.glob("*.safetensors.index.json"))), index)
+    shards = [] if index.is_file() else sorted(directory.glob("*.safetensors"))
+    if not index.is_file() and not shards:
+        return None, []
+    inv = safetensors.read_checkpoint(
+        "safetensors", directory, index=index if index.is_file() else None, shards=shards,
+        side_files=[], left_out=[],
+    )
+    return Part(inv, "safetensors"), [f.path for f in inv.files]
 
 
 class TorchShardedReader:
@@ -413,7 +506,11 @@ class TorchShardedReader:
         """An index of torch shards, or a directory holding one (or one weights file)."""
         if source.kind == "dir":
             d = source.path
-            if _has_safetensors(d) or (d / ".metadata").is_file() or (d / "latest").is_file():
+            if (d / ".metadata").is_file() or (d / "latest").is_file():
+                return False
+            if is_trainer_dir(d):
+                return True
+            if _has_safetensors(d):
                 return False
             return find_index(d) is not None or find_weights(d) is not None
         if source.kind != "file" or source.head.lstrip()[:1] != b"{":
@@ -427,9 +524,17 @@ class TorchShardedReader:
     def read(self, source: Source) -> Inventory:
         """One inventory over every file of the checkpoint."""
         if source.kind == "dir":
-            index = find_index(source.path)
-            weights = [] if index is not None else [find_weights(source.path)]
-            return read_model(
-                source.path, index, [w for w in weights if w is not None], source.path
-            )
+            d = source.path
+            index = find_index(d)
+            found = find_weights(d) if index is None else None
+            extra: list[Part] = []
+            files: list[Path] = []
+            if is_trainer_dir(d):
+                extra, files = trainer_parts(d)
+                if index is None and found is None:
+                    part, covered = safetensors_part(d)
+                    if part is not None:
+                        extra.insert(0, part)
+                        files += covered
+            return read_model(d, index, [found] if found else [], d, extra, files)
         return read_model(source.path, source.path, [], None)

@@ -34,6 +34,7 @@ from modelsize.formats._torch_tree import (
     describe,
     script_roles,
     storage_dtype,
+    storage_itemsize,
 )
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder
@@ -216,13 +217,13 @@ class _ZipRead:
                 f"{owner.name}: storage key {describe(key)} / size {describe(numel)} invalid"
             )
         name = f"{self.archive}{folder}/{key}"
-        ref = StorageRef(name, dtype, numel, str(location))
         m = self.members.get(name)
         if m is None:
             raise b.corrupt(f"{owner.name} refers to storage {key!r} but the archive has no {name}")
-        if ref.nbytes != m.file_size:
+        nbytes = numel * storage_itemsize(dtype)
+        if nbytes != m.file_size:
             raise b.corrupt(
-                f"storage {name} should hold {numel} x {dtype} = {ref.nbytes} bytes "
+                f"storage {name} should hold {numel} x {dtype} = {nbytes} bytes "
                 f"but the member holds {m.file_size}", m.header_offset,
             )
         if not b.has_storage(name):
@@ -230,5 +231,4 @@ class _ZipRead:
                 name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
                 compressed=m.method != _zip.STORED, dtype=dtype,
             )
-        return ref
-
+        return StorageRef(name, dtype, numel, str(location))

@@ -22,7 +22,8 @@ def _table(rows: list[list[str]], align: str) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for row in rows:
-        cells = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(row, widths, align)]
+        cells = [c.rjust(w) if a == "r" else c.ljust(w)
+                 for c, w, a in zip(row, widths, align, strict=True)]
         out.append("  " + "  ".join(cells).rstrip())
     return out
 
@@ -39,7 +40,8 @@ def _what(est: Estimate) -> str:
     if s.mode == "infer":
         what = "inference (one forward, no_grad)"
     else:
-        impl = f" ({s.implementation})" if s.implementation and s.implementation != "default" else ""
+        impl = s.implementation if s.implementation not in (None, "default") else ""
+        impl = f" ({impl})" if impl else ""
         acc = f", {s.accumulate} micro-batches" if s.accumulate > 1 else ""
         ckpt = f", checkpointing {', '.join(s.checkpoint)}" if s.checkpoint else ""
         what = f"training step with {s.optimizer}{impl}{acc}{ckpt}"

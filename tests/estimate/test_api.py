@@ -1,0 +1,143 @@
+"""The public surface of ``modelsize.estimate``: result types, errors, laziness, no real memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import modelsize
+import modelsize.estimate as api
+from modelsize.errors import EstimateError, UsageError
+from modelsize.estimate import Estimate, MemoryCategory, estimate
+from tests.estimate import models
+
+
+def test_public_api_is_locked() -> None:
+    assert sorted(api.__all__) == sorted([
+        "DeviceEstimate", "DeviceTerm", "Estimate", "MemoryCategory", "PhaseSpan", "Setup",
+        "estimate",
+    ])
+    assert modelsize.Estimate is Estimate
+    assert [c.value for c in MemoryCategory] == [
+        "parameters", "buffers", "gradients", "optimizer_state", "activations",
+        "temporaries", "inputs",
+    ]
+
+
+def test_import_does_not_import_torch() -> None:
+    code = "import sys, modelsize, modelsize.estimate; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_torch_is_one_clear_error() -> None:
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None
+        import modelsize
+        try:
+            modelsize.estimate(object(), ())
+        except modelsize.MissingDependencyError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert "needs torch" in out.stdout and "modelsize[estimate]" in out.stdout
+
+
+def test_result_shape_and_json() -> None:
+    model, inputs = models.tiny_gpt2()
+    est = estimate(model, inputs, device="cpu")
+    assert sum(est.categories.values()) == est.peak_bytes
+    assert max(v for _, v in est.timeline) == est.peak_bytes
+    assert est.phase.name in ("forward", "backward", "optimizer")
+    assert [p.name for p in est.phases][:4] == ["forward", "backward", "optimizer", "zero_grad"]
+    assert est.phases[-1].step == 2
+    assert est.parameter_count == sum(p.numel() for p in model.parameters())
+    assert any(name.startswith("transformer.h.0") for name in est.module_activations)
+    data = json.loads(json.dumps(est.to_dict()))
+    assert data["peak_bytes"] == est.peak_bytes
+    assert set(data["categories"]) == {c.value for c in MemoryCategory}
+    assert data["device_estimate"]["allocated_bytes"] == est.peak_bytes
+
+
+def test_inference_activations_are_the_output_and_what_modules_keep() -> None:
+    torch.manual_seed(0)
+    model = models.Stack()
+    x = torch.randn(2, 8, 32)
+    est = estimate(model, (x,), mode="infer", device="cpu")
+    assert est.setup.optimizer is None
+    # no_grad keeps nothing but the output (2x8x10 floats) once the forward ends
+    assert sum(est.module_activations.values()) == 2 * 8 * 10 * 4
+
+
+def test_cuda_terms_add_up_and_are_marked_unvalidated() -> None:
+    model, inputs = models.tiny_gpt2()
+    est = estimate(model, inputs, device="cuda")
+    dev = est.device_estimate
+    assert not dev.validated
+    terms = {t.name: t.nbytes for t in dev.terms}
+    assert terms["tensors"] + terms["kernel_scratch"] == est.peak_bytes
+    assert dev.allocated_bytes == est.peak_bytes + terms["allocator_rounding"] + terms[
+        "cublas_workspace"]
+    assert dev.total_bytes == dev.allocated_bytes + terms["cuda_context"]
+    assert terms["allocator_rounding"] >= 0
+    assert any("not validated" in n for n in est.notes)
+
+
+def test_bad_arguments_are_usage_errors() -> None:
+    model = models.Wide()
+    x = torch.randn(1, 256)
+    with pytest.raises(UsageError):
+        estimate(model, (x,), mode="inference")
+    with pytest.raises(UsageError):
+        estimate(object(), (x,))  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        estimate(model, (x,), optimizer="lion")
+    with pytest.raises(UsageError):
+        estimate(model, (x,), amp="fp8")
+    with pytest.raises(UsageError):
+        estimate(model, (x,), checkpoint=("nothing.matches",))
+    with pytest.raises(UsageError):
+        estimate(model, (x,), device="tpu")
+
+
+def test_untraceable_model_is_one_estimate_error() -> None:
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y if bool(y.sum() > 0) else -y
+
+    with pytest.raises(EstimateError, match="tracing DataDependent failed"):
+        estimate(DataDependent(), (torch.randn(2, 4),))
+    with pytest.raises(EstimateError, match="one-element"):
+        estimate(models.Wide(), (torch.randn(1, 256),), loss=lambda out: out)
+
+
+def test_no_real_memory_for_a_model_larger_than_this_machine() -> None:
+    code = textwrap.dedent("""
+        import resource, torch
+        from torch import nn
+        from modelsize.estimate import estimate
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(60000, 60000), nn.ReLU(), nn.Linear(60000, 60000))
+        est = estimate(model, (torch.empty(8, 60000, device="meta"),), optimizer="adamw")
+        print(est.peak_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    peak, rss = map(int, out.stdout.split())
+    params = 2 * (60000 * 60000 + 60000) * 4
+    assert peak > 4 * params  # weights, grads, two Adam moments: 115 GB on paper
+    assert rss < 1 << 30

@@ -1,0 +1,127 @@
+"""``modelsize estimate`` end to end, in a subprocess, checked against real runs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from modelsize.cli import main
+from tests.conftest import assert_one_line_error, cli_json, run_cli
+from tests.estimate.factories import mlp
+from tests.estimate.groundtruth import measure
+
+HERE = Path(__file__).parent
+
+
+def cli(capsys: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in this process (torch is imported once, not once per call)."""
+    code = main(["estimate", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["modelsize", "estimate", *args], code, out, err)
+
+
+def cli_data(capsys: Any, *args: str) -> dict[str, Any]:
+    proc = cli(capsys, *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_builtin_seed_cnn_matches_a_real_training_step() -> None:
+    from modelsize.estimate.zoo import SeedCNN
+
+    data = cli_json("estimate", "seed-cnn", "--batch", "16", "--optimizer", "adam",
+                    "--device", "cpu")
+    torch.manual_seed(0)
+    real = measure(SeedCNN(), (torch.randn(16, 1, 28, 28),), optimizer=torch.optim.Adam)
+    assert data["peak_bytes"] == real
+    assert data["batch"] == 16 and data["setup"]["optimizer"] == "adam"
+    assert data["suggestions"] == [] and data["fit"] is None
+
+
+def test_factory_with_input_shape_matches_a_real_inference() -> None:
+    proc = run_cli("estimate", "factories:mlp", "--input", "4x32", "--infer", "--device", "cpu",
+                   "--json", cwd=HERE)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["peak_bytes"] == measure(mlp(), (torch.zeros(4, 32),), mode="infer")
+
+
+def test_factory_bringing_its_inputs_and_batch_override(capsys: Any) -> None:
+    data = cli_data(capsys, "tests.estimate.factories:mlp_with_inputs", "--batch", "8",
+                    "--device", "cpu", "--optimizer", "sgd")
+    assert data["setup"]["inputs"][0]["shape"] == [8, 32]
+    real = measure(mlp(), (torch.zeros(8, 32),),
+                   optimizer=functools.partial(torch.optim.SGD, lr=1e-3, foreach=False))
+    assert data["peak_bytes"] == real
+
+
+def test_human_report_says_what_dominates_and_what_would_shrink_it(capsys: Any) -> None:
+    proc = cli(capsys, "seed-cnn", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "peak" in out and "Dominated by" in out
+    assert "What would shrink it" in out and "--batch 32" in out
+    for cat in ("parameters", "gradients", "optimizer_state", "activations", "temporaries"):
+        assert cat in out
+
+
+def test_fit_finds_the_largest_batch_under_the_budget(capsys: Any) -> None:
+    data = cli_data(capsys, "seed-cnn", "--device", "cpu", "--fit", "40MiB")
+    fit = data["fit"]
+    probes = dict(map(tuple, fit["probes"]))
+    best = fit["best"]
+    assert best >= 1 and probes[best] <= 40 * 2**20 < probes[best + 1]
+    assert fit["budget_bytes"] == 40 * 2**20
+    assert len(probes) <= 8
+
+
+def test_hf_config_json(tmp_path: Path, capsys: Any) -> None:
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2,
+              "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    data = cli_data(capsys, str(tmp_path / "config.json"), "--seq", "32", "--batch", "2",
+                    "--device", "cpu")
+    assert data["setup"]["inputs"][0]["shape"] == [2, 32]
+    assert data["peak_bytes"] > 0
+    same = cli_data(capsys, str(tmp_path), "--seq", "32", "--batch", "2", "--device", "cpu")
+    assert same["peak_bytes"] == data["peak_bytes"]
+
+
+def test_list(capsys: Any) -> None:
+    proc = cli(capsys, "--list")
+    assert proc.returncode == 0
+    for name in ("resnet50", "vit-b-16", "bert-base", "gpt2", "llama-3-8b", "llama-3-70b"):
+        assert name in proc.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["no-such-model"], "no-such-model"),
+    (["seed-cnn", "--fit", "lots"], "lots"),
+    (["seed-cnn", "--optimizer", "lion"], "lion"),
+    (["seed-cnn", "--checkpoint", "nothing"], "nothing"),
+    (["missing/config.json"], "config.json"),
+    (["tests.estimate.factories:not_a_model"], "not_a_model"),
+    (["tests.estimate.factories:mlp"], "factories:mlp"),
+    (["tests.estimate.factories:mlp", "--input", "4xa"], "4xa"),
+    (["nosuchmodule:f"], "nosuchmodule"),
+])
+def test_bad_input_is_one_line_exit_2(args: list[str], named: str, capsys: Any) -> None:
+    assert_one_line_error(cli(capsys, *args), named)
+
+
+def test_bad_input_through_the_console_entry_point() -> None:
+    assert_one_line_error(run_cli("estimate", "no-such-model"), "no-such-model")
+
+
+def test_bad_config_json(tmp_path: Path, capsys: Any) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    assert_one_line_error(cli(capsys, str(bad)), "config.json")
+    bad.write_text(json.dumps({"hidden_size": 3}))
+    assert_one_line_error(cli(capsys, str(bad)), "config.json")
