@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from _results import write_section
 from torch.profiler import ProfilerActivity, profile
 
+from _results import write_section
 from modelsize.estimate import estimate
 from modelsize.estimate.zoo import ResNet, SeedCNN
 
@@ -156,10 +156,8 @@ def torchinfo_total(model: nn.Module, inputs: Any, train: bool) -> int:
     """torchinfo's "Estimated Total Size" in bytes."""
     import torchinfo
 
-    kwargs = dict(inputs) if isinstance(inputs, dict) else {}
-    data = None if isinstance(inputs, dict) else list(inputs)
-    stats = torchinfo.summary(model, input_data=data, verbose=0, mode="train" if train else "eval",
-                              **kwargs)
+    data = dict(inputs) if isinstance(inputs, dict) else list(inputs)
+    stats = torchinfo.summary(model, input_data=data, verbose=0, mode="train" if train else "eval")
     return int(stats.total_input + stats.total_output_bytes + stats.total_param_bytes)
 
 
@@ -213,6 +211,7 @@ def memtracker_total(case: Case, batch: int, train: bool) -> int | None:
                         del loss
                         opt.step()
                         opt.zero_grad(set_to_none=True)
+                        tracker.reset_mod_stats()  # else it refuses the second iteration
             else:
                 tracker.track_external(model)
                 with tracker, torch.no_grad():
@@ -315,7 +314,19 @@ def main() -> None:
         "",
         "DeepSpeed's estimators count model states only, so they have no inference row; "
         "accelerate's ignore the batch; the formula's activation term is Korthikanti's "
-        "16-bit transformer formula, applied as published to these fp32 runs.",
+        "16-bit transformer formula, applied as published to these fp32 runs. MemTracker "
+        "sees what fake tensors see: it misses the oneDNN convolution buffers and the LSTM "
+        "workspace that modelsize probes (see `modelsize/estimate/scratch.py`).",
+        "",
+        "**CUDA device model: not validated.** No GPU was available when it was written. "
+        "`--device cuda` adds to the traced tensor peak the caching allocator's 512-byte "
+        "rounding (replayed allocation by allocation), one cuBLAS workspace (32 MiB on sm90, "
+        "8 MiB + 128 KiB otherwise) and an assumed 512 MiB CUDA context, and redirects dropout "
+        "and scaled-dot-product attention to the CUDA kernels' memory behaviour (bool dropout "
+        "masks; flash / memory-efficient attention). Not modelled: cuDNN workspaces, "
+        "allocator fragmentation (`max_memory_reserved`), CUDA autocast's longer fp32 op "
+        "list. To validate, compare `device_estimate.allocated_bytes` with "
+        "`torch.cuda.max_memory_allocated()` after the same program on a GPU.",
     ]
     write_section("estimate_accuracy", "\n".join(lines))
     print("\n".join(lines))

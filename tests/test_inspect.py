@@ -98,3 +98,15 @@ def test_inspect_needs_no_framework(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["file_bytes"] == pt.stat().st_size
+
+
+def test_bare_optimizer_state_dict_is_optimizer_state(
+    train_ckpt: tuple[Path, nn.Module, torch.optim.Optimizer], tmp_path: Path,
+) -> None:
+    _, _, opt = train_ckpt
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    by = inspect(path).inventory.bytes_by_category
+    optim = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert by[Category.OPTIMIZER_STATE] == optim
+    assert by[Category.WEIGHTS] == 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -227,7 +227,8 @@ class InventoryBuilder:
         dtype: str | None = None,
     ) -> None:
         """Declare the file bytes of one storage. Keys are unique within the inventory."""
-        self.check_range(offset, nbytes, f"storage {key}", file)
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.files[file].nbytes:
+            self.check_range(offset, nbytes, f"storage {key}", file)  # raises, naming it
         if key in self._storages:
             raise self.corrupt(f"storage {key!r} declared twice", offset, file)
         self._storages[key] = (
@@ -404,10 +405,11 @@ class InventoryBuilder:
     ) -> dict[str, str]:
         """Map storage key -> key of an earlier storage holding identical bytes.
 
-        Candidates must agree on dtype, shape of their first view and size; their first 4 KiB,
-        then samples of the middle and the end, prune them before the full hash, so only real
-        duplicates are read whole. Storages whose bytes are one value repeated (zero-initialised
-        biases, counters) are left alone: equal by construction, not by accident of saving.
+        Candidates must agree on dtype, shape of their first view and size; their first 64
+        bytes, first 4 KiB, then samples of the middle and the end prune them before they are
+        compared whole, a piece at a time, so only real duplicates are read to the end.
+        Storages whose bytes are one value repeated (zero-initialised biases, counters) are
+        left alone: equal by construction, not by accident of saving.
         """
         groups: dict[tuple[Any, ...], list[str]] = {}
         for key, st in storages.items():
@@ -418,29 +420,31 @@ class InventoryBuilder:
             sig = (st.nbytes, st.logical_nbytes, st.compressed, first["dtype"], first["shape"])
             groups.setdefault(sig, []).append(key)
         result: dict[str, str] = {}
-        with _FileReader(self) as reader:
+        with _FileReader(self, storages) as reader:
             for sig, keys in groups.items():
                 if len(keys) < 2:
                     continue
                 itemsize = max(1, int(DTYPES[sig[3]].itemsize)) if sig[3] in DTYPES else 1
-                for same in _split(keys, lambda k: reader.head(storages[k])):
-                    for equal in _split(same, lambda k: reader.rest(storages[k])):
-                        seen: dict[bytes, str] = {}
-                        for key in equal:
-                            digest, constant = reader.digest(storages[key], itemsize)
-                            if constant:
-                                continue
-                            if digest in seen:
-                                result[key] = seen[digest]
-                            else:
-                                seen[digest] = key
+                for alike in _split(keys, reader.prefix):
+                    for same in _split(alike, reader.head):
+                        for equal in _split(same, reader.rest):
+                            for identical in reader.identical(equal):
+                                if reader.constant(identical[0], itemsize):
+                                    continue
+                                for key in identical[1:]:
+                                    result[key] = identical[0]
+                reader.heads.clear()
                 reader.whole.clear()
         return result
 
 
 #: Bytes sampled at the start, the middle and the end of a duplicate candidate.
 _PROBE = 4096
+#: The first bytes compared: hashing them is cheaper than hashing a whole probe.
+_PREFIX = 64
 _CHUNK = 1 << 20
+#: Candidates whose chunks are held side by side; more are compared by hashes of their chunks.
+_MAX_SIDE_BY_SIDE = 8
 
 
 def _split(keys: list[str], sample: Callable[[str], bytes]) -> list[list[str]]:
@@ -454,10 +458,13 @@ def _split(keys: list[str], sample: Callable[[str], bytes]) -> list[list[str]]:
 class _FileReader:
     """Reads storage bytes for duplicate detection through one open handle per file."""
 
-    def __init__(self, builder: InventoryBuilder) -> None:
+    def __init__(self, builder: InventoryBuilder, storages: dict[str, StorageRecord]) -> None:
         self.builder = builder
+        self.storages = storages
         self.handles: dict[int, BinaryIO] = {}
         self.closing = contextlib.ExitStack()
+        #: The first :data:`_PROBE` bytes of the current group's storages.
+        self.heads: dict[str, bytes] = {}
         #: Storages of the current group whose samples were all of their bytes.
         self.whole: dict[str, bytes] = {}
 
@@ -467,13 +474,12 @@ class _FileReader:
     def __exit__(self, *exc: object) -> None:
         self.closing.close()
 
-    def chunks(self, st: StorageRecord, start: int, stop: int) -> Iterator[bytes]:
-        """Bytes ``start..stop`` of a storage, in chunks of at most 1 MiB."""
-        for pos in range(start, stop, _CHUNK):
-            yield self.read(st, pos, min(stop, pos + _CHUNK))
-
-    def read(self, st: StorageRecord, start: int, stop: int) -> bytes:
-        """Bytes ``start..stop`` of a storage, read whole (at most a chunk)."""
+    def read(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``start..stop`` of a storage (at most a chunk)."""
+        whole = self.whole.get(key)
+        if whole is not None:
+            return whole[start:stop]
+        st = self.storages[key]
         fh = self.handles.get(st.file)
         if fh is None:
             # Unbuffered: reads are scattered samples; one handle per file for the whole build.
@@ -488,46 +494,80 @@ class _FileReader:
             data += more
         return data
 
-    def head(self, st: StorageRecord) -> bytes:
-        """The first :data:`_PROBE` bytes."""
-        data = self.read(st, 0, min(st.nbytes, _PROBE))
-        if st.nbytes <= _PROBE:
-            self.whole[st.key] = data
-        return data
+    def prefix(self, key: str) -> bytes:
+        """The first :data:`_PREFIX` bytes (the first :data:`_PROBE` are read and kept)."""
+        n = self.storages[key].nbytes
+        data = self.heads[key] = self.read(key, 0, min(n, _PROBE))
+        if n <= _PROBE:
+            self.whole[key] = data
+        return data[:_PREFIX]
 
-    def rest(self, st: StorageRecord) -> bytes:
+    def head(self, key: str) -> bytes:
+        """The first :data:`_PROBE` bytes after the prefix."""
+        return self.heads[key][_PREFIX:]
+
+    def rest(self, key: str) -> bytes:
         """The sample after the head: the rest if small, else the middle and the last bytes."""
-        n = st.nbytes
+        n = self.storages[key].nbytes
         if n <= _PROBE:
             return b""
         if n <= 3 * _PROBE:
-            data = self.whole[st.key] = self.read(st, 0, n)
+            data = self.whole[key] = self.read(key, 0, n)
             return data[_PROBE:]
         mid = n // 2
-        return self.read(st, mid, mid + _PROBE) + self.read(st, n - _PROBE, n)
+        return self.read(key, mid, mid + _PROBE) + self.read(key, n - _PROBE, n)
 
-    def digest(self, st: StorageRecord, itemsize: int) -> tuple[bytes, bool]:
-        """A key equal for equal bytes, and whether the bytes are one value repeated.
+    def identical(self, keys: list[str]) -> list[list[str]]:
+        """The groups (of two or more, in order) of same-sized ``keys`` with equal bytes.
 
-        Small storages, already read whole, are their own key; larger ones are hashed.
+        Compared a piece at a time, the pieces growing from 64 KiB to 1 MiB: candidates stop
+        being read where they differ, which for storages with equal samples (mostly zeros, say)
+        is usually long before their end.
         """
-        whole = self.whole.get(st.key)
-        if whole is not None:
-            value = whole[:itemsize]  # storages here are never empty
-            return whole, not st.compressed and whole == value * (len(whole) // len(value))
-        import hashlib  # here: only large duplicate candidates need it, and it is slow to import
+        n = self.storages[keys[0]].nbytes
+        groups = [keys]
+        pos, step = 0, _CHUNK // 16
+        while pos < n and groups:
+            stop = min(n, pos + step)
+            groups = [same for g in groups for same in self.split_piece(g, pos, stop)]
+            pos, step = stop, min(2 * step, _CHUNK)
+        return groups
 
-        h = hashlib.blake2b(digest_size=20)
-        first: bytes | None = None
-        constant = not st.compressed
-        for chunk in self.chunks(st, 0, st.nbytes):
-            h.update(chunk)
-            if constant:
-                if first is None:
-                    first = chunk[:itemsize]
-                pattern = first * (len(chunk) // max(1, len(first)))
-                constant = chunk == pattern
-        return h.digest(), constant
+    def split_piece(self, keys: list[str], start: int, stop: int) -> list[list[str]]:
+        """:func:`_split` on the bytes ``start..stop``: large pieces of a few candidates are
+        compared side by side (hashing 1 MiB costs more than comparing it with a few others),
+        of many candidates by a digest; small pieces are their own keys."""
+        if stop - start <= 3 * _PROBE:
+            return _split(keys, lambda k: self.read(k, start, stop))
+        if len(keys) > _MAX_SIDE_BY_SIDE:
+            import hashlib  # here: only large groups of candidates need it; slow to import
+
+            return _split(keys, lambda k: hashlib.blake2b(
+                self.read(k, start, stop), digest_size=20).digest())
+        seen: list[tuple[bytes, list[str]]] = []
+        for key in keys:
+            piece = self.read(key, start, stop)
+            for other, same in seen:
+                if piece == other:
+                    same.append(key)
+                    break
+            else:
+                seen.append((piece, [key]))
+        return [same for _, same in seen if len(same) > 1]
+
+    def constant(self, key: str, itemsize: int) -> bool:
+        """Whether a (stored) storage's bytes are one ``itemsize`` value repeated."""
+        st = self.storages[key]
+        if st.compressed:
+            return False
+        value = b""
+        for pos in range(0, st.nbytes, _CHUNK):
+            chunk = self.read(key, pos, min(st.nbytes, pos + _CHUNK))
+            if not value:
+                value = chunk[:itemsize]
+            if chunk != value * (len(chunk) // len(value)):
+                return False
+        return True
 
 
 def _uncovered(covered: list[tuple[int, int]], start: int, stop: int) -> int:

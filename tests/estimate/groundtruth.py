@@ -83,7 +83,8 @@ def measure(
     with allocator_events() as events:
         if mode == "infer":
             model.eval()
-            with torch.no_grad():
+            ctx = torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+            with torch.no_grad(), ctx:
                 out = model(*args, **kwargs)
             del out
         else:

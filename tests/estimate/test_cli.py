@@ -110,6 +110,7 @@ def test_list(capsys: Any) -> None:
     (["tests.estimate.factories:mlp"], "factories:mlp"),
     (["tests.estimate.factories:mlp", "--input", "4xa"], "4xa"),
     (["nosuchmodule:f"], "nosuchmodule"),
+    ([], "MODEL"),
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str], named: str, capsys: Any) -> None:
     assert_one_line_error(cli(capsys, *args), named)

@@ -97,9 +97,15 @@ def test_transformers(build: Any, mode: str) -> None:
 
 
 @pytest.mark.parametrize("build", [models.tiny_gpt2, models.tiny_llama])
-def test_bf16_autocast(build: Any) -> None:
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_autocast(build: Any, amp: torch.dtype) -> None:
     model, inputs = build()
-    _check(model, inputs, amp=torch.bfloat16)
+    _check(model, inputs, amp=amp)
+
+
+def test_autocast_inference() -> None:
+    model, inputs = models.tiny_llama()
+    _check(model, inputs, amp=torch.bfloat16, mode="infer")
 
 
 def test_pure_bf16_model() -> None:

@@ -104,3 +104,12 @@ def test_tied_weights_count_once() -> None:
     unique = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
               for p in model.parameters()}
     assert est.categories["parameters"] == sum(unique.values())
+
+
+def test_parameters_viewing_one_flat_storage_count_it_once() -> None:
+    flat = torch.zeros(2 * 16 * 16 + 7)
+    model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False))
+    model[0].weight = nn.Parameter(flat[:256].view(16, 16))
+    model[1].weight = nn.Parameter(flat[256:512].view(16, 16).t())
+    est = estimate(model, (torch.zeros(2, 16),), mode="infer", device="cpu")
+    assert est.categories["parameters"] == flat.nbytes

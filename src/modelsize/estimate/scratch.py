@@ -21,7 +21,6 @@ probed op can also correct the size of an output the meta kernel gets wrong.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +112,7 @@ class ScratchModels:
         probe = self.probed.get(func)
         if probe is None:
             return None
-        key = (func, *(_signature(a) for a in args),
+        key = (func, torch.is_grad_enabled(), *(_signature(a) for a in args),
                *sorted((k, _signature(v)) for k, v in kwargs.items()))
         if key not in self.cache:
             self.cache[key] = self._probe(func, args, kwargs, out, probe)
@@ -389,7 +388,3 @@ def table(device_type: str) -> ScratchModels:
     }
     return models
 
-
-def ceil_to(n: int, block: int) -> int:
-    """``n`` rounded up to a multiple of ``block``."""
-    return math.ceil(n / block) * block if n else 0

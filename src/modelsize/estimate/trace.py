@@ -1,9 +1,9 @@
 """Run the program being estimated (inference, or training steps) on fake tensors.
 
-The caller's model is never modified: its parameters and buffers are swapped for fake copies
-only for the duration of each call (:func:`torch.func.functional_call`), the train/eval flag of
-every module is restored, the hooks we need are global and removed, and checkpointed modules
-get their ``forward`` back.
+The caller's model is left as it was found: its parameters and buffers are swapped for fake
+copies only while the program runs (forward, backward, where checkpointed modules re-run, and
+the optimizer step), the train/eval flag of every module is restored, the hooks we need are
+global and removed, and checkpointed modules get their ``forward`` back.
 
 The program, for ``mode="train"`` (each line is a phase)::
 
@@ -92,37 +92,29 @@ def _flat_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class _FakeCopier:
-    """Makes fake copies of real, meta or foreign-fake tensors, one fake storage per storage."""
+    """Fake copies of real, meta or foreign-fake tensors: one fake storage per source storage.
+
+    Tensors that share a storage (tied weights, views of a flat buffer) share the copy's
+    storage, at the same offsets and strides; no data is read.
+    """
 
     def __init__(self, mode: CountingFakeMode, device: torch.device) -> None:
         self.mode = mode
         self.device = device
-        self._bases: dict[int, torch.Tensor] = {}
-        self._keep: list[torch.Tensor] = []  # keeps storages alive so ids stay unique
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self._keep: list[torch.Tensor] = []  # keeps sources alive so storage ids stay unique
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake twin of ``t`` (not a view: autocast caches casts of leaves only)."""
         st = t.untyped_storage()
-        key = st._cdata
         self._keep.append(t)
-        base = self._bases.get(key)
-        covers = t.storage_offset() == 0 and _span(t) == st.nbytes()
-        if base is None and covers:
-            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            self._bases[key] = meta
-        else:
-            if base is None:
-                base = torch.empty(st.nbytes(), dtype=torch.uint8, device="meta")
-                self._bases[key] = base
-            flat = base.reshape(-1).view(torch.uint8).view(t.dtype)
-            meta = flat.as_strided(t.shape, t.stride(), t.storage_offset())
+        storage = self._storages.get(st._cdata)
+        if storage is None:
+            storage = torch.empty(st.nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+            self._storages[st._cdata] = storage
+        meta = torch.empty(0, dtype=t.dtype, device="meta")
+        meta.set_(storage, t.storage_offset(), t.shape, t.stride())
         return self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, self.device)
-
-
-def _span(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
 
 
 @contextlib.contextmanager

@@ -7,14 +7,21 @@ the moment Python or C++ drops its last reference: views share a storage and cou
 frees happen exactly where the real allocator would see them. Bytes that no tensor owns (kernel
 scratch, see :mod:`modelsize.estimate.scratch`) are added for the duration of the op.
 
-Known limitations (checked against the CPU profiler in tests/estimate, see the docs there):
+Where a fake run and a real CPU run part ways, and what bridges them (each one found by
+comparing the two, allocation by allocation, against the CPU profiler; see tests/estimate):
 
-* fake tensors are "tensor-subclass-like", so ATen composites that test
-  ``isTensorSubclassLike`` take their out-of-place branch (``linear`` adds its bias with
-  ``add`` instead of ``add_``; a few backward formulas do the same). :mod:`.inplace` maps those
-  back to the in-place behaviour of a real run;
-* memory allocated outside ATen (BLAS, oneDNN scratch pads, the Python heap) is invisible, as
-  it is to the PyTorch allocator and its profiler.
+* FakeTensorMode runs some ops through Python decompositions that dispatch their parts back
+  through the mode: only the outer op is counted (a real kernel allocates its outputs, not the
+  decomposition's intermediates), unless the op is CompositeImplicit, which a real run
+  decomposes too;
+* kernels allocate memory no output owns (BLAS operand copies, oneDNN reorders, wrapped Python
+  scalars): :mod:`modelsize.estimate.scratch`;
+* a few meta kernels report output sizes the CPU kernels do not produce (oneDNN LSTM
+  workspace, eval-mode BatchNorm statistics): corrected by the same module;
+* autograd keeps wrapped Python scalars saved for backward: ``trace._SavedScalars``.
+
+Memory allocated outside PyTorch's allocator (BLAS internals, the Python heap) is invisible
+here, as it is to the allocator and its profiler.
 """
 
 from __future__ import annotations

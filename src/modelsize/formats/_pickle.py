@@ -18,15 +18,17 @@ count, ``LONG`` sizes and the nesting of hashed values are bounded: malformed in
 from __future__ import annotations
 
 import codecs
-import mmap
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    import mmap
 
 #: What the parser reads from: bytes in memory or a memory-mapped file.
-Data = bytes | bytearray | memoryview | mmap.mmap
+Data: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap"
 
 #: Tuples, frozensets and persistent ids nested deeper than this are refused: hashing them
 #: recurses in C, where Python's recursion limit does not protect the stack.
@@ -279,7 +281,6 @@ class _Machine:
         self.view = memoryview(data)
         self.size = len(data)
         self.pos = offset
-        self.start = offset
         self.persistent_load = persistent_load
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
@@ -479,25 +480,25 @@ class _Machine:
     def run(self) -> object:
         data, size = self.data, self.size
         table = [getattr(self, f"op_{n.lower()}") if n else None for n in _NAMES]
-        # Every opcode consumes at least its own byte, pushes at most one item, MARKs or
-        # memoizes at most once, and the position never moves back (after_build checks it):
-        # n bytes run at most n opcodes. Pickles shorter than every ceiling cannot reach one,
-        # so only longer data pays for checking the stack, the MARKs and the memo.
-        checked = size - self.start > min(MAX_OPS, MAX_STACK, MAX_MEMO)
+        # Each opcode pushes at most one item, MARKs or memoizes at most once: until there have
+        # been as many opcodes as the lowest ceiling, none can be crossed, and none is checked.
+        # Only a pickle running longer pays for checking the stack, the MARKs and the memo.
+        free = min(MAX_OPS, MAX_STACK, MAX_MEMO)
         op = self.pos
         try:
-            # The range counts the opcodes (MAX_OPS) at no cost per opcode.
-            for _ in range(MAX_OPS):
-                op = self.pos
-                if op >= size:
-                    raise self.error("data ends before the pickle's STOP opcode", op, "")
-                handler = table[data[op]]
-                if handler is None:
-                    raise self.error(f"unknown opcode {bytes([data[op]])!r}", op, "")
-                self.pos = op + 1
-                handler()
-                if checked:
-                    self.check_ceilings()
+            # The ranges count the opcodes (MAX_OPS in all) at no cost per opcode.
+            for checked, count in ((False, free), (True, MAX_OPS - free)):
+                for _ in range(count):
+                    op = self.pos
+                    if op >= size:
+                        raise self.error("data ends before the pickle's STOP opcode", op, "")
+                    handler = table[data[op]]
+                    if handler is None:
+                        raise self.error(f"unknown opcode {bytes([data[op]])!r}", op, "")
+                    self.pos = op + 1
+                    handler()
+                    if checked:
+                        self.check_ceilings()
             op = self.pos
             if op >= size:
                 raise self.error("data ends before the pickle's STOP opcode", op, "")

@@ -152,7 +152,10 @@ class _Path:
 
 
 class _Ctx:
-    """What the path to a value decides: a forced category, tags, inside an optimizer."""
+    """What the path to a value decides: a forced category, tags, inside an optimizer.
+
+    Never changed once made (contexts are shared by many paths).
+    """
 
     __slots__ = ("forced", "optimizer", "soft", "tags")
 
@@ -253,17 +256,14 @@ def _is_optimizer_state(obj: object) -> bool:
 _SEPARATORS = re.compile(r"[._\-]")
 
 
-@functools.lru_cache(maxsize=4096)
-def _tokens(key: str) -> frozenset[str]:
-    # Cached: checkpoints repeat the same few keys (weight, bias, exp_avg...) thousands of times.
-    return frozenset(_SEPARATORS.split(key))
+def _tokens(key: str) -> list[str]:
+    return _SEPARATORS.split(key)
 
 
 def _is_ema(key: str) -> bool:
     return key in _EMA_KEYS or "ema" in _tokens(key)
 
 
-@functools.lru_cache(maxsize=4096)
 def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
     """What a lower-cased key says by itself: (names optimizer state, category, EMA copy)."""
     new: Category | None = None
@@ -344,6 +344,8 @@ class _Walker:
         self.seen: set[int] = set()
         self.optimizer_keys: set[str] = set()
         self.optimizer_dicts: dict[int, bool] = {}
+        #: What each key says by itself (see :func:`_key_facts`): keys repeat thousands of times.
+        self.key_facts: dict[str | int, tuple[bool, Category | None, bool]] = {}
         self.todo: list[tuple[object, _Path, _Ctx]] = []
 
     # -- recognising tensors ----------------------------------------------------------
@@ -476,7 +478,13 @@ class _Walker:
         return found
 
     def enter(self, ctx: _Ctx, key: object, value: object) -> _Ctx:
-        optimizer_key, new, ema = _key_facts(str(key).lower())
+        if type(key) is str or type(key) is int:  # not bool or float: True == 1 == 1.0
+            facts = self.key_facts.get(key)
+            if facts is None:
+                facts = self.key_facts[key] = _key_facts(str(key).lower())
+        else:
+            facts = _key_facts(str(key).lower())
+        optimizer_key, new, ema = facts
         forced, soft, tags, opt = ctx.forced, ctx.soft, ctx.tags, ctx.optimizer
         if forced is None or soft:
             if optimizer_key or self.is_optimizer_state(value):
@@ -486,7 +494,7 @@ class _Walker:
         if ema and "ema" not in tags:
             tags = (*tags, "ema")
         if forced is ctx.forced and soft == ctx.soft and tags is ctx.tags and opt == ctx.optimizer:
-            return ctx  # contexts are frozen: most keys change nothing and share their parent's
+            return ctx  # contexts never change once made: most keys share their parent's
         return _Ctx(forced, soft, tags, opt)
 
     # -- declaring --------------------------------------------------------------------
@@ -500,6 +508,8 @@ class _Walker:
             values = next((e for k, e in t.extras if k in ("values", "buffer")), None)
             vt = self.tensor(values) if isinstance(values, Call) else None
             cat = self.category(vt, path, ctx) if vt is not None else Category.WEIGHTS
+        if not t.extras:
+            return
         sub_ctx = _Ctx(cat, False, ctx.tags, ctx.optimizer)
         for suffix, extra in reversed(t.extras):
             sub = path.child(suffix) if suffix else path
@@ -551,7 +561,12 @@ class _Walker:
         path = _Path()
         for part in prefix:
             path = path.child(part)
-        self.todo = todo = [(root, path, _Ctx())]
+        # A file holding just an optimizer state dict (torch.save(opt.state_dict()), HF's
+        # optimizer.pt) is optimizer state from the root down.
+        top = _Ctx()
+        if self.is_optimizer_state(root):
+            top = _Ctx(Category.OPTIMIZER_STATE, optimizer=True)
+        self.todo = todo = [(root, path, top)]
         seen = self.seen
         while todo:
             value, path, ctx = todo.pop()
@@ -560,16 +575,17 @@ class _Walker:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            if ctx.optimizer:
-                items = mapping_items(value)
-                if items:
-                    self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
             if isinstance(value, Call):
-                # Tensors first, and without a generator: they are most of what is walked.
+                # Tensors first, and without a generator: they are most of what is walked (and
+                # a tensor is no mapping: it has no optimizer keys).
                 t = self.tensor(value)
                 if t is not None:
                     self.declare(t, path, ctx)
                     continue
+            if ctx.optimizer:
+                items = mapping_items(value)
+                if items:
+                    self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
             todo.extend(reversed(list(self.children(value, path, ctx))))
 
     def children(
@@ -611,7 +627,8 @@ class _Walker:
     ) -> Iterator[tuple[object, _Path, _Ctx]]:
         for k, v in items:
             key = k.value if isinstance(k, UnhashableKey) else k
-            yield v, path.child(_key_text(key)), self.enter(ctx, key, v)
+            sub = _Path(path, key if type(key) is str else _key_text(key))
+            yield v, sub, self.enter(ctx, key, v)
 
     def module_state(self, call: Call) -> tuple[str, dict[Any, Any], bool] | None:
         """(class name, attribute dict, is TorchScript) of a pickled module object, else None.

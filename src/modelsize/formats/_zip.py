@@ -18,6 +18,8 @@ from modelsize.categories import Category
 from modelsize.inventory import InventoryBuilder
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
+#: The local header's name and extra field lengths (its last fields, at byte 26).
+_NAME_EXTRA = struct.Struct("<HH")
 _LOCAL_MAGIC = b"PK\x03\x04"
 STORED = zipfile.ZIP_STORED
 DEFLATED = zipfile.ZIP_DEFLATED
@@ -84,8 +86,7 @@ def members(
                     f"member {info.filename!r}: no local header at {info.header_offset}",
                     info.header_offset, file,
                 )
-            fields = _LOCAL.unpack(raw)
-            name_len, extra_len = fields[9], fields[10]
+            name_len, extra_len = _NAME_EXTRA.unpack_from(raw, 26)
             data_offset = info.header_offset + _LOCAL.size + name_len + extra_len
             if data_offset + info.compress_size > size:  # sizes from zipfile are never < 0
                 builder.check_range(

@@ -350,7 +350,7 @@ class KerasReader:
         """Account for every byte of the archive, the HDF5 member read in place."""
         path = source.path
         builder = InventoryBuilder(self.name, [path], root=path)
-        members = _zip.members(path, builder)
+        members = _zip.members(path, builder, infos=source.zip_infos())
         _zip.account_headers(builder, members)
         classes: dict[str, str] = {}
         weights: _zip.Member | None = None

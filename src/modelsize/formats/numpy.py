@@ -361,7 +361,7 @@ class NpzReader:
     def read(self, source: Source) -> Inventory:
         """Zip structures as metadata, each member as header plus storage."""
         builder = InventoryBuilder(self.name, [source.path], root=source.path)
-        items = _zip.members(source.path, builder)
+        items = _zip.members(source.path, builder, infos=source.zip_infos())
         _zip.account_headers(builder, items)
         for m in items:
             if m.name.endswith("/") and m.compress_size == 0:
