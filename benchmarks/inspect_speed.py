@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -85,11 +86,19 @@ def build_checkpoint(path: Path) -> dict[str, int]:
     return {"weights": weights, "params": sum(p.numel() for p in model.parameters())}
 
 
+def _env() -> dict[str, str]:
+    # Measured as installed packages run: with byte-compiled modules (some machines set
+    # PYTHONDONTWRITEBYTECODE, which would recompile modelsize on every run).
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def measure(which: str, path: Path) -> dict[str, float]:
     """One fresh process: op time, process wall time, peak RSS."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _MEASURE, which, str(path)],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, env=_env())
     wall = time.perf_counter() - t0
     out = json.loads(proc.stdout)
     out["process_s"] = wall
@@ -121,6 +130,7 @@ def main() -> None:
             pass
     rows = {}
     for which in WAYS:
+        measure(which, path)  # unmeasured: byte-compiles modules, like a first run after install
         runs = [measure(which, path) for _ in range(args.repeat)]
         rows[which] = {
             "op_s": statistics.median(r["op_s"] for r in runs),
@@ -139,8 +149,9 @@ def main() -> None:
         "",
         f"Checkpoint: GPT-2 medium's parameter set ({known['params']:,} parameters) after one AdamW step, "
         f"`torch.save({{model, optimizer, step}})`: {size:,} bytes ({size / 1e9:.2f} GB), "
-        f"{ms['detail']['tensors']} tensors. Warm page cache; median of {args.repeat} fresh processes; "
-        "peak RSS is the max.",
+        f"{ms['detail']['tensors']} tensors. Warm page cache; median of {args.repeat} fresh processes "
+        "after one unmeasured warm-up each; peak RSS is the max. 2-core machine (shared with other "
+        "work while measured, so timings carry some noise).",
         "",
         "| way | operation (s) | whole process (s) | peak RSS (MB) |",
         "|---|---:|---:|---:|",
