@@ -232,9 +232,8 @@ def render(rows: list[Row], repeat: int, argv: str) -> str:
         "grow with the tensor data; `onnx.load` parses and copies every `raw_data` byte. gguf-py "
         "also maps the file lazily, but builds numpy objects for every metadata item (here "
         "96,000: the 32,000-token vocabulary, its scores and types). modelsize's operation time "
-        "is mostly its own start-up (importing every reader to build the registry, about "
-        "90 ms here, and rendering the report): the readers themselves take 5 to 60 ms on "
-        "these files (most for the 512-initializer ONNX).",
+        "includes importing the one reader it needs (the registry sniffs magic bytes before "
+        "importing anything) and rendering the JSON report.",
         "",
         f"Reproduce: `{argv}`",
     ]

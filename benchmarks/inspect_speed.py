@@ -1,8 +1,9 @@
 """Inspect speed and memory: modelsize inspect vs torch.load on a >= 2 GB training checkpoint.
 
 Builds GPT-2 medium's parameter set from real layers (24 blocks, d=1024, vocab 50257, 355 M
-parameters), takes one real AdamW step (in a subprocess, so its memory does not leak into the
-measurements: Linux keeps ru_maxrss across exec), saves ``{"model": ..., "optimizer": ..., "step": 1}`` with torch.save (>= 2 GB), then
+parameters), takes one real AdamW step on 4 x 256 tokens (in a subprocess, so its memory does
+not leak into the measurements: Linux keeps ru_maxrss across exec), saves
+``{"model": ..., "optimizer": ..., "step": 1}`` with torch.save (>= 2 GB), then
 measures, each in a fresh subprocess: wall time of the operation, wall time of the whole process
 (interpreter start and imports included) and peak RSS (ru_maxrss), for
 
@@ -72,8 +73,10 @@ def build_checkpoint(path: Path) -> dict[str, int]:
     model = nn.ModuleDict({"wte": nn.Embedding(vocab, d), "wpe": nn.Embedding(1024, d),
                            "h": blocks, "ln_f": nn.LayerNorm(d)})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, vocab, (1, 8))
-    x = model["wte"](ids) + model["wpe"](torch.arange(8))
+    # One step on a batch of 4 x 256 tokens, as a language model trains (a toy 8-token step
+    # would leave the embedding's Adam moments almost all zero, which no real checkpoint has).
+    ids = torch.randint(0, vocab, (4, 256))
+    x = model["wte"](ids) + model["wpe"](torch.arange(256))
     for blk in blocks:
         h = blk["qkv"](blk["ln_1"](x))[..., :d]
         x = x + blk["proj"](h)
@@ -147,9 +150,12 @@ def main() -> None:
     lines = [
         "## inspect speed: modelsize inspect vs torch.load",
         "",
-        f"Checkpoint: GPT-2 medium's parameter set ({known['params']:,} parameters) after one AdamW step, "
+        f"Checkpoint: GPT-2 medium's parameter set ({known['params']:,} parameters) after one "
+        "AdamW "
+        "step on 4 x 256 tokens, "
         f"`torch.save({{model, optimizer, step}})`: {size:,} bytes ({size / 1e9:.2f} GB), "
-        f"{ms['detail']['tensors']} tensors. Warm page cache; median of {args.repeat} fresh processes "
+        f"{ms['detail']['tensors']} tensors. Warm page cache; median of {args.repeat} fresh "
+        "processes "
         "after one unmeasured warm-up each; peak RSS is the max. 2-core machine (shared with other "
         "work while measured, so timings carry some noise).",
         "",
@@ -164,7 +170,8 @@ def main() -> None:
         f"modelsize is **{full['op_s'] / ms['op_s']:.0f}x** faster than a full `torch.load` on the "
         f"operation ({full['process_s'] / ms['process_s']:.0f}x on whole processes, which include "
         f"torch's import), with {ms['rss_mb']:.0f} MB peak RSS vs {full['rss_mb']:.0f} MB. "
-        f"Categories: weights {cats['weights']:,} B, optimizer_state {cats['optimizer_state']:,} B, "
+        f"Categories: weights {cats['weights']:,} B, "
+        f"optimizer_state {cats['optimizer_state']:,} B, "
         f"metadata {cats['metadata']:,} B (sum = file size).",
         "",
         "Reproduce: `.venv/bin/python benchmarks/inspect_speed.py`",

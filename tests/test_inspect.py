@@ -33,7 +33,9 @@ def train_ckpt(tmp_path: Path) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
     return path, model, opt
 
 
-def test_training_checkpoint_json(train_ckpt: tuple[Path, nn.Module, torch.optim.Optimizer]) -> None:
+def test_training_checkpoint_json(
+    train_ckpt: tuple[Path, nn.Module, torch.optim.Optimizer],
+) -> None:
     path, model, opt = train_ckpt
     out = cli_json("inspect", str(path))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

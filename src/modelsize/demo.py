@@ -93,7 +93,8 @@ def _tied_clone(out: Path) -> Path:
     emb = torch.randn(5_000, 128)
     tensors = {
         "wte.weight": emb,
-        "lm_head.weight": emb.clone(),  # tied weights, cloned because safetensors refuses shared ones
+        # Tied weights, cloned because safetensors refuses tensors that share memory.
+        "lm_head.weight": emb.clone(),
         "ln_f.weight": torch.ones(128),
         "ln_f.bias": torch.zeros(128),
     }
@@ -114,7 +115,8 @@ def _tensorflow(out: Path) -> Path:
 
 
 STORIES: tuple[tuple[str, Callable[[Path], Path]], ...] = (
-    ("A training checkpoint: a small CNN after one Adam step, saved with its optimizer", _train_checkpoint),
+    ("A training checkpoint: a small CNN after one Adam step, saved with its optimizer",
+     _train_checkpoint),
     ("A slice of a big tensor saved with torch.save", _slice),
     ("The same CNN's weights saved in float64", _float64),
     ("A model pickled whole, with activations cached in its modules", _whole_module),
@@ -152,11 +154,8 @@ def run_demo(directory: str | None = None, sections: list[str] | None = None) ->
             sys.stdout.write(inspect_section(out))
             sys.stdout.flush()
         if "estimate" in wanted:
-            try:
-                from modelsize.estimate.command import demo_section
-            except ImportError:
-                demo_section = None
-            if demo_section is not None:
-                sys.stdout.write("\nmodelsize estimate: how much memory will it need?\n\n")
-                sys.stdout.write(demo_section())
+            from modelsize.estimate.command import demo_section
+
+            sys.stdout.write("\nmodelsize estimate: how much memory will it need?\n\n")
+            sys.stdout.write(demo_section())
     return 0

@@ -84,7 +84,8 @@ def optimizer_description(inv: Inventory) -> str:
     sizes: dict[str, int] = {}
     for t in tensors:
         sizes[_slot(t)] = sizes.get(_slot(t), 0) + t.stored_nbytes
-    big = [s for s, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n and s not in _GENERIC_NAME]
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    big = [s for s, n in ranked if n and s not in _GENERIC_NAME]
     name = inv.facts.get("optimizer")
     if not name:
         lowered = {s.lower() for s in sizes}
@@ -202,7 +203,8 @@ def find(inv: Inventory) -> list[Finding]:
 
 _DESCRIBE: dict[Category, str] = {
     Category.BUFFERS: "buffers (BatchNorm running statistics and other non-trainable state)",
-    Category.GRADIENTS: "gradients saved with the weights, needed neither for inference nor to resume",
+    Category.GRADIENTS: "gradients saved with the weights, needed neither for inference nor to "
+    "resume",
     Category.ACTIVATIONS: "activations cached by the last forward/backward pass, not needed at all",
     Category.UNUSED_STORAGE: "storage no tensor reaches: a view was saved with the whole tensor "
     "it came from",

@@ -61,9 +61,15 @@ def main() -> None:
     sizes = {n: int(np.prod(s, dtype=np.int64)) * dtypes[n].size for n, s in variables}
     manifest = {
         "tensorflow": tf.__version__,
-        "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(OUT.iterdir())},
-        "weights": sum(n for k, n in sizes.items() if "/Adam" not in k and k.startswith(("hidden", "logits"))),
-        "optimizer_state": sum(n for k, n in sizes.items() if "/Adam" in k or "power" in k or k == "global_step"),
+        "files": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(OUT.iterdir())
+        },
+        "weights": sum(
+            n for k, n in sizes.items() if "/Adam" not in k and k.startswith(("hidden", "logits"))
+        ),
+        "optimizer_state": sum(
+            n for k, n in sizes.items() if "/Adam" in k or "power" in k or k == "global_step"
+        ),
         "variables": sizes,
     }
     (HERE / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")

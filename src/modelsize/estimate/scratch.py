@@ -21,7 +21,10 @@ probed op can also correct the size of an output the meta kernel gets wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +238,24 @@ def _real(a: Any, resize: tuple[int, int] | None = None) -> Any:
     return a
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler library's own start/stop lines, written straight to fd 2."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to speak of
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _run(
     func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     resize: dict[int, tuple[int, int]], prepare: Prepare | None,
@@ -248,7 +269,7 @@ def _run(
     # it is on. The real arguments do not require grad, so no graph is recorded.
     if prepare is not None:
         prepare(real_args)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = func(*real_args, **real_kwargs)
     sizes = [t.untyped_storage().nbytes() for t in _out_tensors(result)]
     del result

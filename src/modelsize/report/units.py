@@ -1,4 +1,7 @@
-"""Human units for byte counts: decimal for files (as `ls -h --si` and file browsers show), binary for memory."""
+"""Human units for byte counts.
+
+Decimal for files (as ``ls --si`` and file browsers show them), binary for memory.
+"""
 
 from __future__ import annotations
 
