@@ -283,11 +283,14 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
 
 
-def _read_index(path: Path) -> dict[str, str]:
-    """The weight map of an index file (tensor name -> shard file name), validated."""
+def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, str]:
+    """The weight map of a sharded checkpoint's index (tensor name -> shard file), validated.
+
+    Shared by the safetensors and torch shard readers: both use Hugging Face's index layout.
+    """
 
     def bad(reason: str) -> CorruptFileError:
-        return CorruptFileError(path, "safetensors-index", reason)
+        return CorruptFileError(path, format, reason)
 
     size = path.stat().st_size
     if size > MAX_INDEX:
@@ -361,7 +364,7 @@ def read_checkpoint(
     weight_map: dict[str, str] = {}
     shard_of: dict[str, Path] = {}
     if index is not None:
-        weight_map = _read_index(index)
+        weight_map = read_weight_map(index)
         shard_of = _shard_paths(index, weight_map)
         shards = list(dict.fromkeys(shard_of.values()))
     paths: list[Path] = ([index] if index is not None else []) + shards
@@ -416,7 +419,7 @@ def _read_dir(format: str, directory: Path) -> Inventory:
     used = {p.resolve() for p in [*shards, *(p for p, _ in side)]}
     if index is not None:
         used.add(index.resolve())
-        used |= {p.resolve() for p in _shard_paths(index, _read_index(index)).values()}
+        used |= {p.resolve() for p in _shard_paths(index, read_weight_map(index)).values()}
     left_out = sorted(
         p for p in directory.iterdir() if p.is_file() and p.resolve() not in used
     )

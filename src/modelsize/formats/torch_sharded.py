@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats.base import Source
+from modelsize.formats.safetensors import read_weight_map
 from modelsize.formats.torch_legacy import TorchLegacyReader
 from modelsize.formats.torch_zip import TorchZipReader
 from modelsize.inventory import (
@@ -42,7 +43,6 @@ from modelsize.inventory import (
 
 FORMAT = "pytorch-sharded"
 #: An index is a JSON map of tensor names; even the largest models stay far below this.
-MAX_INDEX = 100_000_000
 INDEX_SUFFIXES = (".bin.index.json", ".pt.index.json", ".pth.index.json")
 #: Single-file weights of a model directory, in the order transformers looks for them.
 WEIGHT_NAMES = ("pytorch_model.bin", "model.pt", "model.pth", "pytorch_model.pt", "model.bin")
@@ -309,23 +309,7 @@ def _has_safetensors(directory: Path) -> bool:
 
 def read_index(path: Path) -> dict[str, str]:
     """The weight map of an index file (tensor name -> shard file name), validated."""
-
-    def bad(reason: str) -> CorruptFileError:
-        return CorruptFileError(path, FORMAT, reason)
-
-    size = path.stat().st_size
-    if size > MAX_INDEX:
-        raise bad(f"index is {size} bytes, more than the {MAX_INDEX} modelsize reads")
-    try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise bad(f"expected a JSON index, found invalid JSON ({exc})") from exc
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise bad('expected {"weight_map": {tensor name: shard file name}}')
-    return weight_map
+    return read_weight_map(path, FORMAT)
 
 
 def _total_size(index: Path) -> int | None:

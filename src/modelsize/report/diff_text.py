@@ -5,20 +5,13 @@ from __future__ import annotations
 from modelsize.diff import Diff, TensorChange
 from modelsize.errors import printable
 from modelsize.inventory import Inventory, TensorRecord
+from modelsize.report.table import table
 from modelsize.report.units import human_bytes
 
 #: Rows shown per list (added, removed, changed) before "... and N more".
 MAX_ROWS = 20
 
 
-def _table(rows: list[list[str]], align: str) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for row in rows:
-        cells = [c.rjust(w) if a == "r" else c.ljust(w)
-                 for c, w, a in zip(row, widths, align, strict=True)]
-        out.append("  " + "  ".join(cells).rstrip())
-    return out
 
 
 def _signed(n: int) -> str:
@@ -52,7 +45,7 @@ def _tensor_rows(title: str, tensors: tuple[TensorRecord, ...]) -> list[str]:
         rows.append([printable(t.name, 70), t.dtype, _shape(t), human_bytes(t.nbytes),
                      t.category.value])
     lines = ["", f"{title} ({len(tensors)}, {human_bytes(sum(t.nbytes for t in tensors))})"]
-    lines += _table(rows, "lllrl")
+    lines += table(rows, "lllrl")
     if len(tensors) > MAX_ROWS:
         lines.append(f"  ... and {len(tensors) - MAX_ROWS} more")
     return lines
@@ -69,7 +62,7 @@ def _change_rows(changes: tuple[TensorChange, ...]) -> list[str]:
             f"{c.b.dtype} {_shape(c.b)} {c.b.category.value}",
         ])
     lines = ["", f"Changed dtype, shape or category ({len(changes)})"]
-    lines += _table(rows, "lll")
+    lines += table(rows, "lll")
     if len(changes) > MAX_ROWS:
         lines.append(f"  ... and {len(changes) - MAX_ROWS} more")
     return lines
@@ -84,7 +77,7 @@ def render_diff(d: Diff) -> str:
             rows.append([cat.value, f"{x:,}", f"{y:,}", _signed(y - x), _ratio(x, y)])
     fa, fb = d.a.file_bytes, d.b.file_bytes
     rows.append(["total", f"{fa:,}", f"{fb:,}", _signed(fb - fa), _ratio(fa, fb)])
-    lines += _table(rows, "lrrrr")
+    lines += table(rows, "lrrrr")
     lines += ["", f"Tensors: {d.unchanged} with the same dtype, shape and category, "
                   f"{len(d.changed)} changed, {len(d.removed)} only in A, {len(d.added)} "
                   "only in B"]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from modelsize.errors import printable
 from modelsize.estimate.result import Estimate, FitResult, MemoryCategory, Suggestion
+from modelsize.report.table import table
 from modelsize.report.units import human_mem, percent
 
 _PHASE_WORDS = {
@@ -18,14 +19,6 @@ _PHASE_WORDS = {
 }
 
 
-def _table(rows: list[list[str]], align: str) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for row in rows:
-        cells = [c.rjust(w) if a == "r" else c.ljust(w)
-                 for c, w, a in zip(row, widths, align, strict=True)]
-        out.append("  " + "  ".join(cells).rstrip())
-    return out
 
 
 def _shape(est: Estimate, batch: int | None, seq: int | None) -> str:
@@ -83,7 +76,7 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
             label += f" (kernel scratch {human_mem(est.scratch_bytes)})"
         rows.append([label, f"{n:,}", human_mem(n), percent(n, peak) if n else "-"])
     rows.append(["total", f"{peak:,}", human_mem(peak), "100%"])
-    lines += _table(rows, "lrrr")
+    lines += table(rows, "lrrr")
     top_cat = max(MemoryCategory, key=lambda c: est.categories[c])
     lines += ["", f"Dominated by {top_cat.value} ({percent(est.categories[top_cat], peak)} "
                   "of the peak)."]
@@ -94,19 +87,19 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
         if len(groups) > modules:
             rest = sum(b for _, b in groups[modules:])
             mrows.append([f"({len(groups) - modules} more)", human_mem(rest)])
-        lines += _table(mrows, "lr")
+        lines += table(mrows, "lr")
     if suggestions:
         lines += ["", "What would shrink it (each re-traced):"]
         srows = [[sg.change, sg.label, human_mem(sg.peak_bytes),
                   f"{100.0 * (sg.peak_bytes - peak) / peak:+.0f}%"] for sg in suggestions]
-        lines += _table(srows, "llrr")
+        lines += table(srows, "llrr")
     dev = est.device_estimate
     if dev.device == "cuda":
         lines += ["", "CUDA device estimate (not validated on a GPU; terms named):"]
         drows = [[t.name, human_mem(t.nbytes), t.note] for t in dev.terms]
         drows.append(["max_memory_allocated", human_mem(dev.allocated_bytes), ""])
         drows.append(["total with context", human_mem(dev.total_bytes), ""])
-        lines += _table(drows, "lrl")
+        lines += table(drows, "lrl")
     if fit is not None:
         lines += ["", render_fit(fit).rstrip("\n")]
     for note in est.notes:

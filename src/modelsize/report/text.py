@@ -7,19 +7,8 @@ import textwrap
 from modelsize.categories import Category
 from modelsize.errors import printable
 from modelsize.inspection import Report
+from modelsize.report.table import table
 from modelsize.report.units import human_bytes, percent
-
-
-def _table(rows: list[list[str]], align: str) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for row in rows:
-        cells = [
-            c.rjust(w) if a == "r" else c.ljust(w)
-            for c, w, a in zip(row, widths, align, strict=True)
-        ]
-        out.append("  " + "  ".join(cells).rstrip())
-    return out
 
 
 def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
@@ -34,7 +23,7 @@ def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
         n = inv.bytes_by_category[cat]
         rows.append([cat.value, f"{n:,}", human_bytes(n), percent(n, total) if n else "-"])
     rows.append(["total", f"{total:,}", human_bytes(total), "100%"])
-    lines += _table(rows, "lrrr")
+    lines += table(rows, "lrrr")
     if inv.tensors and top:
         lines += ["", f"Largest tensors ({min(top, len(inv.tensors))} of {len(inv.tensors)})"]
         trows = [["name", "dtype", "shape", "stored", "category"]]
@@ -42,7 +31,7 @@ def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
             shape = "x".join(str(d) for d in t.shape) or "scalar"
             trows.append([printable(t.name, 60), t.dtype, shape, human_bytes(t.stored_nbytes),
                           t.category.value])
-        lines += _table(trows, "lllrl")
+        lines += table(trows, "lllrl")
     if report.findings:
         lines += ["", "Findings"]
         for f in report.findings:
