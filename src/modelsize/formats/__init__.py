@@ -91,7 +91,11 @@ class Registry:
         hinted = [e for e in self.entries if e.hint is not None and e.hint(source)]
         for e in hinted + [e for e in self.entries if e not in hinted]:
             reader = e.load()
-            if reader.sniff(source):
+            try:
+                claimed = reader.sniff(source)
+            except _DECODE_ERRORS:  # a head too broken to sniff is not this reader's
+                claimed = False
+            if claimed:
                 return reader
         if source.kind == "missing":
             raise PathNotFoundError(source.path)

@@ -62,7 +62,8 @@ class Source:
                 try:
                     with zipfile.ZipFile(self.path) as zf:
                         self._zip_infos = zf.infolist()
-                except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+                except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+                    # NotImplementedError: zipfile on a version field it does not know.
                     self._zip_infos = None
         return self._zip_infos
 
