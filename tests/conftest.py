@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from modelsize.inventory import Inventory
+
 REPO = Path(__file__).resolve().parents[1]
 #: Real files we cannot make here (Lua Torch .t7, exploit pickles). CI has shared/ beside the clone.
 SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -21,6 +23,16 @@ def shared_fixture(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not present (shared fixtures live beside the clone)")
     return path
+
+
+def nbytes(*tensors: Any) -> int:
+    """Bytes of real tensors, from ``numel * element_size`` (independent of modelsize)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def by_cat(inv: Inventory) -> dict[str, int]:
+    """An inventory's bytes by category, keyed by the category's string value."""
+    return {c.value: n for c, n in inv.bytes_by_category.items()}
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -15,18 +15,10 @@ from modelsize.categories import Category
 from modelsize.errors import CorruptFileError
 from modelsize.formats import read
 from modelsize.inventory import Inventory
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, by_cat, nbytes, run_cli
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
-
-
-def nbytes(*tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def by_cat(inv: Inventory) -> dict[str, int]:
-    return {c.value: n for c, n in inv.bytes_by_category.items()}
 
 
 def check_sum(inv: Inventory, path: Path) -> None:
