@@ -41,8 +41,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from _results import write_section
-from modelsize.estimate import estimate
-from modelsize.estimate.zoo import ResNet, SeedCNN
+from modelsize.estimation import estimate
+from modelsize.estimation.zoo import ResNet, SeedCNN
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")

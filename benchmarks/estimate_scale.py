@@ -30,12 +30,12 @@ def _child(tool: str, name: str, steps: int) -> None:
     import torch
 
     warnings.filterwarnings("ignore")
-    from modelsize.estimate import zoo
+    from modelsize.estimation import zoo
 
     entry = zoo.MODELS[name]
     start = time.perf_counter()
     if tool == "modelsize":
-        from modelsize.estimate import estimate
+        from modelsize.estimation import estimate
 
         model = zoo.build(entry)
         ids = torch.empty(1, 2048, dtype=torch.long, device="meta")

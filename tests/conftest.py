@@ -57,3 +57,29 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], path: Path | s
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert Path(path).name in lines[0], lines[0]
+
+
+def tf_python() -> str:
+    """The Python of the second venv that holds TensorFlow (and Keras), or skip the test.
+
+    ``.ci/run`` builds it as ``.venv-tf`` and exports ``MODELSIZE_TF_PYTHON``; TensorFlow is
+    never installed into the main test venv.
+    """
+    import os
+
+    candidates = [os.environ.get("MODELSIZE_TF_PYTHON", ""), str(REPO / ".venv-tf/bin/python")]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return c
+    pytest.skip("no TensorFlow venv (set MODELSIZE_TF_PYTHON or build .venv-tf as .ci/run does)")
+    raise AssertionError("unreachable")
+
+
+def run_in_tf(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` with the TensorFlow venv's Python (skips when there is none)."""
+    proc = subprocess.run(
+        [tf_python(), "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", "HOME": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

@@ -14,9 +14,22 @@ def test_public_names() -> None:
         "AccountingError", "Category", "CorruptFileError", "Estimate", "EstimateError",
         "FileInfo", "Finding", "FindingKind", "InputError", "Inventory",
         "MissingDependencyError", "ModelSizeError", "PathNotFoundError", "Region", "Report",
-        "StorageRecord", "TensorRecord", "UnknownFormatError", "UsageError", "__version__",
-        "estimate", "inspect",
+        "SlimReport", "StorageRecord", "TensorRecord", "UnknownFormatError", "UsageError",
+        "VerificationError", "__version__", "estimate", "inspect", "slim",
     ])
+
+
+def test_public_functions_stay_functions() -> None:
+    # Importing the subpackages that implement them must never rebind the public names.
+    code = (
+        "import modelsize, modelsize.estimation, modelsize.slimming, modelsize.cli.slim;"
+        "from modelsize import estimate, slim, inspect;"
+        "import types; assert all(isinstance(f, types.FunctionType) for f in "
+        "(estimate, slim, inspect, modelsize.estimate, modelsize.slim)); "
+        "modelsize.Estimate; modelsize.SlimReport; assert callable(modelsize.estimate)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_categories_are_the_closed_set() -> None:
@@ -28,7 +41,8 @@ def test_categories_are_the_closed_set() -> None:
 
 def test_import_does_not_import_frameworks() -> None:
     code = (
-        "import sys, modelsize, modelsize.cli, modelsize.formats; modelsize.formats.registry();"
+        "import sys, modelsize, modelsize.cli, modelsize.formats, modelsize.slimming;"
+        "modelsize.formats.registry();"
         "bad = [m for m in ('torch', 'numpy', 'tensorflow', 'safetensors', 'onnx', 'h5py')"
         " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )

@@ -4,6 +4,10 @@ Public API::
 
     modelsize.inspect(path) -> Report          every byte of a saved model, by category
     modelsize.estimate(model, inputs, ...)     exact memory of inference / a training step
+    modelsize.slim(path, out, ...) -> SlimReport   a smaller copy, streamed and verified
+
+The functions are not the subpackages that implement them (``modelsize.estimation``,
+``modelsize.slimming``): importing a subpackage never rebinds ``modelsize.estimate``.
 """
 
 from __future__ import annotations
@@ -23,30 +27,43 @@ from modelsize.errors import (
     PathNotFoundError,
     UnknownFormatError,
     UsageError,
+    VerificationError,
 )
 from modelsize.findings import Finding, FindingKind
 from modelsize.inspection import Report, inspect
 from modelsize.inventory import FileInfo, Inventory, Region, StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
-    from modelsize.estimate import Estimate
+    from modelsize.estimation import Estimate
+    from modelsize.slimming import SlimReport
 
 
 def estimate(model: Any, inputs: Any, **kwargs: Any) -> Estimate:
-    """Exact peak memory of ``model`` on ``inputs`` (see :func:`modelsize.estimate.estimate`).
+    """Exact peak memory of ``model`` on ``inputs`` (see :func:`modelsize.estimation.estimate`).
 
     Imported lazily: ``import modelsize`` must not import torch.
     """
-    from modelsize.estimate import estimate as _estimate
+    from modelsize.estimation import estimate as _estimate
 
     return _estimate(model, inputs, **kwargs)
 
 
+def slim(path: Any, out: Any = None, **kwargs: Any) -> SlimReport:
+    """A smaller copy of a checkpoint, verified (see :func:`modelsize.slimming.slim`)."""
+    from modelsize.slimming import slim as _slim
+
+    return _slim(path, out, **kwargs)
+
+
 def __getattr__(name: str) -> Any:
     if name == "Estimate":
-        from modelsize.estimate import Estimate
+        from modelsize.estimation import Estimate
 
         return Estimate
+    if name == "SlimReport":
+        from modelsize.slimming import SlimReport
+
+        return SlimReport
     raise AttributeError(f"module 'modelsize' has no attribute {name!r}")
 
 
@@ -66,11 +83,14 @@ __all__ = [
     "PathNotFoundError",
     "Region",
     "Report",
+    "SlimReport",
     "StorageRecord",
     "TensorRecord",
     "UnknownFormatError",
     "UsageError",
+    "VerificationError",
     "__version__",
     "estimate",
     "inspect",
+    "slim",
 ]

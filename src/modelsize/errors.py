@@ -10,7 +10,8 @@
     │   └── UsageError               arguments that make no sense together
     ├── MissingDependencyError       an optional framework is needed but not installed (exit 2)
     ├── EstimateError                the model could not be traced (exit 2)
-    └── AccountingError              a bug: categories did not add up (exit 1)
+    ├── AccountingError              a bug: categories did not add up (exit 1)
+    └── VerificationError            a bug: a slimmed output did not read back as planned (exit 1)
 
 Readers translate ``BadZipFile``, ``struct.error``, decode errors and friends into
 :class:`CorruptFileError` at one boundary (:func:`modelsize.formats.read`). Messages say what
@@ -91,5 +92,11 @@ class EstimateError(ModelSizeError):
 
 class AccountingError(ModelSizeError):
     """Internal invariant broken: a report's categories do not add up. Always a modelsize bug."""
+
+    exit_code = 1
+
+
+class VerificationError(ModelSizeError):
+    """A slimmed output did not read back as planned (it was not written). Always a bug."""
 
     exit_code = 1

@@ -50,7 +50,9 @@ class StorageRecord:
     """A run of file bytes holding the data of one saved storage (or one tensor).
 
     ``nbytes`` is what it occupies in the file; ``logical_nbytes`` what it holds once
-    decompressed (equal unless ``compressed``). ``bytes_by_category`` is filled by the builder.
+    decompressed (equal unless ``compressed``). ``compressed`` means the file bytes are not the
+    raw little-endian data (deflated, big-endian, text, varints...): only the format's reader
+    can decode them (``storage_chunks``). ``bytes_by_category`` is filled by the builder.
     """
 
     key: str
@@ -70,7 +72,11 @@ class TensorRecord:
 
     ``nbytes`` is the logical size (``numel * itemsize``); ``stored_nbytes`` the file bytes
     this record is charged with (0 for a second view of a shared storage, the compressed size
-    for a compressed member). ``storage_offset`` is in bytes.
+    for a compressed member). ``storage_offset`` is in bytes; ``strides`` in elements, ``None``
+    for a C-contiguous tensor. ``container`` is the part of the name before the key the framework
+    loads: ``model.`` for ``model.fc1.weight`` in ``{"model": state_dict, "optimizer": ...}``,
+    ``shard.bin:`` for a tensor of a merged multi-file checkpoint, empty when the name is the
+    key.
     """
 
     name: str
@@ -83,6 +89,15 @@ class TensorRecord:
     storage_offset: int = 0
     tags: tuple[str, ...] = ()
     duplicate_of: str | None = None
+    strides: tuple[int, ...] | None = None
+    container: str = ""
+
+    @property
+    def key(self) -> str:
+        """The name without its container: what ``load_state_dict`` expects."""
+        if self.container and self.name.startswith(self.container):
+            return self.name[len(self.container) :]
+        return self.name
 
     @property
     def numel(self) -> int:
@@ -252,6 +267,7 @@ class InventoryBuilder:
         strides: Iterable[int] | None = None,
         tags: Iterable[str] = (),
         itemsize: int | None = None,
+        container: str = "",
     ) -> None:
         """Declare a tensor; ``storage_offset`` is in elements, ``strides`` in elements.
 
@@ -268,11 +284,14 @@ class InventoryBuilder:
         nbytes = dt.nbytes(n) if dt else 0
         if dt is None:
             self.notes.append(f"unknown dtype {dtype!r} for {name}: size taken as 0")
-        if strides is None or n == 0:
+        strides_t = tuple(map(int, strides)) if strides is not None else None
+        if strides_t is not None and is_contiguous(shape_t, strides_t):
+            strides_t = None
+        if strides_t is None or n == 0:
             span = nbytes
         else:
             last = 0
-            for d, s in zip(shape_t, map(int, strides), strict=False):
+            for d, s in zip(shape_t, strides_t, strict=False):
                 last += (d - 1) * abs(s)
             span = dt.nbytes(last + 1) if dt else 0
         offset_bytes = dt.nbytes(int(storage_offset)) if dt and storage_offset else 0
@@ -280,6 +299,7 @@ class InventoryBuilder:
             dict(
                 name=name, dtype=dt_name, shape=shape_t, category=category, nbytes=nbytes,
                 storage=storage, storage_offset=offset_bytes, span=span, tags=tuple(tags),
+                strides=strides_t if n else None, container=container,
             )
         )
 
@@ -359,7 +379,7 @@ class InventoryBuilder:
             tensors.append(
                 TensorRecord(
                     t["name"], t["dtype"], t["shape"], cat, t["nbytes"], stored[i], t["storage"],
-                    t["storage_offset"], t["tags"], dup,
+                    t["storage_offset"], t["tags"], dup, t["strides"], t["container"],
                 )
             )
 
@@ -568,6 +588,26 @@ class _FileReader:
             if chunk != value * (len(chunk) // len(value)):
                 return False
         return True
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * max(shape[i + 1], 1)
+    return tuple(out)
+
+
+def is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether ``strides`` lay ``shape`` out in C order (strides of size-1 dims do not matter)."""
+    if len(shape) != len(strides):
+        return False
+    expected = 1
+    for d, s in zip(reversed(shape), reversed(strides), strict=True):
+        if d != 1 and s != expected:
+            return False
+        expected *= d
+    return True
 
 
 def _uncovered(covered: list[tuple[int, int]], start: int, stop: int) -> int:

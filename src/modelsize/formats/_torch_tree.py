@@ -347,6 +347,8 @@ class _Walker:
         #: What each key says by itself (see :func:`_key_facts`): keys repeat thousands of times.
         self.key_facts: dict[str | int, tuple[bool, Category | None, bool]] = {}
         self.todo: list[tuple[object, _Path, _Ctx]] = []
+        #: The path of the root when it is a mapping (its keys are containers), else None.
+        self.root_path: _Path | None = None
 
     # -- recognising tensors ----------------------------------------------------------
     def tensor(self, call: Call) -> _Tensor | None:
@@ -502,7 +504,7 @@ class _Walker:
         name = path.name() or "tensor"
         if t.dtype:
             cat = self.category(t, path, ctx)
-            self.declare_one(t, name, cat, ctx.tags)
+            self.declare_one(t, name, cat, ctx.tags, path)
         else:
             # A composite (sparse, nested): every part takes the category of its values.
             values = next((e for k, e in t.extras if k in ("values", "buffer")), None)
@@ -515,11 +517,29 @@ class _Walker:
             sub = path.child(suffix) if suffix else path
             self.todo.append((extra, sub, sub_ctx if suffix else ctx))
 
-    def declare_one(self, t: _Tensor, name: str, cat: Category, tags: tuple[str, ...]) -> None:
+    def container(self, path: _Path) -> str:
+        """The root mapping's key above ``path`` (with its dot) when the tensor lies deeper than
+        the root's own values: ``model.`` for ``model.fc1.weight`` in ``{"model": state_dict}``."""
+        root = self.root_path
+        if root is None:
+            return ""
+        node: _Path | None = path
+        below: _Path | None = None
+        while node is not None and node is not root:
+            node, below = node.parent, node
+        if node is None or below is None or below is path:
+            return ""
+        return below.key + "."
+
+    def declare_one(
+        self, t: _Tensor, name: str, cat: Category, tags: tuple[str, ...], path: _Path
+    ) -> None:
         ref = t.storage
         self.summary.tensors += 1
+        container = self.container(path)
         if ref is None:
-            self.builder.add_tensor(name, t.dtype, t.shape, cat, strides=t.stride, tags=tags)
+            self.builder.add_tensor(name, t.dtype, t.shape, cat, strides=t.stride, tags=tags,
+                                    container=container)
             return
         dt = DTYPES.get(t.dtype)
         if dt is None:
@@ -544,7 +564,8 @@ class _Walker:
         if t.blob is not None:
             if self.blob_base is None:
                 # Array bytes we cannot place in the file stay part of the pickle's bytes.
-                self.builder.add_tensor(name, t.dtype, t.shape, cat, tags=tags)
+                self.builder.add_tensor(name, t.dtype, t.shape, cat, tags=tags,
+                                        container=container)
                 return
             if not self.builder.has_storage(ref.key):
                 offset = self.blob_base + t.blob.offset
@@ -553,7 +574,7 @@ class _Walker:
         offset = t.offset + base // storage_itemsize(t.dtype)
         self.builder.add_tensor(
             name, t.dtype, t.shape, cat, storage=ref.key, storage_offset=offset,
-            strides=t.stride, tags=tags,
+            strides=t.stride, tags=tags, container=container,
         )
 
     # -- walking ----------------------------------------------------------------------
@@ -564,6 +585,8 @@ class _Walker:
         # A file holding just an optimizer state dict (torch.save(opt.state_dict()), HF's
         # optimizer.pt) is optimizer state from the root down.
         top = _Ctx()
+        if mapping_items(root) is not None and self.module_state_of(root) is None:
+            self.root_path = path
         if self.is_optimizer_state(root):
             top = _Ctx(Category.OPTIMIZER_STATE, optimizer=True)
         self.todo = todo = [(root, path, top)]
@@ -629,6 +652,10 @@ class _Walker:
             key = k.value if isinstance(k, UnhashableKey) else k
             sub = _Path(path, key if type(key) is str else _key_text(key))
             yield v, sub, self.enter(ctx, key, v)
+
+    def module_state_of(self, value: object) -> tuple[str, dict[Any, Any], bool] | None:
+        """:meth:`module_state` of any value (``None`` for what is not a rebuild call)."""
+        return self.module_state(value) if isinstance(value, Call) else None
 
     def module_state(self, call: Call) -> tuple[str, dict[Any, Any], bool] | None:
         """(class name, attribute dict, is TorchScript) of a pickled module object, else None.

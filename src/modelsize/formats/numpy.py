@@ -25,8 +25,9 @@ from __future__ import annotations
 import ast
 import re
 import struct
+import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from modelsize.errors import printable
 from modelsize.formats import _zip
 from modelsize.formats.base import Source
 from modelsize.formats.safetensors import classify_name
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 MAGIC = b"\x93NUMPY"
 #: NumPy itself refuses headers above 10 000 bytes unless told otherwise; we allow more but
@@ -76,6 +77,8 @@ class NpyHeader:
     dtype: NpyDType
     shape: tuple[int, ...]
     nbytes: int
+    fortran: bool = False
+    big_endian: bool = False
 
     @property
     def data_nbytes(self) -> int:
@@ -181,7 +184,12 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
         raise ValueError(f"shape should be a tuple of non-negative integers, found {shape!r:.60}")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"shape has {len(shape)} dimensions, NumPy allows {MAX_DIMS}")
-    return NpyHeader(parse_descr(doc["descr"]), shape, pre + length)
+    descr = doc["descr"]
+    dtype = parse_descr(descr)
+    big = isinstance(descr, str) and descr.startswith(">") and dtype.itemsize > 1
+    if big and dtype.name.startswith(("str", "bytes", "void", "datetime", "timedelta")):
+        big = False  # bytes are bytes; datetimes are left as they are
+    return NpyHeader(dtype, shape, pre + length, doc["fortran_order"] is True, big)
 
 
 # -- shared accounting -------------------------------------------------------------------------
@@ -239,8 +247,15 @@ def _declare_array(
         builder.notes.append(
             f"{printable(name)}: structured dtype counted as {dt.itemsize}-byte records ({dt.name})"
         )
+    strides = None
+    if header.fortran and len(header.shape) > 1:
+        strides, step = [], 1
+        for d in header.shape:
+            strides.append(step)
+            step *= max(d, 1)
     builder.add_tensor(
-        name, dt.name, header.shape, category, storage=storage, tags=tags, itemsize=dt.itemsize
+        name, dt.name, header.shape, category, storage=storage, tags=tags, itemsize=dt.itemsize,
+        strides=strides,
     )
 
 
@@ -284,11 +299,105 @@ def _account_plain(
             f"{what}shape {header.shape} of {header.dtype.name} needs {need} bytes "
             f"of data, only {rest} follow the header", data_start,
         )
-    builder.add_storage(name, data_start, need, dtype=header.dtype.name)
+    # Big-endian data is "encoded": the reader's storage_chunks swaps it to little-endian.
+    builder.add_storage(name, data_start, need, dtype=header.dtype.name,
+                        compressed=header.big_endian)
     _declare_array(builder, name, header, classify, name)
     if rest > need:
         builder.add_region(data_start + need, rest - need, Category.OTHER, f"after {name}")
         builder.notes.append(f"{printable(name)}: {rest - need} bytes after the array data")
+
+
+# -- decoding storages for slim ----------------------------------------------------------------
+
+_DECODE_CHUNK = 8 << 20
+
+
+def _swap(data: bytes, itemsize: int) -> bytes:
+    """Big-endian elements to little-endian (complex numbers swap each half)."""
+    import array
+
+    if itemsize in (16, 32):  # complex: two floats per element, each swapped
+        itemsize //= 2
+    codes = {2: "H", 4: "I", 8: "Q"}
+    code = next((c for c in codes.values() if array.array(c).itemsize == itemsize), None)
+    if itemsize <= 1 or code is None:
+        return data
+    arr = array.array(code)
+    arr.frombytes(data)
+    arr.byteswap()
+    return arr.tobytes()
+
+
+def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """The little-endian data of an encoded storage: a deflated member (its ``.npy`` header
+    skipped) or big-endian data, a chunk at a time."""
+    path = inv.files[storage.file].path
+    if inv.format == "npy" or not _deflated(path, storage.key):
+        itemsize = _itemsize_of(storage.dtype)
+        with open(path, "rb") as fh:
+            fh.seek(storage.offset)
+            left = storage.nbytes
+            while left:
+                data = fh.read(min(left, _DECODE_CHUNK - _DECODE_CHUNK % itemsize))
+                if not data:
+                    raise ValueError(f"{path}: storage {storage.key} ends early")
+                left -= len(data)
+                yield _swap(data, itemsize)
+        return
+    member = _zip.Member(storage.key, storage.offset, storage.offset, storage.nbytes, 0,
+                         _zip.DEFLATED, 0)
+    header = parse_header(_inflate_prefix(path, member), 1 << 62)
+    itemsize = header.dtype.itemsize
+    d = zlib.decompressobj(-15)
+    skip = header.nbytes
+    carry = b""
+    with open(path, "rb") as fh:
+        fh.seek(storage.offset)
+        left = storage.nbytes
+        while left or d.unconsumed_tail:
+            raw = d.unconsumed_tail or fh.read(min(left, 1 << 20))
+            if not d.unconsumed_tail:
+                left -= len(raw)
+            if not raw:
+                break
+            out = d.decompress(raw, _DECODE_CHUNK)
+            if skip:
+                cut = min(skip, len(out))
+                out, skip = out[cut:], skip - cut
+            out = carry + out
+            whole = len(out) - len(out) % max(1, itemsize)
+            carry = out[whole:]
+            if whole:
+                yield _swap(out[:whole], itemsize) if header.big_endian else out[:whole]
+            if d.eof:
+                break
+    if carry:
+        yield carry
+
+
+_DEFLATED_CACHE: dict[tuple[str, int, int], frozenset[str]] = {}
+
+
+def _deflated(path: Path, key: str) -> bool:
+    """Whether the ``.npz`` member holding storage ``key`` is deflated (cached per file)."""
+    st = path.stat()
+    cache_key = (str(path), st.st_mtime_ns, st.st_size)
+    names = _DEFLATED_CACHE.get(cache_key)
+    if names is None:
+        with zipfile.ZipFile(path) as zf:
+            names = frozenset(i.filename.removesuffix(".npy") for i in zf.infolist()
+                              if i.compress_type == zipfile.ZIP_DEFLATED)
+        _DEFLATED_CACHE.clear()
+        _DEFLATED_CACHE[cache_key] = names
+    return key in names
+
+
+def _itemsize_of(dtype: str | None) -> int:
+    from modelsize.dtypes import DTYPES
+
+    dt = DTYPES.get(dtype or "")
+    return dt.block_bytes if dt is not None and dt.block == 1 else 1
 
 
 # -- .npy --------------------------------------------------------------------------------------
@@ -303,6 +412,8 @@ class NpyReader:
     def sniff(self, source: Source) -> bool:
         """The ``\\x93NUMPY`` magic."""
         return source.kind == "file" and source.head[:6] == MAGIC
+
+    storage_chunks = staticmethod(storage_chunks)
 
     def read(self, source: Source) -> Inventory:
         """Header, data and any trailing bytes of the array."""
@@ -357,6 +468,8 @@ class NpzReader:
             return False
         names = [n for n in source.zip_names() if not n.endswith("/")]
         return bool(names) and all(n.endswith(".npy") for n in names)
+
+    storage_chunks = staticmethod(storage_chunks)
 
     def read(self, source: Source) -> Inventory:
         """Zip structures as metadata, each member as header plus storage."""

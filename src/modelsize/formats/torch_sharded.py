@@ -159,6 +159,7 @@ def _merge_part(
             part.name_prefix + t.name, t.dtype, t.shape, new_cat.get(i, t.category), t.nbytes,
             t.stored_nbytes, None if t.storage is None else key + t.storage, t.storage_offset,
             t.tags, None if t.duplicate_of is None else part.name_prefix + t.duplicate_of,
+            t.strides, part.name_prefix + t.container,
         )
         for i, t in enumerate(inv.tensors)
     ]

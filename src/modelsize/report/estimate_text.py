@@ -1,4 +1,4 @@
-"""Plain-text rendering of an :class:`~modelsize.estimate.Estimate` (and of ``--fit``)."""
+"""Plain-text rendering of an :class:`~modelsize.estimation.Estimate` (and of ``--fit``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 
 from modelsize.errors import printable
-from modelsize.estimate.result import Estimate, FitResult, MemoryCategory, Suggestion
+from modelsize.estimation.result import Estimate, FitResult, MemoryCategory, Suggestion
 from modelsize.report.table import table
 from modelsize.report.units import human_mem, percent
 

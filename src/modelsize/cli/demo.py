@@ -6,6 +6,7 @@ grows far beyond its weights.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -154,8 +155,55 @@ def run_demo(directory: str | None = None, sections: list[str] | None = None) ->
             sys.stdout.write(inspect_section(out))
             sys.stdout.flush()
         if "estimate" in wanted:
-            from modelsize.estimate.command import demo_section
-
             sys.stdout.write("\nmodelsize estimate: how much memory will it need?\n\n")
-            sys.stdout.write(demo_section())
+            sys.stdout.write(estimate_section())
     return 0
+
+
+def estimate_section() -> str:
+    """The estimate part of ``modelsize demo``: a CNN, GPT-2 and Llama-3-8B (about 20 s)."""
+    from modelsize.estimation import require_torch
+
+    require_torch("the estimate demo")
+    from modelsize.estimation.fit import fit
+    from modelsize.estimation.targets import Options, resolve, suggestions_for, trace_target
+    from modelsize.report.estimate_text import render_estimate, render_fit
+
+    parts = []
+    cnn = resolve("seed-cnn")
+    adam = Options("train", "adam", "default", None, "cpu", 1, ())
+    est = trace_target(cnn, 64, 0, adam)
+    sugg = suggestions_for(cnn, est, 64, 0, adam)
+    parts.append("$ modelsize estimate seed-cnn --batch 64 --optimizer adam --device cpu\n")
+    parts.append(render_estimate(est, description=cnn.description, batch=64, seq=0,
+                                 suggestions=sugg, modules=4))
+    gpt2 = resolve("gpt2")
+    adamw = Options("train", "adamw", "default", None, "cuda", 1, ())
+    est = trace_target(gpt2, 8, 1024, adamw)
+    parts.append("\n$ modelsize estimate gpt2 --batch 8 --seq 1024 --no-suggest\n")
+    parts.append(render_estimate(est, description=gpt2.description, batch=8, seq=1024,
+                                 modules=4))
+    llama = resolve("llama-3-8b", "bfloat16")
+    infer = Options("infer", "adamw", "default", None, "cuda", 1, ())
+    budget = 80 * 2**30
+
+    def measure(n: int) -> int:
+        return trace_target(llama, n, 2048, infer).device_estimate.total_bytes
+
+    result = fit(measure, budget, measure_name="device total", limit=1 << 16)
+    parts.append("\n$ modelsize estimate llama-3-8b --infer --dtype bfloat16 --seq 2048 "
+                 "--fit 80GiB\n")
+    parts.append(render_fit(result, description=llama.description))
+    return "".join(parts)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Define the ``demo`` sub-command's arguments."""
+    p.add_argument("--dir", default=None, help="keep the example files here (default: a temp dir)")
+    p.add_argument("--only", action="append", default=None,
+                   help="run only this section (inspect, estimate); repeatable")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``modelsize demo``."""
+    return run_demo(args.dir, sections=args.only)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelsize.estimate.fit import fit
+from modelsize.estimation.fit import fit
 
 
 @pytest.mark.parametrize("slope, base, budget", [(10, 100, 1000), (3, 1000, 1192), (7, 5, 10**6)])

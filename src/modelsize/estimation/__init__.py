@@ -7,7 +7,8 @@ bytes of every live storage; the peak, and what is live at the peak, is the answ
 Modules: ``tracker`` (the counting fake-tensor mode), ``trace`` (the program: forward, loss,
 backward, optimizer step), ``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
 rounding and workspaces), ``result`` (the :class:`Estimate`), ``zoo`` (built-in models),
-``fit`` (largest batch under a budget), ``command`` (the CLI glue).
+``fit`` (largest batch under a budget), ``targets`` (what the CLI traces: built-in
+models, ``config.json`` files, factories).
 
 Importing this package does not import torch: :func:`estimate` does, when called.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import MissingDependencyError
-from modelsize.estimate.result import (
+from modelsize.estimation.result import (
     DeviceEstimate,
     DeviceTerm,
     Estimate,
@@ -90,7 +91,7 @@ def estimate(
     workspace and the CUDA context as named terms; not validated on a GPU).
     """
     require_torch()
-    from modelsize.estimate import core
+    from modelsize.estimation import core
 
     return core.estimate(
         model, inputs, mode=mode, optimizer=optimizer, loss=loss, amp=amp, device=device,

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import modelsize
-import modelsize.estimate as api
+import modelsize.estimation as api
 from modelsize.errors import EstimateError, UsageError
-from modelsize.estimate import Estimate, MemoryCategory, estimate
-from tests.estimate import models
+from modelsize.estimation import Estimate, MemoryCategory, estimate
+from tests.estimation import models
 
 
 def test_public_api_is_locked() -> None:
@@ -31,7 +31,7 @@ def test_public_api_is_locked() -> None:
 
 
 def test_import_does_not_import_torch() -> None:
-    code = "import sys, modelsize, modelsize.estimate; print('torch' in sys.modules)"
+    code = "import sys, modelsize, modelsize.estimation; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
@@ -129,7 +129,7 @@ def test_no_real_memory_for_a_model_larger_than_this_machine() -> None:
     code = textwrap.dedent("""
         import resource, torch
         from torch import nn
-        from modelsize.estimate import estimate
+        from modelsize.estimation import estimate
         with torch.device("meta"):
             model = nn.Sequential(nn.Linear(60000, 60000), nn.ReLU(), nn.Linear(60000, 60000))
         est = estimate(model, (torch.empty(8, 60000, device="meta"),), optimizer="adamw")

@@ -31,8 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from modelsize.errors import EstimateError, UsageError
-from modelsize.estimate.optimizers import Implementation, OptimizerSpec, make_factory
-from modelsize.estimate.tracker import Allocation, CountingFakeMode, Origin
+from modelsize.estimation.optimizers import Implementation, OptimizerSpec, make_factory
+from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin
 
 LossFn = Callable[[Any], torch.Tensor]
 ProgressFn = Callable[[str, int], None]
@@ -223,7 +223,7 @@ def run_trace(
     progress: ProgressFn | None = None,
 ) -> Trace:
     """Trace ``program`` on ``model`` with fake tensors and return the counting mode."""
-    from modelsize.estimate import scratch as scratch_models
+    from modelsize.estimation import scratch as scratch_models
 
     if program.mode not in ("train", "infer"):
         raise UsageError(f"mode must be 'train' or 'infer', not {program.mode!r}")
@@ -268,7 +268,7 @@ def run_trace(
         if train and device.type == "cpu":
             stack.enter_context(scalars)
         if device.type == "cuda":
-            from modelsize.estimate.cuda_kernels import CudaKernelChoices
+            from modelsize.estimation.cuda_kernels import CudaKernelChoices
 
             stack.enter_context(CudaKernelChoices())
         call = _caller(model, args, kwargs, program.amp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from modelsize.estimate.result import Estimate, MemoryCategory, Suggestion
+from modelsize.estimation.result import Estimate, MemoryCategory, Suggestion
 
 Retrace = Callable[..., Estimate]
 

@@ -13,8 +13,8 @@ import torch
 
 from modelsize.cli import main
 from tests.conftest import assert_one_line_error, cli_json, run_cli
-from tests.estimate.factories import mlp
-from tests.estimate.groundtruth import measure
+from tests.estimation.factories import mlp
+from tests.estimation.groundtruth import measure
 
 HERE = Path(__file__).parent
 
@@ -33,7 +33,7 @@ def cli_data(capsys: Any, *args: str) -> dict[str, Any]:
 
 
 def test_builtin_seed_cnn_matches_a_real_training_step() -> None:
-    from modelsize.estimate.zoo import SeedCNN
+    from modelsize.estimation.zoo import SeedCNN
 
     data = cli_json("estimate", "seed-cnn", "--batch", "16", "--optimizer", "adam",
                     "--device", "cpu")
@@ -53,7 +53,7 @@ def test_factory_with_input_shape_matches_a_real_inference() -> None:
 
 
 def test_factory_bringing_its_inputs_and_batch_override(capsys: Any) -> None:
-    data = cli_data(capsys, "tests.estimate.factories:mlp_with_inputs", "--batch", "8",
+    data = cli_data(capsys, "tests.estimation.factories:mlp_with_inputs", "--batch", "8",
                     "--device", "cpu", "--optimizer", "sgd")
     assert data["setup"]["inputs"][0]["shape"] == [8, 32]
     real = measure(mlp(), (torch.zeros(8, 32),),
@@ -106,9 +106,9 @@ def test_list(capsys: Any) -> None:
     (["seed-cnn", "--optimizer", "lion"], "lion"),
     (["seed-cnn", "--checkpoint", "nothing"], "nothing"),
     (["missing/config.json"], "config.json"),
-    (["tests.estimate.factories:not_a_model"], "not_a_model"),
-    (["tests.estimate.factories:mlp"], "factories:mlp"),
-    (["tests.estimate.factories:mlp", "--input", "4xa"], "4xa"),
+    (["tests.estimation.factories:not_a_model"], "not_a_model"),
+    (["tests.estimation.factories:mlp"], "factories:mlp"),
+    (["tests.estimation.factories:mlp", "--input", "4xa"], "4xa"),
     (["nosuchmodule:f"], "nosuchmodule"),
     ([], "MODEL"),
 ])

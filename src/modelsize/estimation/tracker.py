@@ -5,7 +5,7 @@ the tracker registers the storages of its outputs that it has not seen yet and a
 weak-reference finalizer to each, so a storage is counted from the op that allocated it until
 the moment Python or C++ drops its last reference: views share a storage and count once, and
 frees happen exactly where the real allocator would see them. Bytes that no tensor owns (kernel
-scratch, see :mod:`modelsize.estimate.scratch`) are added for the duration of the op.
+scratch, see :mod:`modelsize.estimation.scratch`) are added for the duration of the op.
 
 Where a fake run and a real CPU run part ways, and what bridges them (each one found by
 comparing the two, allocation by allocation, against the CPU profiler; see tests/estimate):
@@ -15,7 +15,7 @@ comparing the two, allocation by allocation, against the CPU profiler; see tests
   decomposition's intermediates), unless the op is CompositeImplicit, which a real run
   decomposes too;
 * kernels allocate memory no output owns (BLAS operand copies, oneDNN reorders, wrapped Python
-  scalars): :mod:`modelsize.estimate.scratch`;
+  scalars): :mod:`modelsize.estimation.scratch`;
 * a few meta kernels report output sizes the CPU kernels do not produce (oneDNN LSTM
   workspace, eval-mode BatchNorm statistics): corrected by the same module;
 * autograd keeps wrapped Python scalars saved for backward: ``trace._SavedScalars``.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from modelsize.estimate.scratch import ScratchModels
+from modelsize.estimation.scratch import ScratchModels
 
 
 class Origin(str, Enum):

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from modelsize.errors import EstimateError, ModelSizeError, UsageError
-from modelsize.estimate.device import device_estimate
-from modelsize.estimate.optimizers import OptimizerSpec, describe, parse_implementation
-from modelsize.estimate.result import Estimate, MemoryCategory, PhaseSpan, Setup
-from modelsize.estimate.trace import Program, Trace, run_trace
-from modelsize.estimate.tracker import Allocation, Origin
+from modelsize.estimation.device import device_estimate
+from modelsize.estimation.optimizers import OptimizerSpec, describe, parse_implementation
+from modelsize.estimation.result import Estimate, MemoryCategory, PhaseSpan, Setup
+from modelsize.estimation.trace import Program, Trace, run_trace
+from modelsize.estimation.tracker import Allocation, Origin
 
 _AMP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
         "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
@@ -47,7 +47,7 @@ def estimate(
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> Estimate:
-    """See :func:`modelsize.estimate.estimate`."""
+    """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if device not in ("cpu", "cuda"):

@@ -1,6 +1,6 @@
 """The estimate equals the CPU allocator's measured peak, to the byte.
 
-Measured side: :mod:`tests.estimate.groundtruth` runs the same program for real under
+Measured side: :mod:`tests.estimation.groundtruth` runs the same program for real under
 ``torch.profiler`` and reads the allocator's own alloc/free events. Nothing here calls into
 the estimator to compute an expected number.
 """
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from modelsize.estimate import estimate
-from tests.estimate import models
-from tests.estimate.groundtruth import measure
+from modelsize.estimation import estimate
+from tests.estimation import models
+from tests.estimation.groundtruth import measure
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.1),

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from modelsize.estimate import estimate, zoo
+from modelsize.estimation import estimate, zoo
 
 # Published parameter counts (model cards / papers), independent of our builders.
 PUBLISHED = {
@@ -52,7 +52,7 @@ def test_bf16_build() -> None:
 def test_llama_3_8b_training_step_traces_in_little_real_memory() -> None:
     code = textwrap.dedent("""
         import resource, torch
-        from modelsize.estimate import estimate, zoo
+        from modelsize.estimation import estimate, zoo
         entry = zoo.MODELS["llama-3-8b"]
         model = zoo.build(entry)
         est = estimate(model, zoo.make_inputs(entry, 1, 2048, True), optimizer="adamw",

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modelsize.estimate.result import DeviceEstimate, DeviceTerm
-from modelsize.estimate.tracker import Allocation
+from modelsize.estimation.result import DeviceEstimate, DeviceTerm
+from modelsize.estimation.tracker import Allocation
 
 CUDA_BLOCK = 512
 CUBLAS_WORKSPACE_SM90 = 32 * 2**20

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from modelsize.estimate import estimate
-from tests.estimate import models
+from modelsize.estimation import estimate
+from tests.estimation import models
 
 
 def _has_data(t: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from modelsize.estimate.result import FitResult
+from modelsize.estimation.result import FitResult
 
 Measure = Callable[[int], int]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from modelsize.estimate import estimate
-from modelsize.estimate.result import FitResult, Suggestion
+from modelsize.estimation import estimate
+from modelsize.estimation.result import FitResult, Suggestion
 from modelsize.report.estimate_text import module_groups, render_estimate, render_fit
-from tests.estimate import models
+from tests.estimation import models
 
 
 def test_report_lists_every_category_and_the_peak() -> None:

@@ -1,0 +1,89 @@
+"""The ``modelsize`` command: one module per verb (parse, call the library, render).
+
+Every :class:`~modelsize.errors.ModelSizeError` leaves through :func:`main` as one line on
+stderr and its exit code (2 for bad input), never as a traceback. Each verb's module is
+imported only when that verb runs (or for help), so ``inspect`` pays nothing for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from modelsize import __version__
+from modelsize.errors import ModelSizeError, printable
+
+#: verb -> one-line help. Each verb is the module ``modelsize.cli.<verb>`` with
+#: ``add_arguments(parser)`` and ``run(args) -> int``.
+VERBS: dict[str, str] = {
+    "inspect": "account for every byte of a saved model file",
+    "slim": "write a smaller copy: drop what inference does not need, cast, convert",
+    "diff": "two checkpoints side by side, by category and by tensor",
+    "estimate": "exact memory a PyTorch model needs (inference, training)",
+    "demo": "build example checkpoints on the spot, explain them and slim them",
+}
+
+
+def _verb(name: str):  # type: ignore[no-untyped-def]  # a module
+    return importlib.import_module(f"modelsize.cli.{name}")
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser. Only the verb named in ``argv`` (or every verb, for help) is
+    imported to define its arguments."""
+    parser = argparse.ArgumentParser(
+        prog="modelsize",
+        description="Why is this model file so big, how much memory will this model need, "
+        "and how to make it smaller.",
+    )
+    parser.add_argument("--version", action="version", version=f"modelsize {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    words = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((w for w in words if w in VERBS), None)
+    for name, help_text in VERBS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if chosen is None or chosen == name:
+            _verb(name).add_arguments(p)
+        p.set_defaults(verb=name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    # Inspecting builds many small acyclic objects: the cycle collector would only rescan them
+    # (7 ms at 1,000 tensors, seconds at 20,000). Restored on the way out for in-process callers.
+    gc_was_enabled = gc.isenabled()
+    if args.verb in ("inspect", "slim", "diff"):
+        gc.disable()
+    try:
+        return int(_verb(args.verb).run(args))
+    except ModelSizeError as exc:
+        print(f"modelsize: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("modelsize: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        if os.environ.get("MODELSIZE_DEBUG"):
+            raise
+        print(
+            f"modelsize: internal error: {type(exc).__name__}: {printable(str(exc))} "
+            "(a modelsize bug: rerun with MODELSIZE_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

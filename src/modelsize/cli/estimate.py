@@ -1,0 +1,171 @@
+"""``modelsize estimate MODEL``: arguments, then :mod:`modelsize.estimation`, then the renderer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from modelsize.errors import UsageError
+from modelsize.estimation.optimizers import Implementation, OptimizerName
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Define the ``estimate`` sub-command's arguments on ``parser``."""
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="built-in name (see --list), a config.json, or module:factory")
+    parser.add_argument("--list", action="store_true", help="list the built-in models and exit")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--train", dest="mode", action="store_const", const="train",
+                      help="a training step: forward, loss, backward, optimizer (default)")
+    mode.add_argument("--infer", dest="mode", action="store_const", const="infer",
+                      help="one forward pass in eval mode under no_grad")
+    parser.set_defaults(mode="train")
+    parser.add_argument("--batch", type=_positive, default=None, help="batch size")
+    parser.add_argument("--seq", type=_positive, default=None, help="sequence length (tokens)")
+    parser.add_argument("--input", action="append", default=None, metavar="SHAPE",
+                        help="input shape for a factory model, e.g. 8x3x224x224 or "
+                        "int64:8x128; repeat for several positional inputs")
+    parser.add_argument("--optimizer", default="adamw",
+                        help=f"one of {', '.join(o.value for o in OptimizerName)} "
+                        "(default adamw)")
+    parser.add_argument("--impl", default="default",
+                        choices=[i.value for i in Implementation],
+                        help="optimizer implementation (default: PyTorch's for the device)")
+    parser.add_argument("--foreach", dest="impl", action="store_const", const="foreach",
+                        help="same as --impl foreach")
+    parser.add_argument("--fused", dest="impl", action="store_const", const="fused",
+                        help="same as --impl fused")
+    parser.add_argument("--amp", choices=["bf16", "fp16"], default=None,
+                        help="autocast the forward and the loss to this dtype")
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32",
+                        help="dtype of a built-in model's weights (default float32)")
+    parser.add_argument("--accumulate", type=_positive, default=1, metavar="N",
+                        help="micro-batches per optimizer step (gradient accumulation)")
+    parser.add_argument("--checkpoint", action="append", default=None, metavar="MODULES",
+                        help="activation checkpointing on these modules: a class name or a "
+                        "glob over module names (comma-separated, repeatable)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
+                        help="the device to estimate for (default cuda; cpu is validated "
+                        "to the byte against the CPU profiler)")
+    parser.add_argument("--fit", default=None, metavar="BUDGET",
+                        help="find the largest batch that fits, e.g. 80GiB")
+    parser.add_argument("--fit-dim", choices=["batch", "seq"], default="batch",
+                        help="what --fit searches (default batch)")
+    sug = parser.add_mutually_exclusive_group()
+    sug.add_argument("--suggest", dest="suggest", action="store_true", default=None,
+                     help="re-trace what would shrink the peak (default: on for text output)")
+    sug.add_argument("--no-suggest", dest="suggest", action="store_false")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {n}")
+    return n
+
+
+
+
+class Progress:
+    """A one-line progress display on a terminal's stderr, for traces longer than a second."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self.shown = False
+
+    def __call__(self, phase: str, ops: int) -> None:
+        """Update the line (called by the tracker every 1024 ops)."""
+        elapsed = time.monotonic() - self.start
+        if not self.enabled or elapsed < 1.0:
+            return
+        sys.stderr.write(f"\r  tracing {self.label}: {phase}, {ops:,} ops, {elapsed:.1f} s ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        """Clear the line."""
+        if self.shown:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+            sys.stderr.flush()
+        self.shown = False
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``modelsize estimate`` (prints the report or JSON; returns the exit code)."""
+    from modelsize.estimation import require_torch
+
+    if getattr(args, "list", False):
+        return _print_list()
+    if not args.model:
+        raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
+                         "module:factory); see modelsize estimate --list")
+    require_torch()
+    from modelsize.estimation.optimizers import parse_name
+    from modelsize.estimation.targets import (
+        Options,
+        fit_target,
+        resolve,
+        suggestions_for,
+        trace_target,
+    )
+
+    parse_name(args.optimizer)
+    target = resolve(args.model, args.dtype, args.input)
+    batch = args.batch or target.batch
+    seq = args.seq or target.seq
+    checkpoint = tuple(p.strip() for group in (args.checkpoint or ()) for p in group.split(",")
+                       if p.strip())
+    options = Options(args.mode, args.optimizer, args.impl, args.amp, args.device,
+                      args.accumulate, checkpoint)
+    progress = Progress(target.name, sys.stderr.isatty())
+    try:
+        est = trace_target(target, batch, seq, options, progress)
+        fit_result = None
+        if args.fit:
+            fit_result = fit_target(target, batch, seq, options, _budget(args.fit),
+                                    args.fit_dim, progress)
+        want = args.suggest if args.suggest is not None else not args.json
+        suggestions = suggestions_for(target, est, batch, seq, options, progress) if want else []
+    finally:
+        progress.done()
+    if args.json:
+        data = est.to_dict()
+        data["description"] = target.description
+        data["batch"], data["seq"] = batch, seq
+        data["suggestions"] = [s.to_dict() for s in suggestions]
+        data["fit"] = fit_result.to_dict() if fit_result else None
+        print(json.dumps(data))
+    else:
+        from modelsize.report.estimate_text import render_estimate
+
+        sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
+                                         seq=seq, suggestions=suggestions, fit=fit_result))
+    return 0
+
+
+def _budget(text: str) -> int:
+    from modelsize.report.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise UsageError(f"--fit: {exc}") from None
+
+
+def _print_list() -> int:
+    from modelsize.estimation import zoo
+
+    for m in zoo.MODELS.values():
+        shape = f"batch {m.batch}" + (f" x seq {m.seq}" if m.seq else f", {m.image}px images")
+        print(f"  {m.name:12s} {m.description} (default {shape})")
+    return 0

@@ -1,0 +1,42 @@
+"""``modelsize inspect PATH``: every byte of a saved model, by category."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Define the ``inspect`` sub-command's arguments."""
+    p.add_argument("path", help="a model file, a checkpoint directory or prefix")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--top", type=int, default=None, help="largest tensors to list (default 10)")
+    p.add_argument("--load-cost", action="store_true",
+                   help="also measure the RAM and time of the usual ways to load it "
+                   "(runs the real framework in a subprocess)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``modelsize inspect``."""
+    from modelsize.inspection import inspect
+    from modelsize.report.text import render_inspect
+
+    report = inspect(args.path)
+    cost = None
+    if args.load_cost:
+        from modelsize.loadcost import measure_load_cost
+
+        cost = measure_load_cost(report.inventory)
+    if args.json:
+        data = report.to_dict(top=args.top)
+        if cost is not None:
+            data["load_cost"] = cost.to_dict()
+        print(json.dumps(data))
+    else:
+        sys.stdout.write(render_inspect(report, top=10 if args.top is None else args.top))
+        if cost is not None:
+            from modelsize.report.loadcost_text import render_load_cost
+
+            sys.stdout.write("\n" + render_load_cost(cost))
+    return 0

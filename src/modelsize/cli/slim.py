@@ -1,0 +1,106 @@
+"""``modelsize slim IN [-o OUT] ...``: a smaller copy, streamed, staged, verified."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Define the ``slim`` sub-command's arguments (choices come from the registries)."""
+    from modelsize.slimming.cast import CASTABLE
+    from modelsize.slimming.plan import drop_choices
+    from modelsize.slimming.writers import CONVERSIONS
+
+    p.add_argument("path", metavar="IN", help="a model file, a checkpoint directory or prefix")
+    p.add_argument("-o", "--output", dest="out", default=None, metavar="OUT",
+                   help="where to write (default: IN's name with .slim before the extension)")
+    p.add_argument("--drop", action="append", default=None, metavar="CATEGORY,...",
+                   help=f"drop these ({', '.join(drop_choices())}); default without --drop, "
+                   "--dedupe or --cast: everything inference does not need")
+    p.add_argument("--dedupe", action="store_true",
+                   help="store identical tensors once (aliases where the format has them)")
+    p.add_argument("--cast", choices=[c for c in CASTABLE if c != "float64"], default=None,
+                   help="narrow every wider floating tensor to this dtype")
+    p.add_argument("--to", choices=["same", *CONVERSIONS], default="same",
+                   help="output format (default: the input's)")
+    p.add_argument("--keep", action="append", default=[], metavar="GLOB",
+                   help="keep entries matching GLOB whatever their category (e.g. epoch); "
+                   "keeps the checkpoint's top-level layout; repeatable")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the predicted size, write nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+
+
+class _Bar:
+    """Bytes written of bytes planned, on a terminal's stderr, at most ten times a second."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and done < total):
+            return
+        from modelsize.report.units import human_bytes
+
+        self.last = now
+        width = 30
+        filled = width * done // total if total else width
+        sys.stderr.write(f"\r  writing [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{human_bytes(done)} of {human_bytes(total)} ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the slim like Ctrl-C: staged files are removed on the way out."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            old[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``modelsize slim``."""
+    from modelsize.report.slim_text import render_slim
+    from modelsize.slimming import slim
+
+    bar = _Bar(sys.stderr.isatty() and not args.json)
+    try:
+        with _interruptible():
+            report = slim(
+                args.path, args.out, drop=args.drop, dedupe=args.dedupe, cast=args.cast,
+                to=args.to, keep=args.keep, dry_run=args.dry_run, force=args.force,
+                progress=bar,
+            )
+    finally:
+        bar.clear()
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        sys.stdout.write(render_slim(report))
+    return 0

@@ -1,0 +1,262 @@
+"""What ``modelsize estimate MODEL`` traces: a built-in model, a ``config.json`` or a factory.
+
+MODEL is a built-in name (``modelsize estimate --list``), a local Hugging Face
+``config.json`` (or its folder), or ``package.module:factory``: a callable returning an
+``nn.Module`` or ``(module, inputs)``. The factory form imports the user's own code, which is
+the point of it; saved model files are never imported or executed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from modelsize.errors import EstimateError, UsageError, printable
+from modelsize.estimation.result import Estimate, FitResult, Suggestion
+
+
+@dataclass
+class Target:
+    """A model to trace and how to make its inputs for a given batch and sequence length."""
+
+    name: str
+    description: str
+    model: Any
+    make_inputs: Callable[[int, int, bool], Any]
+    batch: int
+    seq: int
+    repeated_block: str = ""
+    float32: bool = True
+
+
+def resolve(spec: str, dtype: str = "float32", inputs: list[str] | None = None) -> Target:
+    """Turn MODEL (with the weights' ``dtype`` and input shapes such as ``8x3x224x224``)
+    into a :class:`Target`."""
+    import torch
+
+    from modelsize.estimation import zoo
+
+    weights_dtype = getattr(torch, dtype)
+    path = Path(spec)
+    entry: zoo.ZooModel | None = zoo.MODELS.get(spec.lower())
+    is_config = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
+    if entry is None and is_config:
+        entry = zoo.from_config_json(path)
+    if entry is not None:
+        model = zoo.build(entry, weights_dtype)
+        accepted = _accepted_kwargs(model)
+        chosen = entry
+
+        def make(batch: int, seq: int, train: bool) -> Any:
+            inputs = zoo.make_inputs(chosen, batch, seq, train, weights_dtype)
+            if isinstance(inputs, dict) and accepted is not None:
+                inputs = {k: v for k, v in inputs.items() if k in accepted}
+            return inputs
+
+        return Target(entry.name, entry.description, model, make, entry.batch, entry.seq,
+                      entry.repeated_block or _repeated_block(model),
+                      weights_dtype == torch.float32)
+    if ":" in spec and not path.exists():
+        return _factory_target(spec, inputs)
+    if path.suffix == ".json" or path.exists():
+        raise UsageError(f"{printable(spec)}: expected a Hugging Face config.json or its folder")
+    known = ", ".join(zoo.names())
+    raise UsageError(f"unknown model {printable(spec)!r}: expected a built-in name ({known}), "
+                     "a config.json, or package.module:factory")
+
+
+def _accepted_kwargs(model: Any) -> set[str] | None:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params)
+
+
+def _factory_target(spec: str, inputs: list[str] | None) -> Target:
+    import torch
+    from torch import nn
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {printable(module_name)!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"{printable(module_name)} has no callable {printable(attr)!r}")
+    made = factory()
+    given_inputs = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        made, given_inputs = made
+    if not isinstance(made, nn.Module):
+        raise UsageError(f"{printable(spec)} returned {type(made).__name__}, not an nn.Module")
+    shapes = [parse_input(s) for s in inputs] if inputs else None
+    if shapes is None and given_inputs is None:
+        raise UsageError(f"{printable(spec)}: give the input shape with --input, e.g. "
+                         "--input 8x3x224x224, or return (model, inputs) from the factory")
+
+    def make(batch: int, seq: int, train: bool) -> Any:
+        if shapes is not None:
+            return tuple(_meta(dt, _resized(shape, batch, seq)) for dt, shape in shapes)
+        return _resize_inputs(given_inputs, batch, seq)
+
+    first = shapes[0][1] if shapes else _first_shape(given_inputs)
+    batch = first[0] if first else 1
+    seq = first[1] if len(first) > 1 else 0
+    is_fp32 = all(p.dtype == torch.float32 for p in made.parameters())
+    return Target(spec, f"{type(made).__name__} from {spec}", made, make, batch, seq,
+                  _repeated_block(made), is_fp32)
+
+
+def parse_input(text: str) -> tuple[str, tuple[int, ...]]:
+    """``int64:8x128`` -> ("int64", (8, 128)); the dtype defaults to float32."""
+    dtype, _, shape = text.rpartition(":")
+    dtype = dtype or "float32"
+    try:
+        dims = tuple(int(d) for d in shape.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--input {printable(text)}: expected a shape like 8x3x224x224") from None
+    if not dims or any(d < 0 for d in dims):
+        raise UsageError(f"--input {printable(text)}: expected a shape like 8x3x224x224")
+    import torch
+
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise UsageError(f"--input {printable(text)}: unknown dtype {printable(dtype)!r}")
+    return dtype, dims
+
+
+def _meta(dtype: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+
+
+def _resized(shape: tuple[int, ...], batch: int, seq: int) -> tuple[int, ...]:
+    out = list(shape)
+    if out:
+        out[0] = batch
+    if len(out) > 1 and seq:
+        out[1] = seq
+    return tuple(out)
+
+
+def _first_shape(inputs: Any) -> tuple[int, ...]:
+    import torch
+
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    if isinstance(values, torch.Tensor):
+        return tuple(values.shape)
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape)
+    return ()
+
+
+def _resize_inputs(inputs: Any, batch: int, seq: int) -> Any:
+    import torch
+
+    first = _first_shape(inputs)
+
+    def conv(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or not v.dim():
+            return v
+        shape = list(v.shape)
+        if shape[0] == first[0]:
+            shape[0] = batch
+        if len(shape) > 1 and len(first) > 1 and shape[1] == first[1] and seq:
+            shape[1] = seq
+        return torch.empty(shape, dtype=v.dtype, device="meta")
+
+    if isinstance(inputs, dict):
+        return {k: conv(v) for k, v in inputs.items()}
+    if isinstance(inputs, torch.Tensor):
+        return (conv(inputs),)
+    return tuple(conv(v) for v in inputs)
+
+
+def _repeated_block(model: Any) -> str:
+    """The class that repeats most among modules holding parameters (a transformer layer)."""
+    from torch import nn
+
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            for child in m.children():
+                if any(True for _ in child.parameters()):
+                    name = type(child).__name__
+                    counts[name] = counts.get(name, 0) + 1
+    best = max(counts.items(), key=lambda kv: kv[1], default=("", 0))
+    return best[0] if best[1] >= 2 else ""
+
+
+
+
+@dataclass(frozen=True)
+class Options:
+    """The estimate options the CLI passes to :func:`modelsize.estimation.estimate`."""
+
+    mode: str
+    optimizer: str
+    implementation: str
+    amp: str | None
+    device: str
+    accumulate: int
+    checkpoint: tuple[str, ...]
+
+
+def trace_target(target: Target, batch: int, seq: int, options: Options,
+                 progress: Callable[[str, int], None] | None = None) -> Estimate:
+    """Estimate ``target`` at ``batch`` x ``seq``."""
+    from modelsize.estimation import estimate
+
+    train = options.mode == "train"
+    inputs = target.make_inputs(batch, seq, train)
+    return estimate(
+        target.model, inputs, mode=options.mode, optimizer=options.optimizer,
+        implementation=options.implementation, amp=options.amp, device=options.device,
+        accumulate=options.accumulate, checkpoint=options.checkpoint, name=target.name,
+        progress=progress,
+    )
+
+
+
+
+def suggestions_for(target: Target, base: Estimate, batch: int, seq: int, options: Options,
+                    progress: Callable[[str, int], None] | None = None) -> list[Suggestion]:
+    """Re-trace ``target`` with each change that could shrink ``base``'s peak."""
+    from modelsize.estimation.advice import suggest
+
+    def retrace(**overrides: Any) -> Estimate:
+        b = overrides.pop("batch", batch)
+        return trace_target(target, b, seq, replace(options, **overrides), progress)
+
+    try:
+        return suggest(retrace, base, batch=batch, repeated_block=target.repeated_block,
+                       float32_model=target.float32)
+    except EstimateError:
+        return []
+
+
+def fit_target(target: Target, batch: int, seq: int, options: Options, budget: int,
+               dimension: str = "batch",
+               progress: Callable[[str, int], None] | None = None) -> FitResult:
+    """The largest batch (or sequence length) of ``target`` whose estimate fits ``budget``."""
+    from modelsize.estimation.fit import fit
+
+    if dimension == "seq" and not seq:
+        raise UsageError("--fit-dim seq: this model has no sequence dimension")
+
+    def measure(n: int) -> int:
+        b, s = (n, seq) if dimension == "batch" else (batch, n)
+        return trace_target(target, b, s, options, progress).device_estimate.total_bytes
+
+    name = "device total" if options.device == "cuda" else "peak"
+    return fit(measure, budget, dimension=dimension, measure_name=name,
+               limit=1 << 16 if dimension == "batch" else 1 << 22)

@@ -1,0 +1,75 @@
+"""Plain-text rendering of a :class:`~modelsize.slimming.SlimReport`."""
+
+from __future__ import annotations
+
+import textwrap
+
+from modelsize.categories import Category
+from modelsize.errors import printable
+from modelsize.report.table import table
+from modelsize.report.units import human_bytes, percent
+from modelsize.slimming.result import SlimReport
+
+
+def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
+    """Headline, before/after by category, what was dropped and cast, verification, notes."""
+    src = report.source
+    out_bytes = report.output_bytes
+    verb = "would write" if report.dry_run else "wrote"
+    lines = [f"{printable(str(src.path))} ({src.format}, {src.file_bytes:,} bytes) -> "
+             f"{printable(str(report.target))} ({report.output_format}"
+             + (f", {out_bytes:,} bytes)" if out_bytes is not None else ")")]
+    if out_bytes is not None and src.file_bytes:
+        saved = src.file_bytes - out_bytes
+        lines.append(f"{'Would save' if report.dry_run else 'Saved'} {human_bytes(saved)} "
+                     f"({percent(saved, src.file_bytes)}): {verb} {human_bytes(out_bytes)} "
+                     f"of {human_bytes(src.file_bytes)}.")
+    elif report.dry_run:
+        lines.append("The output's size is known only once written (compressed output).")
+    lines.append("")
+    after = report.output.bytes_by_category if report.output is not None else None
+    rows = [["category", "before", "after" if after is not None else "", "dropped"]]
+    by_cat = report.dropped_by_category()
+    for cat in Category:
+        before = src.bytes_by_category[cat]
+        a = after[cat] if after is not None else None
+        d = by_cat.get(cat)
+        if not before and not a and not d:
+            continue
+        rows.append([cat.value, human_bytes(before), "" if a is None else human_bytes(a),
+                     f"{d[0]} tensors" if d else ""])
+    total_after = "" if after is None else human_bytes(report.output.file_bytes)  # type: ignore[union-attr]
+    rows.append(["total", human_bytes(src.file_bytes), total_after, ""])
+    lines += table(rows, "lrrr")
+    stored = [k for k in report.kept if k.alias_of is None]
+    lines += ["", f"Kept {len(stored)} tensors ({human_bytes(sum(k.nbytes for k in stored))})"
+              + (f" and {len(report.kept) - len(stored)} aliases" if len(stored) < len(report.kept)
+                 else "")
+              + f"; dropped {len(report.dropped)}."]
+    for gone in sorted(report.dropped, key=lambda g: -g.stored_nbytes)[:names]:
+        lines.append(f"  - {printable(gone.name, 70)}  ({gone.reason}, "
+                     f"{human_bytes(gone.stored_nbytes)})")
+    if len(report.dropped) > names:
+        lines.append(f"  - ... {len(report.dropped) - names} more (--json lists them all)")
+    for k in report.kept:
+        if k.alias_of is not None:
+            lines.append(f"  = {printable(k.name, 60)} is stored once, as "
+                         f"{printable(k.alias_of, 60)}")
+    cast = report.cast
+    if cast:
+        worst = max(cast, key=lambda k: k.max_rel_error or 0.0)
+        lines.append(
+            f"Cast {len(cast)} tensors {cast[0].source_dtype} -> {cast[0].dtype}; "
+            + ("largest error" if not report.dry_run else "errors known once written")
+            + (f": {worst.max_abs_error:.3g} absolute, {worst.max_rel_error:.3g} relative "
+               f"({printable(worst.name, 60)})" if worst.max_rel_error is not None else "")
+        )
+    if report.dry_run:
+        lines.append("Dry run: nothing was written.")
+    elif report.verified:
+        lines.append(f"Verified: {printable(str(report.target))} read back by modelsize holds "
+                     f"every kept tensor with the same name, dtype, shape and bytes (CRC-32).")
+    for note in report.notes:
+        lines += textwrap.wrap(f"note: {printable(note, 600)}", width, initial_indent="  ",
+                               subsequent_indent="      ")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,143 @@
+"""``modelsize.slim(path, out, ...)``: read, plan, write streamed and staged, verify, commit."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from modelsize import formats
+from modelsize.errors import UsageError
+from modelsize.inventory import Inventory, TensorRecord
+from modelsize.slimming import writers
+from modelsize.slimming.output import Output, write_verified
+from modelsize.slimming.plan import Plan, SlimOptions, make_plan, parse_drop
+from modelsize.slimming.result import Dropped, KeptTensor, SlimReport
+from modelsize.slimming.source import StorageDecoder, TensorSource, tensor_source
+from modelsize.slimming.verify import verify
+from modelsize.slimming.writers.base import Meter, Written, output_nbytes
+
+#: Input formats whose tensors are pieces of the model's tensors (partitions, chunks): a module
+#: of :mod:`modelsize.slimming` with ``logical_tensors(inv, decoder)`` puts them back together.
+CONSOLIDATORS: dict[str, str] = {
+    "deepspeed": "consolidate",
+    "torch-dcp": "consolidate",
+}
+
+LogicalTensors = tuple[Sequence[TensorRecord], Callable[[TensorRecord], TensorSource]]
+
+
+def _sources(inv: Inventory) -> LogicalTensors:
+    """The tensors to plan with and where their bytes come from."""
+    reader = formats.registry().get(inv.format)
+    decoder: StorageDecoder | None = getattr(reader, "storage_chunks", None)
+    module = CONSOLIDATORS.get(inv.format)
+    if module is not None:
+        found = importlib.import_module(f"modelsize.slimming.{module}").logical_tensors(
+            inv, decoder)
+        if found is not None:
+            return found
+
+    def source_of(t: TensorRecord) -> TensorSource:
+        return tensor_source(inv, t, decoder)
+
+    return inv.tensors, source_of
+
+
+def plan_slim(inv: Inventory, options: SlimOptions) -> Plan:
+    """The plan for slimming an inventory already read."""
+    tensors, source_of = _sources(inv)
+    plan = make_plan(inv, options, source_of, tensors)
+    if inv.unsafe_globals:
+        plan.notes.append(
+            f"the input's pickle would import and call {len(inv.unsafe_globals)} unsafe "
+            f"global(s) ({', '.join(inv.unsafe_globals[:4])}"
+            f"{', ...' if len(inv.unsafe_globals) > 4 else ''}); the output holds the tensors "
+            "and none of them (nothing from the input was run)"
+        )
+    return plan
+
+
+def slim(
+    path: str | Path,
+    out: str | Path | None = None,
+    *,
+    drop: Iterable[str] | None = None,
+    dedupe: bool = False,
+    cast: str | None = None,
+    to: str = "same",
+    keep: Sequence[str] = (),
+    dry_run: bool = False,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> SlimReport:
+    """Write a smaller copy of the checkpoint at ``path`` and verify it.
+
+    With no ``drop``, ``dedupe`` or ``cast`` it drops what inference does not need
+    (optimizer state, gradients, cached activations, unused storage, duplicates) and keeps the
+    input's format. ``drop`` names categories (and ``ema``); ``dedupe`` stores identical
+    tensors once; ``cast`` narrows floating tensors (``float32``, ``float16``, ``bfloat16``);
+    ``to`` is ``same``, ``safetensors``, ``pytorch`` or ``npz``; ``keep`` globs keep matching
+    entries whatever their category (and the checkpoint's top-level layout, for torch files).
+
+    ``out`` defaults to ``NAME.slim.EXT`` beside the input. The input is never modified; an
+    existing ``out`` is refused without ``force``. The output is written to an unnamed file,
+    read back by modelsize's own reader and checked tensor by tensor (name, dtype, shape,
+    CRC-32 of its bytes) before it gets its name. ``dry_run`` plans without writing.
+    ``progress(bytes written, bytes planned)`` is called as data streams.
+    """
+    options = SlimOptions(
+        drop=parse_drop(drop) if drop is not None else None, dedupe=dedupe, cast=cast, to=to,
+        keep=tuple(keep),
+    )
+    inv = formats.read(path)
+    writer = writers.for_input(inv.format, options.to)
+    plan = plan_slim(inv, options)
+    if not plan.stored and not plan.aliases:
+        raise UsageError(f"{inv.path}: nothing would be left to write (every tensor is dropped)")
+    target = Path(out) if out is not None else writer.default_target(plan, inv.path)
+    job = writer.prepare(plan, target)
+    output = Output(target, directory=job.directory, force=force,
+                    inputs=tuple(f.path for f in inv.files))
+    output.check(job.files)
+    if dry_run:
+        return _report(plan, writer.name, target, job.predicted_bytes, {}, None, (), dry=True)
+    meter = Meter(sum(output_nbytes(t) for t in plan.stored), progress)
+    written: dict[str, Written] = {}
+
+    def write(o: Output) -> None:
+        written.update(job.write(o, meter))
+
+    out_inv = write_verified(output, write, lambda staged: verify(plan, job, written, staged),
+                             main=job.main)
+    base = target if job.directory else target.parent
+    files = tuple((base / name, (base / name).stat().st_size) for name in job.files)
+    return _report(plan, writer.name, target, job.predicted_bytes, written, out_inv, files)
+
+
+def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
+            written: dict[str, Written], out_inv: Inventory | None,
+            files: tuple[tuple[Path, int], ...], dry: bool = False) -> SlimReport:
+    kept = []
+    for t in plan.tensors:
+        w = written.get(t.name)
+        err = w.error if w is not None else None
+        kept.append(KeptTensor(
+            t.name, t.record.name, t.dtype, t.record.dtype, t.shape, output_nbytes(t),
+            w.crc if w is not None else None, t.alias_of,
+            err.max_abs if err else None, err.max_rel if err else None,
+            err.overflow if err else 0,
+        ))
+    dropped = tuple(Dropped(d.record.name, d.record.category, d.record.stored_nbytes, d.reason)
+                    for d in plan.dropped)
+    notes = list(plan.notes)
+    overflow = [k for k in kept if k.overflow]
+    if overflow:
+        notes.append(f"{len(overflow)} tensor(s) had values out of range for "
+                     f"{overflow[0].dtype}: they became infinity "
+                     f"({', '.join(k.name for k in overflow[:3])})")
+    return SlimReport(
+        source=plan.inventory, target=target, output_format=fmt, dry_run=dry,
+        predicted_bytes=predicted, kept=tuple(kept), dropped=dropped, notes=tuple(notes),
+        output=out_inv, output_files=files, verified=out_inv is not None,
+    )
