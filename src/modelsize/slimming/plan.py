@@ -201,14 +201,14 @@ def make_plan(
 
     # An alias whose original was dropped keeps its own bytes.
     kept_names = {t.name for t in kept}
-    for alias, original in list(aliases.items()):
+    for copy, original in list(aliases.items()):
         if original not in kept_names or original in aliases:
-            del aliases[alias]
+            del aliases[copy]
             try:
-                sources[alias] = source_of(by_name[alias])
+                sources[copy] = source_of(by_name[copy])
             except ValueError as exc:
-                kept = [t for t in kept if t.name != alias]
-                dropped.append(DroppedTensor(by_name[alias], f"holds no data ({exc})"))
+                kept = [t for t in kept if t.name != copy]
+                dropped.append(DroppedTensor(by_name[copy], f"holds no data ({exc})"))
 
     container = _common_container(kept) if not options.keep else ""
     planned: list[PlannedTensor] = []
