@@ -4,8 +4,9 @@ Both sides are read like ``inspect`` reads them (metadata only, any format). Ten
 matched by name; names that differ only by a file label (``mp0.model:``, ``shard:``) or a
 wrapper prefix (``module.`` of DDP/DeepSpeed, ``_orig_mod.`` of ``torch.compile``) are
 matched too when that leaves no ambiguity, so a DeepSpeed checkpoint compares with the state
-dict exported from it. A matched tensor whose dtype, shape or category differs is *changed*;
-values are never read.
+dict exported from it; so are names inside a training checkpoint's container
+(``model_state_dict.fc1.weight``) and the same key in a weights-only file (``fc1.weight``).
+A matched tensor whose dtype, shape or category differs is *changed*; values are never read.
 """
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ class Diff:
         }
 
 
-def _stripped(name: str) -> str:
-    """The name without a file label (``label:``) and wrapper prefixes."""
-    bare = name.rsplit(":", 1)[-1]
+def _stripped(t: TensorRecord) -> str:
+    """The name without its container (``model.`` of a training checkpoint), a file label
+    (``label:``) and wrapper prefixes: the key the model loads."""
+    bare = t.key.rsplit(":", 1)[-1]
     changed = True
     while changed:
         changed = False
@@ -126,7 +128,7 @@ def _first_by_name(tensors: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
 def _unique_by(tensors: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
-        groups.setdefault(_stripped(t.name), []).append(t)
+        groups.setdefault(_stripped(t), []).append(t)
     return {k: v[0] for k, v in groups.items() if len(v) == 1}
 
 

@@ -97,10 +97,14 @@ def optimizer_description(inv: Inventory) -> str:
     return f"{head} ({', '.join(big[:4])})" if big else head
 
 
-def _out_name(path: Path) -> str:
-    suffix = "".join(path.suffixes[-1:]) if path.is_file() else ""
-    stem = path.name[: -len(suffix)] if suffix else path.name
-    return str(path.with_name(f"{stem}.slim{suffix}"))
+def slim_target(path: Path, suffix: str | None = None) -> Path:
+    """Where ``modelsize slim`` writes by default: ``x.pt`` -> ``x.slim.pt``; ``suffix``
+    replaces the extension (``--to safetensors``); a directory or prefix gets ``.slim``."""
+    ext = path.suffix if (suffix is None and path.is_file()) else ""
+    stem = path.name[: -len(ext)] if ext else path.name
+    if suffix is not None and path.is_file() and path.suffix:
+        stem = path.name[: -len(path.suffix)]
+    return path.with_name(f"{stem}.slim{suffix if suffix is not None else ext}")
 
 
 #: The ``modelsize slim`` flags that fix each finding.
@@ -118,7 +122,8 @@ SLIM_FLAGS: dict[FindingKind, tuple[str, ...]] = {
 
 def _slim(inv: Inventory, *flags: str) -> str:
     path = inv.path
-    args = ["modelsize", "slim", str(path), *flags, "-o", _out_name(path)]
+    suffix = ".safetensors" if "safetensors" in flags else None
+    args = ["modelsize", "slim", str(path), *flags, "-o", str(slim_target(path, suffix))]
     return shlex.join(args)
 
 

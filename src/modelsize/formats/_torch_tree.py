@@ -17,7 +17,8 @@ to the :class:`~modelsize.inventory.InventoryBuilder` with its category:
   ``ema``.
 
 The walk is iterative (no recursion however deep the pickle nests) and visits each object once:
-a tensor pickled twice through the memo is one tensor, named by its first path.
+a tensor pickled twice through the memo (tied weights) is declared under both names, as two
+views of the same bytes.
 """
 
 from __future__ import annotations
@@ -342,6 +343,8 @@ class _Walker:
         self.script_roles = script_roles
         self.summary = Summary()
         self.seen: set[int] = set()
+        #: Objects of ``seen`` that are tensors: met again, they are declared again.
+        self.tensor_ids: set[int] = set()
         self.optimizer_keys: set[str] = set()
         self.optimizer_dicts: dict[int, bool] = {}
         #: What each key says by itself (see :func:`_key_facts`): keys repeat thousands of times.
@@ -591,11 +594,18 @@ class _Walker:
             top = _Ctx(Category.OPTIMIZER_STATE, optimizer=True)
         self.todo = todo = [(root, path, top)]
         seen = self.seen
+        tensor_ids = self.tensor_ids
         while todo:
             value, path, ctx = todo.pop()
             if value is None or isinstance(value, _LEAVES):
                 continue
             if id(value) in seen:
+                if id(value) in tensor_ids:
+                    # One tensor pickled under a second name through the memo (tied weights):
+                    # a second view of the same bytes, so that no key of the file is lost.
+                    t = self.tensor(value)  # type: ignore[arg-type]
+                    if t is not None:
+                        self.declare(t, path, ctx)
                 continue
             seen.add(id(value))
             if isinstance(value, Call):
@@ -603,6 +613,7 @@ class _Walker:
                 # a tensor is no mapping: it has no optimizer keys).
                 t = self.tensor(value)
                 if t is not None:
+                    tensor_ids.add(id(value))
                     self.declare(t, path, ctx)
                     continue
             if ctx.optimizer:

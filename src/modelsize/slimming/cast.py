@@ -81,19 +81,25 @@ class Cast:
         """Cast chunks; :attr:`error` is complete once they are all consumed."""
         np = self.np
         for chunk in self.source.chunks():
-            values = _to_float(np, chunk, self.src)
-            out = _from_float(np, values, self.dst)
-            back = _to_float(np, out.tobytes(), self.dst).astype("<f8")
-            exact = values.astype("<f8")
-            finite = np.isfinite(exact)
-            over = finite & ~np.isfinite(back)
-            self.error.overflow += int(over.sum())
-            ok = finite & ~over
-            if ok.any():
-                diff = np.abs(back[ok] - exact[ok])
-                self.error.max_abs = max(self.error.max_abs, float(diff.max()))
-                mag = np.abs(exact[ok])
-                nz = mag > 0
-                if nz.any():
-                    self.error.max_rel = max(self.error.max_rel, float((diff[nz] / mag[nz]).max()))
-            yield out.tobytes()
+            with np.errstate(over="ignore", invalid="ignore"):
+                out = self._cast(np, chunk)
+            yield out
+
+    def _cast(self, np: Any, chunk: bytes | memoryview) -> bytes:
+        """One chunk cast, its error folded into :attr:`error`."""
+        values = _to_float(np, chunk, self.src)
+        out = _from_float(np, values, self.dst)
+        back = _to_float(np, out.tobytes(), self.dst).astype("<f8")
+        exact = values.astype("<f8")
+        finite = np.isfinite(exact)
+        over = finite & ~np.isfinite(back)
+        self.error.overflow += int(over.sum())
+        ok = finite & ~over
+        if ok.any():
+            diff = np.abs(back[ok] - exact[ok])
+            self.error.max_abs = max(self.error.max_abs, float(diff.max()))
+            mag = np.abs(exact[ok])
+            nz = mag > 0
+            if nz.any():
+                self.error.max_rel = max(self.error.max_rel, float((diff[nz] / mag[nz]).max()))
+        return bytes(out.tobytes())

@@ -137,7 +137,8 @@ def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
                      f"{overflow[0].dtype}: they became infinity "
                      f"({', '.join(k.name for k in overflow[:3])})")
     return SlimReport(
-        source=plan.inventory, target=target, output_format=fmt, dry_run=dry,
+        source=plan.inventory, target=target,
+        output_format=out_inv.format if out_inv is not None else fmt, dry_run=dry,
         predicted_bytes=predicted, kept=tuple(kept), dropped=dropped, notes=tuple(notes),
         output=out_inv, output_files=files, verified=out_inv is not None,
     )

@@ -5,12 +5,14 @@ The rules, in order, for each tensor of the input:
 1. a tensor a ``--keep`` glob matches is kept, whatever its category;
 2. a tensor that holds no bytes in the file (a meta tensor, an object array) is dropped;
 3. a second copy (``duplicates``) is kept as an *alias* of its original when duplicates are
-   dropped: the writer stores the bytes once (a shared storage, a metadata alias...);
+   dropped: the writer stores the bytes once (a shared storage, a metadata alias...); a second
+   name for the very same view of a storage (tied weights) is always such an alias;
 4. a tensor of a dropped category is dropped (``ema`` drops tensors tagged as an EMA copy);
 5. everything else is kept, cast to ``--cast`` if it is a wider floating type.
 
 With no ``--drop``, ``--dedupe`` or ``--cast`` the dropped categories are those inference
-does not need (:data:`~modelsize.categories.NOT_NEEDED_FOR_INFERENCE`). Storage bytes no tensor
+does not need (:data:`~modelsize.categories.NOT_NEEDED_FOR_INFERENCE`) and ``other`` tensors
+(RNG states, metric accumulators, counters: :data:`DEFAULT_DROP`). Storage bytes no tensor
 reaches are never written by any writer, so ``unused_storage`` always goes.
 
 Kept tensors are renamed to their state-dict keys when they all come from one container
@@ -32,6 +34,10 @@ from modelsize.slimming.source import TensorSource
 
 #: What ``--drop`` accepts besides categories: tensors tagged as an EMA copy of the model.
 EMA = "ema"
+#: What a slim with no ``--drop``, ``--dedupe`` or ``--cast`` drops.
+DEFAULT_DROP: frozenset[str] = frozenset(
+    {c.value for c in NOT_NEEDED_FOR_INFERENCE} | {Category.OTHER.value}
+)
 #: Categories that hold no tensors a slim could drop (they are the file's structure).
 _STRUCTURE = frozenset({Category.GRAPH, Category.METADATA, Category.WEIGHTS})
 
@@ -75,7 +81,7 @@ class SlimOptions:
     def dropped(self) -> frozenset[str]:
         """The names actually dropped (defaults applied)."""
         if self.drop is None and not self.dedupe and self.cast is None:
-            return frozenset(c.value for c in NOT_NEEDED_FOR_INFERENCE)
+            return DEFAULT_DROP
         out = set(self.drop or ())
         if self.dedupe:
             out.add(Category.DUPLICATES.value)
@@ -198,6 +204,17 @@ def make_plan(
             dropped.append(DroppedTensor(t, f"holds no data in the file ({exc})"))
             continue
         kept.append(t)
+
+    # Two names for the very same view of the same storage (tied weights saved as one tensor)
+    # stay one set of bytes in the output.
+    first_view: dict[tuple[object, ...], str] = {}
+    for t in kept:
+        if t.name in aliases or t.storage is None:
+            continue
+        view = (t.storage, t.storage_offset, t.shape, t.strides, t.dtype)
+        holder = first_view.setdefault(view, t.name)
+        if holder != t.name:
+            aliases[t.name] = holder
 
     # An alias whose original was dropped keeps its own bytes.
     kept_names = {t.name for t in kept}

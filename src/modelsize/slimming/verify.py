@@ -32,13 +32,23 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
     return crc, n
 
 
+def _find(by_name: Mapping[str, TensorRecord], *names: str) -> TensorRecord | None:
+    """The output tensor under the first of ``names`` it has: the writer's name for it, else
+    the input's (multi-file outputs read back under the input's file labels)."""
+    for name in names:
+        rec = by_name.get(name)
+        if rec is not None:
+            return rec
+    return None
+
+
 def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -> Inventory:
     """Read ``staged`` back and check it against the plan; returns the output's inventory."""
     out = formats.read(staged)
     by_name = {t.name: t for t in out.tensors}
     problems: list[str] = []
     for t in plan.stored:
-        rec = by_name.get(job.output_name(t.name))
+        rec = _find(by_name, job.output_name(t.name), t.record.name, t.record.key)
         if rec is None:
             problems.append(f"{t.name} is missing")
             continue
@@ -52,8 +62,8 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
             problems.append(f"{t.name}: its bytes read back differ from the bytes written")
     planned = {t.name: t for t in plan.tensors}
     for alias, original in plan.aliases.items():
-        rec = by_name.get(job.output_name(alias))
-        orig = by_name.get(job.output_name(original))
+        rec = _find(by_name, job.output_name(alias), planned[alias].record.name)
+        orig = _find(by_name, job.output_name(original), planned[original].record.name)
         if rec is None or orig is None:
             continue  # the format records the alias in its metadata
         if rec.shape != planned[alias].shape:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from modelsize.findings import slim_target
 from modelsize.slimming.cast import Cast, CastError
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
@@ -143,8 +144,6 @@ class Writer(Protocol):
 
 
 def slim_name(path: Path, suffix: str | None = None) -> Path:
-    """``x.pt`` -> ``x.slim.pt`` (``suffix`` replaces the extension, e.g. ``.safetensors``)."""
-    name = path.name
-    ext = path.suffix if (suffix is None and path.is_file()) else ""
-    stem = name[: -len(ext)] if ext else name
-    return path.with_name(f"{stem}.slim{suffix if suffix is not None else ext}")
+    """``x.pt`` -> ``x.slim.pt`` (``suffix`` replaces the extension, e.g. ``.safetensors``):
+    the names ``inspect``'s findings print (:func:`modelsize.findings.slim_target`)."""
+    return slim_target(path, suffix)

@@ -104,6 +104,14 @@ def _prefixed(header: bytes, chunks):  # type: ignore[no-untyped-def]  # a gener
     yield from chunks
 
 
+def _was_compressed(path: Path) -> bool:
+    """Whether an input ``.npz`` was written by ``np.savez_compressed`` (deflated members)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        return any(i.compress_type == zipfile.ZIP_DEFLATED for i in zf.infolist())
+
+
 class NpzWriter:
     """``.npz`` (and ``.npy`` for a single array read from one)."""
 
@@ -135,7 +143,7 @@ class NpzWriter:
             t, header = realised[0]
             return NpzJob([target.name], target.name, False, len(header) + output_nbytes(t),
                           realised, True, False)
-        deflate = plan.options.to == "same" and any(s.compressed for s in plan.inventory.storages)
+        deflate = plan.options.to == "same" and _was_compressed(plan.inventory.files[0].path)
         members = [Member(f"{t.name}.npy", len(h) + output_nbytes(t)) for t, h in realised]
         predicted = None if deflate else plan_sizes(members)
         return NpzJob([target.name], target.name, False, predicted, realised, False, deflate)

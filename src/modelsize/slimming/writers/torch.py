@@ -21,7 +21,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from modelsize.errors import UsageError, printable
 from modelsize.inventory import Inventory, contiguous_strides
@@ -306,19 +306,17 @@ def archive_name(target: Path) -> str:
 
 
 @dataclass
-class TorchJob:
-    """One torch zip file."""
+class TorchFile:
+    """One torch zip archive: its pickle and its storages, all sizes known."""
 
-    files: list[str]
-    main: str
-    directory: bool
-    predicted_bytes: int | None
-    pickle: bytes
+    name: str
     archive: str
+    pickle: bytes
     storages: list[tuple[str, PlannedTensor]]
-    skipped: list[str]
+    skipped: list[str] = field(default_factory=list)
 
     def members(self) -> list[Member]:
+        """Every member, in the order ``torch.save`` writes them."""
         a = self.archive
         out = [Member(f"{a}/data.pkl", len(self.pickle)),
                Member(f"{a}/.format_version", 1), Member(f"{a}/.storage_alignment", 2),
@@ -327,12 +325,15 @@ class TorchJob:
         out += [Member(f"{a}/version", 2), Member(f"{a}/.data/serialization_id", 40)]
         return out
 
-    def write(self, out: Output, meter: Meter) -> dict[str, Written]:
+    @property
+    def nbytes(self) -> int:
+        """The archive's exact size."""
+        return plan_sizes(self.members())
+
+    def write(self, fh: BinaryIO, meter: Meter, written: dict[str, Written]) -> None:
         """The archive, storages streamed from the input."""
-        fh = out.open(self.main)
         zw = ZipWriter(fh)
         members = iter(self.members())
-        written: dict[str, Written] = {}
         for data in (self.pickle, b"1", b"64", b"little"):
             zw.write_member(next(members), [data])
         for _key, t in self.storages:
@@ -342,6 +343,49 @@ class TorchJob:
         zw.write_member(next(members), [b"3\n"])
         zw.write_member(next(members), [_serialization_id(self.pickle)])
         zw.close()
+
+
+def torch_file(name: str, tensors: Sequence[PlannedTensor], keys: dict[str, str],
+               root: Any = None, skipped: Sequence[str] = ()) -> TorchFile:
+    """The archive holding ``tensors`` under ``keys`` (plan name -> key in the file): a flat
+    state dict, or ``root`` (a tree of :class:`_TensorRef` s by plan name) when given."""
+    refs: dict[str, _TensorRef] = {}
+    storages: list[tuple[str, PlannedTensor]] = []
+    for t in tensors:
+        check_dtype(t)
+        if t.alias_of is None:
+            key = str(len(storages))
+            storages.append((key, t))
+            refs[t.name] = _TensorRef(key, t.dtype, t.shape, output_nbytes(t))
+    for t in tensors:
+        if t.alias_of is not None:
+            orig = refs.get(t.alias_of)
+            if orig is None:
+                raise ValueError(f"{t.name}: alias of {t.alias_of}, which is not in this file")
+            refs[t.name] = _TensorRef(orig.key, orig.dtype, t.shape, orig.nbytes)
+    if root is None:
+        obj: Any = _OrderedDict((keys[t.name], refs[t.name]) for t in tensors)
+    else:
+        obj = root(refs) if callable(root) else root
+    pickler = _Pickler()
+    pickler.dump(obj)
+    return TorchFile(name, archive_name(Path(name)), pickler.finish(), storages, list(skipped))
+
+
+@dataclass
+class TorchJob:
+    """One torch zip file."""
+
+    files: list[str]
+    main: str
+    directory: bool
+    predicted_bytes: int | None
+    file: TorchFile
+
+    def write(self, out: Output, meter: Meter) -> dict[str, Written]:
+        """The archive."""
+        written: dict[str, Written] = {}
+        self.file.write(out.open(self.main), meter, written)
         return written
 
     def output_name(self, name: str) -> str:
@@ -358,40 +402,48 @@ def _serialization_id(pickle: bytes) -> bytes:
 
 
 class TorchWriter:
-    """``torch.save`` zip archives (``.pt``, ``.pth``, ``.bin``)."""
+    """``torch.save`` zip archives (``.pt``, ``.pth``, ``.bin``); a model directory of torch
+    shards (``pytorch-sharded``) keeps its layout (:mod:`~modelsize.slimming.writers.directory`)."""
 
     name = "pytorch"
 
+    def _directory(self, plan: Plan) -> bool:
+        return plan.options.to == "same" and plan.inventory.format == "pytorch-sharded"
+
     def default_target(self, plan: Plan, source: Path) -> Path:
-        """``x.slim.pt`` (the input's extension kept for torch files)."""
+        """``x.slim.pt`` (the input's extension kept for torch files); ``dir.slim/``."""
+        if self._directory(plan):
+            folder = source if source.is_dir() else source.parent
+            return folder.with_name(folder.name + ".slim")
         torch_input = plan.inventory.format in ("pytorch", "pytorch-legacy")
         if torch_input and source.is_file() and source.suffix:
             return slim_name(source)
         return slim_name(source, ".pt")
 
-    def prepare(self, plan: Plan, target: Path) -> TorchJob:
+    def prepare(self, plan: Plan, target: Path) -> Any:
         """The pickle and the member list, before any byte is written."""
-        refs: dict[str, _TensorRef] = {}
-        storages: list[tuple[str, PlannedTensor]] = []
-        for t in plan.tensors:
-            check_dtype(t)
-        for t in plan.stored:
-            key = str(len(storages))
-            storages.append((key, t))
-            refs[t.name] = _TensorRef(key, t.dtype, t.shape, output_nbytes(t))
-        for t in plan.tensors:
-            if t.alias_of is not None:
-                orig = refs[t.alias_of]
-                refs[t.name] = _TensorRef(orig.key, orig.dtype, t.shape, orig.nbytes)
-        ordered = {t.name: refs[t.name] for t in plan.tensors}
-        tree = _build_tree(plan, ordered)
-        pickler = _Pickler()
-        pickler.dump(tree.root)
-        data = pickler.finish()
-        job = TorchJob([target.name], target.name, False, None, data, archive_name(target),
-                       storages, tree.skipped)
-        job.predicted_bytes = plan_sizes(job.members())
-        return job
+        if self._directory(plan):
+            from modelsize.slimming.writers.directory import prepare_directory
+
+            return prepare_directory(plan, target)
+        names = {t.name: t.name for t in plan.tensors}
+
+        def root(refs: dict[str, _TensorRef]) -> Any:
+            ordered = {t.name: refs[t.name] for t in plan.tensors}
+            return _build_tree(plan, ordered)
+
+        tree: list[_Tree] = []
+
+        def tree_root(refs: dict[str, _TensorRef]) -> Any:
+            tree.append(root(refs))
+            return tree[0].root
+
+        file = torch_file(target.name, plan.tensors, names, tree_root)
+        file.skipped = tree[0].skipped if tree else []
+        if file.skipped:
+            plan.notes.append("not kept (not plain data, or not loadable with "
+                              "weights_only=True): " + ", ".join(file.skipped[:5]))
+        return TorchJob([target.name], target.name, False, file.nbytes, file)
 
 
 def chunked(data: bytes) -> Iterator[bytes]:
