@@ -57,13 +57,17 @@ def test_tensors_added_removed_changed(pair: tuple[Path, Path, dict[str, Any],
                                                    dict[str, Any]]) -> None:
     a, b, before, after = pair
     d = diff(a, b)
-    # "model." is not a wrapper prefix, so nothing matches by exact name: names are matched
-    # after dropping it only when unambiguous -- here they are not stripped at all.
+    # "model." is the container of a training checkpoint: inside it, names are the model's keys
+    # and pair with the plain state dict's (unambiguously here).
     removed = {t.name for t in d.removed}
     added = {t.name for t in d.added}
-    assert removed == set(before)
-    assert added == set(after)
-    assert d.unchanged == 0 and not d.changed
+    assert removed == {"head.weight"}
+    assert added == {"model.lora.weight", "optimizer.state.0.exp_avg",
+                     "optimizer.state.0.exp_avg_sq"}
+    assert {c.name: c.changes for c in d.changed} == {"embed.weight": ("dtype",),
+                                                      "fc.weight": ("shape",)}
+    assert d.unchanged == 1 and d.renamed == 3
+    assert set(after) == added | {"model.embed.weight", "model.fc.weight", "model.fc.bias"}
 
 
 def test_wrapper_prefix_is_matched(tmp_path: Path) -> None:
