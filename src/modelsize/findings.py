@@ -206,6 +206,33 @@ def find(inv: Inventory) -> list[Finding]:
     return first + rest
 
 
+def fix_command(inv: Inventory, findings: list[Finding]) -> str | None:
+    """The one ``modelsize slim`` command that fixes every finding that saves bytes."""
+    fixable = [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE]
+    if not fixable:
+        return None
+    flags = [flag for finding in fixable for flag in SLIM_FLAGS[finding.kind]]
+    return _slim(inv, *_merge_drops(flags))
+
+
+def _merge_drops(flags: list[str]) -> list[str]:
+    """``--drop a --drop b`` -> ``--drop a,b`` (both spellings work; one reads better)."""
+    drops = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--drop"]
+    rest: list[str] = []
+    skip = False
+    for i, f in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if f == "--drop":
+            skip = True
+            if drops and i == flags.index("--drop"):
+                rest += ["--drop", ",".join(drops)]
+            continue
+        rest.append(f)
+    return rest
+
+
 _DESCRIBE: dict[Category, str] = {
     Category.BUFFERS: "buffers (BatchNorm running statistics and other non-trainable state)",
     Category.GRADIENTS: "gradients saved with the weights, needed neither for inference nor to "
@@ -247,13 +274,13 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     if unsafe:
         sentences.insert(0, f"Warning: {unsafe[0].message}.")
     fixable = [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE]
-    if fixable:
+    command = fix_command(inv, findings)
+    if fixable and command:
         saved = sum(f.bytes for f in fixable)
         saved = min(saved, total)
-        flags = [f for finding in fixable for f in SLIM_FLAGS[finding.kind]]
         sentences.append(
             f"Slimming it for inference would save {human_bytes(saved)} "
-            f"({percent(saved, total)}): {_slim(inv, *flags)}."
+            f"({percent(saved, total)}): {command}."
         )
     elif not unsafe:
         sentences.append("Nothing to slim: every byte is needed to load the model.")

@@ -128,7 +128,9 @@ STORIES: tuple[tuple[str, Callable[[Path], Path]], ...] = (
 
 
 def inspect_section(out: Path) -> str:
-    """Write every story's file into ``out``, inspect each, and return the reports."""
+    """Write every story's file into ``out``, inspect each, run the fix it prints, and return
+    the reports."""
+    from modelsize.findings import fix_command
     from modelsize.inspection import inspect
     from modelsize.report.text import render_inspect
 
@@ -138,10 +140,39 @@ def inspect_section(out: Path) -> str:
         os.chdir(out)  # reports name the files as a user in that folder would
         for i, (title, make) in enumerate(STORIES, 1):
             path = make(Path("."))
-            parts.append(f"== {i}. {title}\n\n" + render_inspect(inspect(path), top=5))
+            report = inspect(path)
+            text = f"== {i}. {title}\n\n$ modelsize inspect {path} --top 5\n"
+            text += render_inspect(report, top=5)
+            command = fix_command(report.inventory, list(report.findings))
+            if command:
+                text += "\nThe fix, run exactly as printed:\n\n" + _run_fix(command)
+            parts.append(text)
     finally:
         os.chdir(here)
     return "\n".join(parts)
+
+
+def _run_fix(command: str) -> str:
+    """``$ command`` and what it prints, run in this process through the CLI."""
+    import contextlib
+    import io
+    import shlex
+
+    from modelsize.cli import main
+
+    argv = shlex.split(command)[1:]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    text = f"$ {command}\n{out.getvalue()}{err.getvalue()}"
+    if code == 0:
+        from modelsize.inspection import inspect
+
+        slimmed = inspect(argv[argv.index("-o") + 1])
+        left = ", ".join(f.kind.value for f in slimmed.findings) or "none"
+        text += (f"$ modelsize inspect {argv[argv.index('-o') + 1]}: "
+                 f"{slimmed.file_bytes:,} bytes, findings left: {left}\n")
+    return text
 
 
 def run_demo(directory: str | None = None, sections: list[str] | None = None) -> int:
