@@ -365,17 +365,21 @@ class InventoryBuilder:
                 totals, original,
             )
 
-        first_viewer: dict[str, str] = {}
+        # A tensor of a duplicate storage duplicates the tensor viewing the original storage
+        # the same way (same offset, shape, strides, dtype); none may (then it is no alias).
+        same_view: dict[tuple[Any, ...], str] = {}
         if dup_of:
             for t in self._tensors:
                 if t["storage"] is not None:
-                    first_viewer.setdefault(t["storage"], t["name"])
+                    same_view.setdefault((t["storage"], t["storage_offset"], t["shape"],
+                                          t["strides"], t["dtype"]), t["name"])
         tensors = []
         for i, t in enumerate(self._tensors):
             cat, dup = t["category"], None
             if dup_of and t["storage"] in dup_of:
                 cat = Category.DUPLICATES
-                dup = first_viewer.get(dup_of[t["storage"]], dup_of[t["storage"]])
+                dup = same_view.get((dup_of[t["storage"]], t["storage_offset"], t["shape"],
+                                     t["strides"], t["dtype"]))
             tensors.append(
                 TensorRecord(
                     t["name"], t["dtype"], t["shape"], cat, t["nbytes"], stored[i], t["storage"],

@@ -18,23 +18,32 @@ module's ``weight``/``bias`` are weights, ``gradWeight``/``gradBias`` gradients,
 ``gradInput``, ``finput``...) activations; a storage held directly (``nn.View.size``) is a
 buffer; tensor and storage headers are metadata; everything else (tables, class names,
 numbers, functions) is graph. Longs are 8 bytes (Linux/macOS); files from systems with
-4-byte longs are retried that way. Nesting is walked with an explicit stack, not recursion.
+4-byte longs are retried that way (their ``LongStorage`` elements are 4 bytes too). Nesting is
+walked with an explicit stack, not recursion.
+
+Storages whose file bytes are not the raw little-endian elements are marked encoded: the
+numbers of an ascii file (text; ``Byte`` and ``Char`` storages are raw bytes even there, as
+``THDiskFile.c`` writes them) and the 4-byte ``LongStorage`` elements of a file with 4-byte
+longs. :func:`storage_chunks` decodes them for ``slim``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
 import struct
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 from modelsize.categories import PRECEDENCE, Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats._protobuf import Buffer, FileBuffer
 from modelsize.formats.base import Source
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 TYPE_NIL, TYPE_NUMBER, TYPE_STRING, TYPE_TABLE, TYPE_TORCH = 0, 1, 2, 3, 4
 TYPE_BOOLEAN, TYPE_FUNCTION, LEGACY_TYPE_RECUR_FUNCTION, TYPE_RECUR_FUNCTION = 5, 6, 7, 8
@@ -50,12 +59,21 @@ ELEMENT_TYPES: dict[str, str] = {
 }
 _CLASS = re.compile(r"torch\.(\w+?)(Tensor|Storage)")
 
+
+def element_class(class_name: str) -> tuple[str, str] | None:
+    """``torch.FloatTensor`` -> ``("float32", "Tensor")``; ``None`` for any other class."""
+    m = _CLASS.fullmatch(class_name)
+    if m and m.group(1) in ELEMENT_TYPES:
+        return ELEMENT_TYPES[m.group(1)], m.group(2)
+    return None
+
 WEIGHT_FIELDS = frozenset({"weight", "bias"})
 GRADIENT_FIELDS = frozenset({"gradWeight", "gradBias"})
 BUFFER_FIELDS = frozenset({"running_mean", "running_var", "running_std"})
 _OPTIMIZER_KEY = re.compile(r"optim", re.I)
 
 _RANK = {c: i for i, c in enumerate(PRECEDENCE)}
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -65,21 +83,28 @@ class _Ctx:
     path: str
     role: Category | None = None  # None: not decided by any key (a bare tensor: weights)
     module_fields: bool = False  # this table holds the fields of a torch object
-    for_tensor: _Tensor | None = None  # reading the storage of this tensor
+    for_tensor: TensorObject | None = None  # reading the storage of this tensor
 
 
 @dataclass
-class _Storage:
+class StorageObject:
+    """A ``torch.*Storage``: its object index, elements and where they lie in the file."""
+
     index: int
     dtype: str
     size: int
     data_offset: int
     data_nbytes: int
-    encoded: bool  # ascii: the bytes are text, not the raw elements
+    encoded: bool  # ascii text, or 4-byte longs: not the raw little-endian elements
+    class_name: str = ""
+    version: str | None = None  # "V 1"; None for files older than class versions
 
 
 @dataclass
-class _Tensor:
+class TensorObject:
+    """A ``torch.*Tensor``: its object index, the name and category of its best path, its
+    view (sizes, strides, 0-based offset) and its storage."""
+
     index: int
     name: str
     dtype: str
@@ -87,16 +112,18 @@ class _Tensor:
     strides: tuple[int, ...]
     offset: int  # 0-based, elements
     category: Category
-    storage: _Storage | None = None
+    storage: StorageObject | None = None
+    class_name: str = ""
+    version: str | None = None
 
 
 @dataclass
-class _Direct:
+class DirectStorage:
     """A storage held as a value itself (not through a tensor)."""
 
     name: str
     category: Category
-    storage: _Storage
+    storage: StorageObject
 
 
 @dataclass
@@ -105,16 +132,19 @@ class _Ref:
 
 
 @dataclass
-class _Objects:
+class Objects:
+    """What a parse found: every indexed object, the tensors and the directly held storages
+    (in the order the inventory declares them)."""
+
     by_index: dict[int, object] = field(default_factory=dict)
-    tensors: list[_Tensor] = field(default_factory=list)
-    direct: list[_Direct] = field(default_factory=list)
+    tensors: list[TensorObject] = field(default_factory=list)
+    direct: list[DirectStorage] = field(default_factory=list)
 
 
 Frame = Generator[_Ctx, object, object]
 
 
-class _Cursor:
+class Cursor:
     """Binary scalars in native little-endian layout; ``long_size`` is 8 or 4."""
 
     ascii = False
@@ -181,7 +211,7 @@ _INT = struct.Struct("<i")
 _DOUBLE = struct.Struct("<d")
 
 
-class _AsciiCursor(_Cursor):
+class _AsciiCursor(Cursor):
     """torch.save(..., 'ascii'): numbers as text, each batch ending in a newline."""
 
     ascii = True
@@ -251,6 +281,134 @@ class _AsciiCursor(_Cursor):
         return 2 * count
 
 
+# -- decoding storages for slim ----------------------------------------------------------------
+
+#: canonical dtype -> struct code of one element (ascii numbers are packed this way).
+_PACK = {"uint8": "B", "int8": "b", "int16": "h", "int32": "i", "int64": "q",
+         "float16": "e", "float32": "f", "float64": "d"}
+_TEXT_CHUNK = 1 << 20
+
+
+def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """The little-endian elements of an encoded storage, a chunk at a time: ascii numbers
+    parsed and packed, or the 4-byte elements of a ``LongStorage`` widened to 8."""
+    path = inv.files[storage.file].path
+    dtype = storage.dtype or ""
+    code = _PACK.get(dtype)
+    if code is None:
+        raise ValueError(f"{path}: cannot decode a t7 {dtype or 'untyped'} storage")
+    text = inv.facts.get("t7.mode") == "ascii"
+    with open(path, "rb") as fh:
+        fh.seek(storage.offset)
+        left = storage.nbytes
+        carry = b""
+        while left:
+            data = fh.read(min(left, _TEXT_CHUNK))
+            if not data:
+                raise ValueError(f"{path}: storage {storage.key} ends early")
+            left -= len(data)
+            if not text:  # 4-byte longs
+                data = carry + data
+                whole = len(data) - len(data) % 4
+                carry = data[whole:]
+                yield struct.pack(f"<{whole // 4}q", *struct.unpack(f"<{whole // 4}i",
+                                                                    data[:whole]))
+                continue
+            tokens = (carry + data).split()
+            carry = b""
+            if left and tokens and not data[-1:].isspace():
+                carry = tokens.pop()  # a number cut by the chunk's end
+            yield _pack_tokens(tokens, code, path, storage.key)
+        if carry:
+            if text:
+                yield _pack_tokens([carry], code, path, storage.key)
+            else:
+                raise ValueError(f"{path}: storage {storage.key} ends inside an element")
+
+
+def _pack_tokens(tokens: list[bytes], code: str, path: Path, key: str) -> bytes:
+    try:
+        if code in "efd":
+            return struct.pack(f"<{len(tokens)}{code}", *map(float, tokens))
+        return struct.pack(f"<{len(tokens)}{code}", *map(int, tokens))
+    except (ValueError, struct.error) as exc:
+        raise CorruptFileError(path, "t7", f"storage {key}: {exc}") from exc
+
+
+def skip_elements(cur: Cursor, dtype: str, size: int, at: int) -> tuple[int, int, bool]:
+    """Pass the ``size`` elements of a storage; return their byte range and whether the file
+    holds them encoded (ascii numbers, 4-byte longs) rather than raw."""
+    itemsize = int(DTYPES[dtype].itemsize)
+    raw = itemsize == 1 or not cur.ascii  # bytes and chars are raw even in ascii files
+    encoded = not raw
+    if dtype == "int64" and not cur.ascii and cur.long_size != 8:
+        itemsize, encoded = cur.long_size, True
+    if size < 0 or size * (itemsize if raw else 1) > cur.size - cur.pos:
+        raise cur.builder.corrupt(
+            f"{dtype} storage declares {size} elements, more than the "
+            f"{cur.size - cur.pos} bytes left",
+            at,
+        )
+    what = f"{dtype} storage data"
+    start, end = cur.chars(size * itemsize, what) if raw else cur.elements(size, itemsize, what)
+    return start, end, encoded
+
+
+def _parse_all(cur: Cursor) -> Objects:
+    objects = _Parser(cur).parse()
+    if cur.pos != cur.size:
+        raise cur.builder.corrupt(f"{cur.size - cur.pos} bytes follow the serialized object",
+                                  cur.pos)
+    return objects
+
+
+@dataclass
+class Parsed:
+    """A file's object graph as the reader found it, and how its scalars are written."""
+
+    objects: Objects
+    long_size: int
+    ascii: bool
+
+
+def open_cursor(fd: int, builder: InventoryBuilder, long_size: int,
+                ascii_mode: bool) -> contextlib.AbstractContextManager[Cursor]:
+    """A cursor over the file open as ``fd`` (blocks for binary files, a map for ascii)."""
+    size = builder.files[0].nbytes
+    if ascii_mode:
+        return _mapped(fd, builder, long_size)
+    return contextlib.nullcontext(Cursor(FileBuffer(fd, size), builder, long_size))
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, builder: InventoryBuilder, long_size: int) -> Iterator[Cursor]:
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+        yield _AsciiCursor(buf, builder, long_size)
+
+
+def parse(path: Path, name: str = "t7") -> tuple[Parsed, InventoryBuilder]:
+    """Read the object graph of ``path`` (8-byte longs, then 4; ascii detected)."""
+    return _with_long_sizes(path, name, lambda parsed, builder: (parsed, builder))
+
+
+def _with_long_sizes(path: Path, name: str,
+                     finish: Callable[[Parsed, InventoryBuilder], _T]) -> _T:
+    """Parse with 8-byte longs, then 4, until ``finish`` accepts what was found."""
+    with open(path, "rb") as fh:
+        ascii_mode = _is_ascii(fh.read(16))
+        first_error: CorruptFileError | None = None
+        for long_size in [8] if ascii_mode else [8, 4]:
+            builder = InventoryBuilder(name, [path])
+            try:
+                with open_cursor(fh.fileno(), builder, long_size, ascii_mode) as cur:
+                    objects = _parse_all(cur)
+                return finish(Parsed(objects, long_size, ascii_mode), builder)
+            except CorruptFileError as exc:
+                first_error = first_error or exc
+    assert first_error is not None
+    raise first_error
+
+
 class T7Reader:
     """Reads Lua Torch ``.t7`` files (binary and ascii) without Lua or torchfile."""
 
@@ -275,43 +433,24 @@ class T7Reader:
         return head.startswith((b"4\n1\n3\nV 1\n", b"3\n1\n"))
 
     def read(self, source: Source) -> Inventory:
-        """Walk the object graph; storages are data, tensors views of them."""
-        ascii_mode = _is_ascii(source.head)
-        attempts = [8] if ascii_mode else [8, 4]
-        first_error: CorruptFileError | None = None
-        for long_size in attempts:
-            builder = InventoryBuilder(self.name, [source.path])
-            try:
-                with open(source.path, "rb") as fh:
-                    objects = _parse_file(fh.fileno(), builder, long_size, ascii_mode)
-                _declare(builder, objects)
-                if long_size != 8:
-                    builder.notes.append("written with 4-byte longs (Windows or 32-bit Torch)")
-                if ascii_mode:
-                    builder.facts["t7.mode"] = "ascii"
-                return builder.build(Category.GRAPH)
-            except CorruptFileError as exc:
-                first_error = first_error or exc
-        assert first_error is not None
-        raise first_error
+        """Walk the object graph; storages are data, tensors views of them.
+
+        Binary files are read by blocks (headers sit between storages), ascii ones mapped
+        (every number is text that must be scanned).
+        """
+        return _with_long_sizes(source.path, self.name, _inventory)
+
+    storage_chunks = staticmethod(storage_chunks)
 
 
-def _parse_file(fd: int, builder: InventoryBuilder, long_size: int, ascii_mode: bool) -> _Objects:
-    """Binary files are read by blocks (headers sit between storages), ascii ones mapped
-    (every number is text that must be scanned)."""
-    size = builder.files[0].nbytes
-    if ascii_mode:
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_all(_AsciiCursor(buf, builder, long_size))
-    return _parse_all(_Cursor(FileBuffer(fd, size), builder, long_size))
-
-
-def _parse_all(cur: _Cursor) -> _Objects:
-    objects = _Parser(cur).parse()
-    if cur.pos != cur.size:
-        raise cur.builder.corrupt(f"{cur.size - cur.pos} bytes follow the serialized object",
-                                  cur.pos)
-    return objects
+def _inventory(parsed: Parsed, builder: InventoryBuilder) -> Inventory:
+    _declare(builder, parsed.objects)
+    if parsed.long_size != 8:
+        builder.notes.append("written with 4-byte longs (Windows or 32-bit Torch)")
+        builder.facts["t7.long_size"] = str(parsed.long_size)
+    if parsed.ascii:
+        builder.facts["t7.mode"] = "ascii"
+    return builder.build(Category.GRAPH)
 
 
 def _is_ascii(head: bytes) -> bool:
@@ -321,12 +460,12 @@ def _is_ascii(head: bytes) -> bool:
 class _Parser:
     """Reads one object graph with an explicit stack of generator frames (no recursion)."""
 
-    def __init__(self, cur: _Cursor) -> None:
+    def __init__(self, cur: Cursor) -> None:
         self.cur = cur
         self.builder = cur.builder
-        self.objects = _Objects()
+        self.objects = Objects()
 
-    def parse(self) -> _Objects:
+    def parse(self) -> Objects:
         stack: list[Frame] = []
         value, frame = self.start(_Ctx(""))
         if frame is not None:
@@ -406,21 +545,24 @@ class _Parser:
         return _Ref(index)
 
     def torch_object(self, ctx: _Ctx, index: int, at: int) -> tuple[object, Frame | None]:
-        version = self.string("class version") or ""
-        class_name = version
-        if version.startswith("V "):
+        version: str | None = self.string("class version") or ""
+        class_name = version or ""
+        if class_name.startswith("V "):
             class_name = self.string("class name") or ""
-        m = _CLASS.fullmatch(class_name)
-        if m and m.group(1) in ELEMENT_TYPES:
-            dtype = ELEMENT_TYPES[m.group(1)]
-            if m.group(2) == "Storage":
+        else:
+            version = None
+        kind = element_class(class_name)
+        if kind is not None:
+            dtype = kind[0]
+            if kind[1] == "Storage":
                 storage = self.storage(index, dtype, at)
+                storage.class_name, storage.version = class_name, version
                 if ctx.for_tensor is None:
                     self.objects.direct.append(
-                        _Direct(ctx.path or "storage", _direct_category(ctx), storage)
+                        DirectStorage(ctx.path or "storage", _direct_category(ctx), storage)
                     )
                 return storage, None
-            return _Ref(index), self.tensor(ctx, index, dtype, at)
+            return _Ref(index), self.tensor(ctx, index, dtype, at, (class_name, version))
         if class_name in ("tds.Vec", "tds.Hash"):
             self.objects.by_index[index] = class_name
             return _Ref(index), self.tds(ctx, index, class_name == "tds.Hash")
@@ -448,23 +590,17 @@ class _Parser:
                 yield _child(ctx, i + 1)
         return _Ref(index)
 
-    def storage(self, index: int, dtype: str, at: int) -> _Storage:
+    def storage(self, index: int, dtype: str, at: int) -> StorageObject:
         cur = self.cur
         size = cur.long_("storage size")
-        itemsize = int(DTYPES[dtype].itemsize)
-        if size < 0 or size * (1 if cur.ascii else itemsize) > cur.size - cur.pos:
-            raise self.builder.corrupt(
-                f"{dtype} storage declares {size} elements, more than the "
-                f"{cur.size - cur.pos} bytes left",
-                at,
-            )
         self.builder.add_region(at, cur.pos - at, Category.METADATA, "storage header")
-        start, end = cur.elements(size, itemsize, f"{dtype} storage data")
-        storage = _Storage(index, dtype, size, start, end - start, cur.ascii)
+        start, end, encoded = skip_elements(cur, dtype, size, at)
+        storage = StorageObject(index, dtype, size, start, end - start, encoded)
         self.objects.by_index[index] = storage
         return storage
 
-    def tensor(self, ctx: _Ctx, index: int, dtype: str, at: int) -> Frame:
+    def tensor(self, ctx: _Ctx, index: int, dtype: str, at: int,
+               cls: tuple[str, str | None]) -> Frame:
         cur = self.cur
         ndim = cur.int_("tensor dimension count")
         if not 0 <= ndim <= MAX_DIMS:
@@ -477,14 +613,14 @@ class _Parser:
                 f"tensor has negative sizes {list(sizes)} or offset {offset + 1}", at
             )
         self.builder.add_region(at, cur.pos - at, Category.METADATA, "tensor header")
-        tensor = _Tensor(index, ctx.path or "tensor", dtype, sizes if ndim else (0,),
-                         strides, max(offset, 0), _tensor_category(ctx))
+        tensor = TensorObject(index, ctx.path or "tensor", dtype, sizes if ndim else (0,),
+                         strides, max(offset, 0), _tensor_category(ctx), None, *cls)
         self.objects.by_index[index] = tensor
         ref_at = cur.pos
         value = yield _Ctx(ctx.path + "<storage>", ctx.role, for_tensor=tensor)
         if isinstance(value, _Ref):
             value = self.objects.by_index.get(value.index)
-        if value is not None and not isinstance(value, _Storage):
+        if value is not None and not isinstance(value, StorageObject):
             raise self.builder.corrupt(f"tensor {printable(tensor.name)!r} has no storage", ref_at)
         if value is None:
             if numel(tensor.shape):
@@ -499,16 +635,18 @@ class _Parser:
                     ref_at,
                 )
             if numel(tensor.shape):
-                last = tensor.offset + sum((d - 1) * abs(s) for d, s in zip(sizes, strides,
-                                                                              strict=True))
-                if last >= value.size:
+                steps = [(d - 1) * s for d, s in zip(sizes, strides, strict=True)]
+                first = tensor.offset + sum(n for n in steps if n < 0)
+                last = tensor.offset + sum(n for n in steps if n > 0)
+                if first < 0 or last >= value.size:
                     raise self.builder.corrupt(
-                        f"tensor {printable(tensor.name)!r} reaches element {last} of a "
-                        f"storage of {value.size}",
+                        f"tensor {printable(tensor.name)!r} reaches element "
+                        f"{first if first < 0 else last} of a storage of {value.size}",
                         at,
                     )
             tensor.storage = value
-        if cur.pos > ref_at and not (isinstance(value, _Storage) and value.data_offset > ref_at):
+        read_here = isinstance(value, StorageObject) and value.data_offset > ref_at
+        if cur.pos > ref_at and not read_here:
             # The storage was a reference or nil: its few bytes belong to the tensor header.
             self.builder.add_region(ref_at, cur.pos - ref_at, Category.METADATA, "tensor header")
         self.objects.tensors.append(tensor)
@@ -516,7 +654,7 @@ class _Parser:
 
     def revisit(self, known: object, ctx: _Ctx) -> None:
         """A shared object met again: the better category (weights over activations) wins."""
-        if isinstance(known, _Tensor):
+        if isinstance(known, TensorObject):
             cat = _tensor_category(ctx)
             if _RANK[cat] < _RANK[known.category]:
                 known.category = cat
@@ -557,10 +695,10 @@ def _direct_category(ctx: _Ctx) -> Category:
     return ctx.role
 
 
-def _declare(builder: InventoryBuilder, objects: _Objects) -> None:
+def _declare(builder: InventoryBuilder, objects: Objects) -> None:
     declared: set[int] = set()
 
-    def storage_key(st: _Storage) -> str:
+    def storage_key(st: StorageObject) -> str:
         key = f"storage#{st.index}"
         if st.index not in declared:
             declared.add(st.index)
@@ -583,5 +721,5 @@ def _declare(builder: InventoryBuilder, objects: _Objects) -> None:
                            storage=storage_key(d.storage), tags=("storage",))
     # Storages no tensor reached (a tensor's storage read in another context) still count.
     for obj in objects.by_index.values():
-        if isinstance(obj, _Storage):
+        if isinstance(obj, StorageObject):
             storage_key(obj)

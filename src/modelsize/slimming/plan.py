@@ -185,12 +185,12 @@ def make_plan(
         if not keep:
             reason = None
             if t.category == Category.DUPLICATES:
-                if Category.DUPLICATES.value in dropped_names:
-                    if t.duplicate_of is not None and t.duplicate_of in by_name:
-                        aliases[t.name] = t.duplicate_of
-                        kept.append(t)
-                        continue
-                    reason = Category.DUPLICATES.value
+                # A copy with no tensor viewing its original the same way keeps its bytes.
+                if (Category.DUPLICATES.value in dropped_names and t.duplicate_of is not None
+                        and t.duplicate_of in by_name):
+                    aliases[t.name] = t.duplicate_of
+                    kept.append(t)
+                    continue
             elif t.category.value in dropped_names:
                 reason = t.category.value
             elif EMA in dropped_names and EMA in t.tags:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -81,20 +81,25 @@ class ZipWriter:
         self.members: list[Member] = []
         self.pos = fh.tell()
 
-    def write_member(self, member: Member, chunks: Iterable[bytes | memoryview]) -> Member:
-        """Write one member's header and data; returns it with offsets, size and CRC filled."""
+    def write_member(self, member: Member, chunks: Iterable[bytes | memoryview],
+                     crc: Callable[[], int] | None = None) -> Member:
+        """Write one member's header and data; returns it with offsets, size and CRC filled.
+
+        ``crc`` returns the data's CRC-32 once ``chunks`` are consumed, when the caller already
+        computes it (a stored member's bytes are then checksummed once, not twice).
+        """
         m = member
         m.header_offset = self.pos
         extra = _local_extra(m, m.header_offset)
         header = self._local_header(m, extra, crc=0, compressed=0)
         self.fh.write(header)
         m.data_offset = m.header_offset + len(header)
-        crc, written = 0, 0
+        value, written = 0, 0
         if m.deflate:
             comp = zlib.compressobj(6, zlib.DEFLATED, -15)
             out = 0
             for chunk in chunks:
-                crc = zlib.crc32(chunk, crc)
+                value = zlib.crc32(chunk, value)
                 written += len(chunk)
                 data = comp.compress(chunk)
                 self.fh.write(data)
@@ -102,19 +107,25 @@ class ZipWriter:
             data = comp.flush()
             self.fh.write(data)
             m.compressed = out + len(data)
+        elif crc is not None:
+            for chunk in chunks:
+                written += len(chunk)
+                self.fh.write(chunk)
+            m.compressed = written
         else:
             for chunk in chunks:
-                crc = zlib.crc32(chunk, crc)
+                value = zlib.crc32(chunk, value)
                 written += len(chunk)
                 self.fh.write(chunk)
             m.compressed = written
         if written != m.nbytes:
             raise ValueError(f"member {m.name}: planned {m.nbytes} bytes, wrote {written}")
-        m.crc = crc
+        m.crc = crc() if crc is not None and not m.deflate else value
+        crc_value = m.crc
         end = m.data_offset + m.compressed
         # Patch the CRC and sizes into the local header now that they are known.
         self.fh.seek(m.header_offset)
-        self.fh.write(self._local_header(m, extra, crc=crc, compressed=m.compressed))
+        self.fh.write(self._local_header(m, extra, crc=crc_value, compressed=m.compressed))
         self.fh.seek(end)
         self.pos = end
         self.members.append(m)

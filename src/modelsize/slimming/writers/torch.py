@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,7 +27,14 @@ from modelsize.errors import UsageError, printable
 from modelsize.inventory import Inventory, contiguous_strides
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor, matches
-from modelsize.slimming.writers.base import Meter, Written, output_nbytes, slim_name, stream
+from modelsize.slimming.writers.base import (
+    Meter,
+    Streamed,
+    Written,
+    output_nbytes,
+    slim_name,
+    stream,
+)
 from modelsize.slimming.zipwriter import Member, ZipWriter, plan_sizes
 
 #: canonical dtype -> legacy storage class (``torch.FloatStorage``...).
@@ -338,11 +345,16 @@ class TorchFile:
             zw.write_member(next(members), [data])
         for _key, t in self.storages:
             s = stream(t, meter)
-            zw.write_member(next(members), s.chunks())
+            zw.write_member(next(members), s.chunks(), crc=_crc_of(s))
             written[t.name] = s.written
         zw.write_member(next(members), [b"3\n"])
         zw.write_member(next(members), [_serialization_id(self.pickle)])
         zw.close()
+
+
+def _crc_of(s: Streamed) -> Callable[[], int]:
+    """The CRC-32 the stream computed, once it has been consumed."""
+    return lambda: s.written.crc
 
 
 def torch_file(name: str, tensors: Sequence[PlannedTensor], keys: dict[str, str],
