@@ -13,19 +13,27 @@ Strings are a u64 length and UTF-8 bytes. The byte order is the writer's: a vers
 low 16 bits are zero is a big-endian file read on a little-endian host (as gguf-py decides).
 Every count and length is checked against the bytes left in the file before it is trusted,
 and nothing is allocated from a declared size.
+
+Plain multi-byte tensors of a big-endian file (F32, F16, BF16, F64, I16, I32, I64) are
+*encoded* storages: :func:`storage_chunks` gives their bytes little-endian. Quantized blocks
+are kept as stored (their fields' byte order is the converter's business). :func:`read_layout`
+gives the header, the byte range of every key/value pair and the tensor infos, for the writer.
 """
 
 from __future__ import annotations
 
+import array
 import mmap
 import struct
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import printable
 from modelsize.formats.base import Source
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -92,12 +100,50 @@ _FACT_KEYS = ("general.architecture", "general.name", "general.file_type")
 
 
 @dataclass(frozen=True)
-class _TensorInfo:
+class TensorInfo:
+    """One tensor info: ``dims`` in ggml order (fastest first), ``offset`` from the data start."""
+
     name: str
     dims: tuple[int, ...]
     ggml_type: int
     offset: int
     info_offset: int
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One metadata pair: its bytes are ``start..end``, its value's ``value_start..end``."""
+
+    key: str
+    value_type: int
+    start: int
+    value_start: int
+    end: int
+    value: object
+
+
+@dataclass
+class Layout:
+    """Everything before the tensor data, as found in the file."""
+
+    version: int
+    endian: str
+    tensor_count: int
+    kv_count: int
+    alignment: int = DEFAULT_ALIGNMENT
+    kvs: list[KeyValue] = field(default_factory=list)
+    infos: list[TensorInfo] = field(default_factory=list)
+    data_start: int = 0
+
+    @property
+    def kv_start(self) -> int:
+        """First byte of the key/value pairs (right after the 24-byte header)."""
+        return 24
+
+    @property
+    def kv_end(self) -> int:
+        """Byte after the last key/value pair: where the tensor infos start."""
+        return self.kvs[-1].end if self.kvs else self.kv_start
 
 
 class _Cursor:
@@ -171,8 +217,23 @@ class GgufReader:
             _parse(buf, builder)
         return builder.build(Category.METADATA)
 
+    @staticmethod
+    def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+        """Little-endian bytes of a big-endian file's plain tensor (see :func:`storage_chunks`)."""
+        return storage_chunks(inv, storage)
 
-def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
+
+def read_layout(path: Path) -> Layout:
+    """Header, key/value pairs and tensor infos of a GGUF file (checked as :meth:`read` does)."""
+    builder = InventoryBuilder(GgufReader.name, [path])
+    size = builder.files[0].nbytes
+    if size < 24:
+        raise builder.corrupt(f"file has {size} bytes, a GGUF header needs 24", 0)
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _parse(buf, builder)
+
+
+def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> Layout:
     if buf[:4] != MAGIC:
         raise builder.corrupt(f"expected magic b'GGUF', found {bytes(buf[:4])!r}", 0)
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -188,6 +249,7 @@ def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
     cur.pos = 8
     tensor_count = cur.u64("tensor count")
     kv_count = cur.u64("metadata key/value count")
+    layout = Layout(version, endian, tensor_count, kv_count)
     builder.add_region(0, cur.pos, Category.METADATA, "GGUF header")
     builder.facts["gguf.version"] = str(version)
     if endian == ">":
@@ -204,7 +266,9 @@ def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
         start = cur.pos
         key = cur.string("metadata key")
         vtype = cur.u32(f"value type of {key!r}")
+        value_start = cur.pos
         value = _read_value(cur, vtype, key, 0)
+        layout.kvs.append(KeyValue(key, vtype, start, value_start, cur.pos, value))
         label = "tokenizer" if key.startswith("tokenizer.") else f"metadata {printable(key, 80)}"
         builder.add_region(start, cur.pos - start, Category.METADATA, label)
         if key == "general.alignment":
@@ -214,7 +278,7 @@ def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
                     f"{_VALUE_NAMES.get(vtype, vtype)} {value!r}",
                     start,
                 )
-            alignment = value
+            alignment = layout.alignment = value
         elif key in _FACT_KEYS and value is not None:
             builder.facts[f"gguf.{key.removeprefix('general.')}"] = printable(str(value), 120)
 
@@ -224,7 +288,7 @@ def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
             "bytes left can describe",
             8,
         )
-    infos: list[_TensorInfo] = []
+    infos: list[TensorInfo] = []
     seen: set[str] = set()
     infos_start = cur.pos
     for _ in range(tensor_count):
@@ -248,18 +312,20 @@ def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> None:
                 f"alignment {alignment}",
                 info_offset,
             )
-        infos.append(_TensorInfo(name, dims, ggml_type, offset, info_offset))
+        infos.append(TensorInfo(name, dims, ggml_type, offset, info_offset))
     builder.add_region(infos_start, cur.pos - infos_start, Category.METADATA, "tensor infos")
 
     data_start = -(-cur.pos // alignment) * alignment
+    layout.infos, layout.data_start = infos, data_start
     if not infos:
-        return
+        return layout
     if data_start > cur.size:
         raise builder.corrupt(
             f"data section should start at byte {data_start} but the file has {cur.size}",
             cur.pos,
         )
-    _declare_tensors(infos, data_start, builder)
+    _declare_tensors(infos, data_start, builder, endian)
+    return layout
 
 
 def _read_value(cur: _Cursor, vtype: int, key: str, depth: int) -> object:
@@ -328,7 +394,8 @@ def _skip_strings(cur: _Cursor, count: int, key: str) -> None:
     )
 
 
-def _declare_tensors(infos: list[_TensorInfo], data_start: int, builder: InventoryBuilder) -> None:
+def _declare_tensors(infos: list[TensorInfo], data_start: int, builder: InventoryBuilder,
+                     endian: str) -> None:
     file_size = builder.files[0].nbytes
     by_offset = sorted(infos, key=lambda t: t.offset)
     next_start: dict[str, int] = {}
@@ -362,7 +429,13 @@ def _declare_tensors(infos: list[_TensorInfo], data_start: int, builder: Invento
         if key is None:
             key = info.name
             declared[(start, nbytes)] = key
-            builder.add_storage(key, start, nbytes, dtype=dtype if known else None)
+            swapped = endian == ">" and known and _swap_size(dtype) > 1
+            builder.add_storage(key, start, nbytes, dtype=dtype if known else None,
+                                compressed=swapped)
+            if endian == ">" and not swapped and known and DTYPES[dtype or ""].block > 1:
+                builder.notes.append(
+                    f"{info.name} is {dtype} in a big-endian file: its blocks are kept as stored"
+                )
         category = Category.BUFFERS if "rope_freqs" in info.name else Category.WEIGHTS
         if known:
             assert dtype is not None
@@ -372,3 +445,48 @@ def _declare_tensors(infos: list[_TensorInfo], data_start: int, builder: Invento
                 info.name, "uint8", (nbytes,), category, storage=key,
                 tags=(f"ggml_type_{info.ggml_type}",),
             )
+
+
+# -- decoding big-endian storages for slim ---------------------------------------------------
+
+_DECODE_CHUNK = 8 << 20
+
+
+def _swap_size(dtype: str | None) -> int:
+    """Bytes per element to swap for a plain dtype (1 for bytes and quantized blocks)."""
+    dt = DTYPES.get(dtype or "")
+    return dt.block_bytes if dt is not None and dt.block == 1 else 1
+
+
+def swap_bytes(data: bytes | memoryview, itemsize: int) -> bytes:
+    """Reverse the byte order of every ``itemsize``-byte element (big <-> little endian)."""
+    if itemsize <= 1:
+        return bytes(data)
+    if len(data) % itemsize:
+        raise ValueError(f"{len(data)} bytes are not whole {itemsize}-byte elements")
+    code = next((c for c in "HILQ" if array.array(c).itemsize == itemsize), None)
+    if code is not None:
+        arr = array.array(code)
+        arr.frombytes(data)
+        arr.byteswap()
+        return arr.tobytes()
+    out = bytearray(len(data))
+    for k in range(itemsize):
+        out[k::itemsize] = data[itemsize - 1 - k :: itemsize]
+    return bytes(out)
+
+
+def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """The little-endian bytes of a big-endian file's plain tensor, a chunk at a time."""
+    path = inv.files[storage.file].path
+    itemsize = _swap_size(storage.dtype)
+    step = max(1, _DECODE_CHUNK // itemsize) * itemsize
+    with open(path, "rb") as fh:
+        fh.seek(storage.offset)
+        left = storage.nbytes
+        while left:
+            data = fh.read(min(left, step))
+            if not data or len(data) % itemsize:
+                raise ValueError(f"{path}: storage {storage.key} ends early")
+            left -= len(data)
+            yield swap_bytes(data, itemsize)
