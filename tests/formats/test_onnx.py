@@ -78,8 +78,10 @@ def test_typed_fields_subgraphs_and_sparse() -> None:
     assert t["d_data"].stored_nbytes == 3 * 8
     assert t["i64_data"].nbytes == 5 * 8  # logical size; the varints take less in the file
     assert t["Y.then_branch/then_bias"].category is Category.WEIGHTS
-    assert t["sp.indices"].category is Category.WEIGHTS
     assert t["cond"].category is Category.BUFFERS
+    # No node reads these initializers (the model only shows how values can be stored).
+    for name in ("f_data", "d_data", "h_data", "i64_data", "sp", "sp.indices"):
+        assert t[name].category is Category.UNUSED_STORAGE, name
 
 
 def test_shared_external_bytes_count_once_and_unused_bytes() -> None:
@@ -93,12 +95,13 @@ def test_shared_external_bytes_count_once_and_unused_bytes() -> None:
 
 def test_external_alignment_padding_is_metadata(tmp_path: Path) -> None:
     (tmp_path / "w.bin").write_bytes(bytes(4096) + bytes(range(16)) + bytes(7))
-    p = _write(tmp_path, _model(_init(_tensor(
+    node = _f(1, LEN, _f(1, LEN, b"w") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
+    p = _write(tmp_path, _model(node, _init(_tensor(
         "w", [4], external={"location": "w.bin", "offset": "4096", "length": "16"}))))
     inv = _read(p)
     assert inv.bytes_by_category[Category.WEIGHTS] == 16
     assert inv.bytes_by_category[Category.UNUSED_STORAGE] == 7  # the tail is not padding
-    assert inv.bytes_by_category[Category.METADATA] == 4096 + p.stat().st_size
+    assert inv.bytes_by_category[Category.METADATA] == 4096 + p.stat().st_size - len(node)
 
 
 def test_sniff_without_extension(tmp_path: Path) -> None:
@@ -125,7 +128,8 @@ def test_huge_raw_data_is_skipped_not_read(tmp_path: Path) -> None:
     n = 5 * 2**29 // 4  # float32 elements: 2.5 GiB
     tensor = _f(1, VARINT, n) + _f(2, VARINT, 1) + _f(8, LEN, b"big")
     tensor += _key(9, LEN) + _varint(4 * n)
-    graph_head = _key(5, LEN) + _varint(len(tensor) + 4 * n)
+    node = _f(1, LEN, _f(1, LEN, b"big") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
+    graph_head = node + _key(5, LEN) + _varint(len(tensor) + 4 * n)
     model_head = _f(1, VARINT, 8) + _key(7, LEN) + _varint(len(graph_head) + len(tensor) + 4 * n)
     p = tmp_path / "big.onnx"
     with open(p, "wb") as fh:
@@ -192,12 +196,23 @@ def _write(tmp_path: Path, data: bytes, name: str = "bad.onnx") -> Path:
 
 def test_crafted_model_accounts_exactly(tmp_path: Path) -> None:
     raw = bytes(range(24))
-    node = _f(1, LEN, _f(1, LEN, b"x") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
+    node = _f(1, LEN, _f(1, LEN, b"w") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
     p = _write(tmp_path, _model(node, _init(_tensor("w", [2, 3], raw=raw))))
     inv = _read(p)
     assert inv.bytes_by_category[Category.WEIGHTS] == 24
     assert inv.bytes_by_category[Category.GRAPH] == len(node)
     assert inv.bytes_by_category[Category.METADATA] == p.stat().st_size - 24 - len(node)
+
+
+def test_initializers_no_node_reads_are_unused(tmp_path: Path) -> None:
+    """An initializer no node input, graph output or subgraph reads is unused_storage."""
+    node = _f(1, LEN, _f(1, LEN, b"w") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
+    p = _write(tmp_path, _model(node, _init(_tensor("w", [2], raw=bytes(8))),
+                                _init(_tensor("v", [3], raw=bytes(range(12))))))
+    t = {x.name: x for x in _read(p).tensors}
+    assert t["w"].category is Category.WEIGHTS
+    assert t["v"].category is Category.UNUSED_STORAGE
+    assert _read(p).bytes_by_category[Category.UNUSED_STORAGE] == 12
 
 
 def _deep_subgraphs(depth: int) -> bytes:

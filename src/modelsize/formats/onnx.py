@@ -6,6 +6,7 @@ A model is one protobuf ``ModelProto``; its ``graph`` holds ``node`` s, ``initia
 * an initializer's data (``raw_data``, a packed typed field, or a range of an external data
   file) is a storage: floating and 8-bit types are ``weights``, wider integers and bools
   (shape constants, indices) are ``buffers``; ``Constant`` node tensors count the same way;
+  an initializer no node input, graph output or subgraph reads is ``unused_storage``;
 * nodes, the graph's inputs/outputs/value_info, functions and training graphs are ``graph``;
 * everything else (version, opsets, producer, tensor names and dims) is ``metadata``;
 * bytes of an external data file that no initializer points at are ``unused_storage``
@@ -19,7 +20,9 @@ read. External ``location`` s must stay inside the model's folder.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from itertools import pairwise
 from pathlib import Path
 
@@ -36,11 +39,12 @@ from modelsize.formats._protobuf import (
     FileBuffer,
     ProtobufError,
     iter_fields,
+    packed_varints,
     read_varint,
     signed64,
 )
 from modelsize.formats.base import Source
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 #: ``TensorProto.DataType`` -> canonical dtype names of :mod:`modelsize.dtypes`.
 ONNX_DTYPES: dict[int, str] = {
@@ -63,7 +67,7 @@ _MAX_PADDING = 64 * 1024
 MAX_GRAPH_DEPTH = 32
 
 # Field numbers (onnx.proto).
-_MODEL_GRAPH, _MODEL_TRAINING, _MODEL_FUNCTIONS = 7, 20, 25
+MODEL_GRAPH, MODEL_TRAINING, MODEL_FUNCTIONS = 7, 20, 25
 _TYPED_FIELDS = frozenset({4, 5, 6, 7, 10, 11})
 # ModelProto field -> wire type, for sniffing files without the .onnx extension.
 _MODEL_FIELDS = {
@@ -85,6 +89,136 @@ class _Tensor:
     has_storage: bool = True
 
 
+class TensorKind(str, Enum):
+    """What a ``TensorProto`` is to its graph."""
+
+    INITIALIZER = "initializer"
+    SPARSE_VALUES = "sparse_values"
+    SPARSE_INDICES = "sparse_indices"
+    NODE_TENSOR = "node_tensor"
+    """A node's attribute (``Constant`` values...)."""
+
+
+class GraphKind(str, Enum):
+    """What a :class:`GraphSite` is."""
+
+    MAIN = "main"
+    SUBGRAPH = "subgraph"
+    """A node's attribute (``If`` branches, ``Loop`` and ``Scan`` bodies)."""
+    TRAINING = "training"
+    FUNCTION = "function"
+    """The body of a model-local function."""
+
+
+@dataclass(eq=False)
+class GraphSite:
+    """One graph of the model (or a function's body), as ``slim`` needs to rewrite it.
+
+    ``start``/``end`` is the payload of the message; names are the graph's own (not scoped).
+    A graph sees the names its ``parent`` sees, except those it defines itself.
+    """
+
+    start: int
+    end: int
+    kind: GraphKind
+    scope: str
+    parent: GraphSite | None
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    initializers: list[str] = field(default_factory=list)
+    nodes: list[NodeSite] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        """How many graphs enclose this one."""
+        return 0 if self.parent is None else self.parent.depth + 1
+
+    def defines(self) -> set[str]:
+        """Names this graph gives values to: inputs, initializers, node outputs."""
+        out = {*self.inputs, *self.initializers}
+        for node in self.nodes:
+            out.update(node.outputs)
+        out.discard("")
+        return out
+
+    def uses(self) -> set[str]:
+        """Names read here or in a nested subgraph and not bound there: node inputs, graph
+        outputs, and what subgraphs read that is not their input or a node output.
+
+        A subgraph's initializer does not hide an enclosing value of the same name: runtimes
+        disagree on which one such a name reads (onnxruntime and onnx's reference evaluator
+        differ), so both count as read.
+        """
+        out = set(self.outputs)
+        for node in self.nodes:
+            out.update(node.inputs)
+            for sub in node.subgraphs:
+                bound = set(sub.inputs)
+                for inner in sub.nodes:
+                    bound.update(inner.outputs)
+                out |= sub.uses() - bound
+        out.discard("")
+        return out
+
+    def encloses(self, other: GraphSite) -> bool:
+        """Whether ``other`` is this graph or nested (at any depth) inside it."""
+        g: GraphSite | None = other
+        while g is not None:
+            if g is self:
+                return True
+            g = g.parent
+        return False
+
+
+@dataclass(eq=False)
+class NodeSite:
+    """One ``NodeProto``: payload range, operator, the names it reads and writes."""
+
+    start: int
+    end: int
+    graph: GraphSite
+    op_type: str = ""
+    domain: str = ""
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    subgraphs: list[GraphSite] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class TensorSite:
+    """One ``TensorProto`` with a storage or not: the inventory's name for it, the name it has
+    in its graph (``bare``: the initializer's name, or the output of the node holding it),
+    what it is, where its payload is, and the attribute holding it (node tensors)."""
+
+    name: str
+    bare: str
+    kind: TensorKind
+    start: int
+    end: int
+    graph: GraphSite
+    node: NodeSite | None = None
+    attribute: str = ""
+    #: Whether the name is the ``TensorProto``'s own (else it comes from the node).
+    own_name: bool = True
+    index: int = -1
+    #: An initializer no node, graph output or subgraph reads.
+    unused: bool = False
+
+
+@dataclass
+class Structure:
+    """The graphs, nodes and tensors of a model by the offset of their payload."""
+
+    graphs: dict[int, GraphSite] = field(default_factory=dict)
+    nodes: dict[int, NodeSite] = field(default_factory=dict)
+    tensors: dict[int, TensorSite] = field(default_factory=dict)
+    #: ``{domain: version}`` of ``opset_import`` (``""`` is the default domain).
+    opsets: dict[str, int] = field(default_factory=dict)
+    ir_version: int = 0
+    #: Names the training graphs bind (``initialization_binding``, ``update_binding``).
+    bindings: set[str] = field(default_factory=set)
+
+
 @dataclass
 class _Model:
     graph_ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -92,6 +226,79 @@ class _Model:
     #: Non-graph byte ranges inside graph fields (string tensors, scattered typed fields).
     data_regions: list[tuple[int, int, Category, str]] = field(default_factory=list)
     facts: dict[str, str] = field(default_factory=dict)
+    structure: Structure = field(default_factory=Structure)
+
+
+def _entry_size(dtype: str, number: int) -> int:
+    """Bytes of one value of typed field ``number`` for ``dtype`` (sub-byte types hold one
+    packed byte per ``int32_data`` entry)."""
+    dt = DTYPES[dtype]
+    if number in (7, 10) or (number == 11 and dtype == "uint64"):
+        return 8
+    if number in (4, 11) or dtype == "int32":
+        return 4
+    if dt.block != 1 and dt.block_bytes != 1:
+        raise ValueError(f"{dtype} values in int32_data cannot be decoded")
+    return dt.block_bytes if dt.block == 1 else 1
+
+
+_DECODE_CHUNK = 1 << 20
+
+
+def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """The little-endian bytes of an encoded storage, a chunk at a time: the values of typed
+    fields (``float_data``, ``int32_data`` varints...) as ``raw_data`` would hold them, or an
+    external range whose dtype has no fixed layout, as it is."""
+    path = inv.files[storage.file].path
+    with open(path, "rb") as fh:
+        if storage.file != 0 or storage.dtype is None or storage.dtype not in DTYPES:
+            fh.seek(storage.offset)
+            left = storage.nbytes
+            while left:
+                data = fh.read(min(left, _DECODE_CHUNK))
+                if not data:
+                    raise ValueError(f"{path}: storage {storage.key} ends early")
+                left -= len(data)
+                yield data
+            return
+        buf = FileBuffer(fh.fileno(), path.stat().st_size)
+        out = bytearray()
+        try:
+            for f in iter_fields(buf, storage.offset, storage.offset + storage.nbytes):
+                size = _entry_size(storage.dtype, f.number)
+                mask = (1 << (8 * size)) - 1
+                if f.wire_type == VARINT:
+                    out += (f.value & mask).to_bytes(size, "little")
+                elif f.wire_type in (I32, I64):
+                    out += f.value.to_bytes(size, "little")
+                elif f.number in (4, 10):  # packed fixed32/fixed64: already the raw bytes
+                    for pos in range(f.data_start, f.end, _DECODE_CHUNK):
+                        out += buf[pos : min(f.end, pos + _DECODE_CHUNK)]
+                        if len(out) >= _DECODE_CHUNK:
+                            yield bytes(out)
+                            out.clear()
+                else:
+                    carry = b""
+                    for pos in range(f.data_start, f.end, _DECODE_CHUNK):
+                        data = carry + buf[pos : min(f.end, pos + _DECODE_CHUNK)]
+                        whole = len(data)
+                        while whole and data[whole - 1] & 0x80:
+                            whole -= 1
+                        carry = data[whole:]
+                        for value in packed_varints(data, 0, whole):
+                            out += (value & mask).to_bytes(size, "little")
+                        if len(out) >= _DECODE_CHUNK:
+                            yield bytes(out)
+                            out.clear()
+                    if carry:
+                        raise ProtobufError("packed varints end inside a value", f.end)
+                if len(out) >= _DECODE_CHUNK:
+                    yield bytes(out)
+                    out.clear()
+        except ProtobufError as exc:
+            raise CorruptFileError(path, "onnx", exc.reason, exc.offset) from exc
+        if out:
+            yield bytes(out)
 
 
 class OnnxReader:
@@ -109,19 +316,31 @@ class OnnxReader:
     def read(self, source: Source) -> Inventory:
         """Account for the model file and every external data file it names."""
         path = source.path
-        size = path.stat().st_size
-        if size == 0:
-            raise CorruptFileError(path, self.name, "file is empty")
-        with open(path, "rb") as fh:
-            try:
-                model = _Parser(FileBuffer(fh.fileno(), size), path).parse()
-            except ProtobufError as exc:
-                raise CorruptFileError(path, self.name, exc.reason, exc.offset) from exc
+        model = _parse(path)
         externals, file_of = _external_files(path, model)
         builder = InventoryBuilder(self.name, [path, *externals], root=path)
         builder.facts.update(model.facts)
         _declare(builder, model, file_of)
         return builder.build(Category.METADATA)
+
+    storage_chunks = staticmethod(storage_chunks)
+
+
+def _parse(path: Path) -> _Model:
+    size = path.stat().st_size
+    if size == 0:
+        raise CorruptFileError(path, OnnxReader.name, "file is empty")
+    with open(path, "rb") as fh:
+        try:
+            return _Parser(FileBuffer(fh.fileno(), size), path).parse()
+        except ProtobufError as exc:
+            raise CorruptFileError(path, OnnxReader.name, exc.reason, exc.offset) from exc
+
+
+def read_structure(path: Path) -> Structure:
+    """The graphs, nodes and tensors of the model at ``path``, by payload offset (what
+    ``slim`` rewrites), named as :class:`OnnxReader` names them."""
+    return _parse(path).structure
 
 
 def _looks_like_model(head: bytes) -> bool:
@@ -150,6 +369,10 @@ def _looks_like_model(head: bytes) -> bool:
         return False
 
 
+#: Where a tensor sits: (kind, graph, node, attribute name).
+_SiteOf = tuple[TensorKind, GraphSite, "NodeSite | None", str]
+
+
 class _Parser:
     """Walks a ``ModelProto`` once, collecting graph ranges and tensor data locations."""
 
@@ -161,93 +384,137 @@ class _Parser:
 
     def parse(self) -> _Model:
         buf, model = self.buf, self.model
+        structure = model.structure
         known = False
         opsets: list[str] = []
+        main: GraphSite | None = None
+        training: list[GraphSite] = []
         for f in iter_fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == VARINT:
                 known = True
                 model.facts["onnx.ir_version"] = str(f.value)
+                structure.ir_version = f.value
             elif f.number == 2 and f.wire_type == LEN:
                 model.facts["onnx.producer"] = printable(_text(buf, f), 80)
             elif f.number == 3 and f.wire_type == LEN:
                 model.facts["onnx.producer_version"] = printable(_text(buf, f), 40)
             elif f.number == 8 and f.wire_type == LEN:
                 opsets.append(self._opset(f))
-            elif f.number == _MODEL_GRAPH:
+            elif f.number == MODEL_GRAPH:
                 _expect(f, LEN, "ModelProto.graph")
                 known = True
-                self.graph(f.data_start, f.end, 0, "")
-            elif f.number == _MODEL_FUNCTIONS:
+                main = self.graph(f.data_start, f.end, 0, "", None, GraphKind.MAIN)
+            elif f.number == MODEL_FUNCTIONS:
                 _expect(f, LEN, "ModelProto.functions")
                 model.graph_ranges.append((f.start, f.end))
                 self.function(f)
-            elif f.number == _MODEL_TRAINING:
+            elif f.number == MODEL_TRAINING:
                 _expect(f, LEN, "ModelProto.training_info")
                 model.graph_ranges.append((f.start, f.end))
                 for g in iter_fields(buf, f.data_start, f.end):
                     if g.number in (1, 2):
                         _expect(g, LEN, "TrainingInfoProto graph")
-                        self.graph(g.data_start, g.end, 1, "training/")
+                        training.append(self.graph(g.data_start, g.end, 1, "training/", None,
+                                                   GraphKind.TRAINING))
+                    elif g.number in (3, 4) and g.wire_type == LEN:
+                        structure.bindings.update(self._entry(g))
         if not known:
             raise ProtobufError("no ir_version or graph: this is not an ONNX ModelProto", 0)
         if opsets:
             model.facts["onnx.opset"] = ", ".join(opsets)
+        for site in training:  # training graphs read the model's initializers
+            site.parent = main
+        self._mark_unused()
         return model
 
     def _opset(self, f: Field) -> str:
-        domain, version = "ai.onnx", 0
+        domain, version = "", 0
         for g in iter_fields(self.buf, f.data_start, f.end):
-            if g.number == 1 and g.wire_type == LEN and g.value:
-                domain = printable(_text(self.buf, g), 60)
+            if g.number == 1 and g.wire_type == LEN:
+                domain = _text(self.buf, g)
             elif g.number == 2 and g.wire_type == VARINT:
                 version = signed64(g.value)
-        return f"{domain} {version}"
+        self.model.structure.opsets[domain] = version
+        return f"{printable(domain, 60) or 'ai.onnx'} {version}"
 
-    def graph(self, start: int, end: int, depth: int, scope: str) -> None:
+    def graph(self, start: int, end: int, depth: int, scope: str, parent: GraphSite | None,
+              kind: GraphKind) -> GraphSite:
         """A ``GraphProto``: nodes and interface -> graph, initializers -> tensors."""
         if depth > MAX_GRAPH_DEPTH:
             raise ProtobufError(f"subgraphs nested deeper than {MAX_GRAPH_DEPTH}", start)
+        site = GraphSite(start, end, kind, scope, parent)
+        self.model.structure.graphs[start] = site
         for f in iter_fields(self.buf, start, end):
             if f.number == 1:
                 _expect(f, LEN, "GraphProto.node")
                 self.model.graph_ranges.append((f.start, f.end))
-                self.node(f, depth, scope)
+                site.nodes.append(self.node(f, depth, scope, site))
             elif f.number in (11, 12, 13):
                 _expect(f, LEN, "GraphProto input/output/value_info")
                 self.model.graph_ranges.append((f.start, f.end))
+                if f.number != 13:
+                    name = self._value_name(f)
+                    (site.inputs if f.number == 11 else site.outputs).append(name)
             elif f.number == 5:
                 _expect(f, LEN, "GraphProto.initializer")
-                self.tensor(f.data_start, f.end, scope, None)
+                name, _ = self.tensor(f.data_start, f.end, scope, None,
+                                      site=(TensorKind.INITIALIZER, site, None, ""))
+                site.initializers.append(name[len(scope):])
             elif f.number == 15:
                 _expect(f, LEN, "GraphProto.sparse_initializer")
-                self.sparse(f, scope, None)
+                name = self.sparse(f, scope, None, (TensorKind.SPARSE_VALUES, site, None, ""))
+                site.initializers.append(name[len(scope):])
+        return site
 
-    def function(self, f: Field) -> None:
+    def _value_name(self, f: Field) -> str:
+        """The name of a ``ValueInfoProto``."""
         name = ""
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 name = _text(self.buf, g)
+        return name
+
+    def function(self, f: Field) -> None:
+        name = ""
+        site = GraphSite(f.data_start, f.end, GraphKind.FUNCTION, "", None)
+        self.model.structure.graphs[f.data_start] = site
+        for g in iter_fields(self.buf, f.data_start, f.end):
+            if g.number == 1 and g.wire_type == LEN:
+                name = _text(self.buf, g)
+                site.scope = f"{name}/"
+            elif g.number in (4, 5) and g.wire_type == LEN:
+                (site.inputs if g.number == 4 else site.outputs).append(_text(self.buf, g))
             elif g.number == 7:
                 _expect(g, LEN, "FunctionProto.node")
-                self.node(g, 1, f"{name}/")
+                site.nodes.append(self.node(g, 1, f"{name}/", site))
 
-    def node(self, f: Field, depth: int, scope: str) -> None:
+    def node(self, f: Field, depth: int, scope: str, graph: GraphSite) -> NodeSite:
         """Tensors inside a node (``Constant`` values, attributes) and its subgraphs."""
-        output = node_name = ""
+        site = NodeSite(f.data_start, f.end, graph)
+        self.model.structure.nodes[f.data_start] = site
+        node_name = ""
         attributes: list[Field] = []
         for g in iter_fields(self.buf, f.data_start, f.end):
-            if g.number == 2 and g.wire_type == LEN and not output:
-                output = _text(self.buf, g)
+            if g.number == 1 and g.wire_type == LEN:
+                site.inputs.append(_text(self.buf, g))
+            elif g.number == 2 and g.wire_type == LEN:
+                site.outputs.append(_text(self.buf, g))
             elif g.number == 3 and g.wire_type == LEN:
                 node_name = _text(self.buf, g)
+            elif g.number == 4 and g.wire_type == LEN:
+                site.op_type = _text(self.buf, g)
+            elif g.number == 7 and g.wire_type == LEN:
+                site.domain = _text(self.buf, g)
             elif g.number == 5:
                 _expect(g, LEN, "NodeProto.attribute")
                 attributes.append(g)
+        output = next((o for o in site.outputs if o), "")
         base = scope + (output or node_name or "node")
         for attr in attributes:
-            self.attribute(attr, depth, scope, base)
+            self.attribute(attr, depth, scope, base, site)
+        return site
 
-    def attribute(self, f: Field, depth: int, scope: str, base: str) -> None:
+    def attribute(self, f: Field, depth: int, scope: str, base: str, node: NodeSite) -> None:
         attr_name = ""
         inner: list[Field] = []
         for g in iter_fields(self.buf, f.data_start, f.end):
@@ -257,17 +524,20 @@ class _Parser:
                 _expect(g, LEN, "AttributeProto tensor/graph")
                 inner.append(g)
         name = base if attr_name == "value" else f"{base}.{attr_name}"
+        site = (TensorKind.NODE_TENSOR, node.graph, node, attr_name)
         for i, g in enumerate(inner):
             label = name if len(inner) == 1 else f"{name}[{i}]"
             if g.number in (5, 10):
-                self.tensor(g.data_start, g.end, "", label)
+                self.tensor(g.data_start, g.end, "", label, site=site)
             elif g.number in (22, 23):
-                self.sparse(g, "", label)
+                self.sparse(g, "", label, site)
             else:
-                self.graph(g.data_start, g.end, depth + 1, f"{label}/")
+                node.subgraphs.append(self.graph(g.data_start, g.end, depth + 1, f"{label}/",
+                                                 node.graph, GraphKind.SUBGRAPH))
 
-    def sparse(self, f: Field, scope: str, default_name: str | None) -> None:
-        """A ``SparseTensorProto``: its values and indices both hold the weight's bytes."""
+    def sparse(self, f: Field, scope: str, default_name: str | None, site: _SiteOf) -> str:
+        """A ``SparseTensorProto``: its values and indices both hold the weight's bytes.
+        Returns the name of its values."""
         parts: dict[int, Field] = {}
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number in (1, 2):
@@ -275,10 +545,45 @@ class _Parser:
                 parts[g.number] = g
         if 1 not in parts:
             raise ProtobufError("sparse tensor without values", f.start)
-        values, category = self.tensor(parts[1].data_start, parts[1].end, scope, default_name)
+        values, category = self.tensor(parts[1].data_start, parts[1].end, scope, default_name,
+                                       site=site)
         if 2 in parts:
+            kind = TensorKind.SPARSE_INDICES if site[0] == TensorKind.SPARSE_VALUES else site[0]
             self.tensor(parts[2].data_start, parts[2].end, "", f"{values}.indices",
-                        category=category, force_name=True)
+                        category=category, force_name=True, site=(kind, *site[1:]))
+        return values
+
+    def _mark_unused(self) -> None:
+        """Initializers no node, graph output or subgraph reads are ``unused_storage``
+        (names a training graph binds or reads count as read)."""
+        structure, model = self.model.structure, self.model
+        free_in_training = set().union(*(g.uses() - g.defines() for g in structure.graphs.values()
+                                         if g.kind == GraphKind.TRAINING))
+        used: dict[int, set[str]] = {}
+        unused: list[TensorSite] = []
+        for site in structure.tensors.values():
+            if site.kind == TensorKind.NODE_TENSOR:
+                continue
+            g = site.graph
+            names = used.get(id(g))
+            if names is None:
+                names = used[id(g)] = g.uses()
+                if g.kind == GraphKind.MAIN:
+                    names |= free_in_training | structure.bindings
+            if site.bare not in names:
+                unused.append(site)
+        spans: list[tuple[int, int]] = []
+        for site in unused:
+            site.unused = True
+            if site.index >= 0:
+                model.tensors[site.index].category = Category.UNUSED_STORAGE
+            spans.append((site.start, site.end))
+        if spans and model.data_regions:
+            model.data_regions = [
+                (a, b, Category.UNUSED_STORAGE if any(s <= a and b <= e for s, e in spans)
+                 else cat, label)
+                for a, b, cat, label in model.data_regions
+            ]
 
     def tensor(
         self,
@@ -289,8 +594,10 @@ class _Parser:
         *,
         category: Category | None = None,
         force_name: bool = False,
+        site: _SiteOf | None = None,
     ) -> tuple[str, Category]:
         """Record one ``TensorProto``; return its name and category."""
+        before = len(self.model.tensors)
         buf = self.buf
         dims: list[int] = []
         data_type = 0
@@ -327,11 +634,13 @@ class _Parser:
             elif n == 14:
                 _expect(f, VARINT, "TensorProto.data_location")
                 location = f.value
-        if force_name or not name:
+        own_name = not force_name and bool(name)
+        if not own_name:
             if default_name is None:
                 self.anonymous += 1
                 default_name = f"initializer_{self.anonymous}"
             name = default_name
+        bare = name
         name = scope + name
         if any(d < 0 for d in dims):
             raise ProtobufError(f"tensor {printable(name)!r} has negative dims {dims}", start)
@@ -366,6 +675,13 @@ class _Parser:
             self.model.tensors.append(
                 _Tensor(name, dtype, shape, category, start, 0, has_storage=False)
             )
+        if site is not None:
+            kind, graph, node, attribute = site
+            if node is not None:
+                bare = next((o for o in node.outputs if o), "")
+            index = before if len(self.model.tensors) > before else -1
+            self.model.structure.tensors[start] = TensorSite(
+                name, bare, kind, start, end, graph, node, attribute, own_name, index)
         return name, category
 
     def _typed(

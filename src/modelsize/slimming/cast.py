@@ -16,6 +16,8 @@ from modelsize.dtypes import DTYPES
 from modelsize.errors import MissingDependencyError
 from modelsize.slimming.source import TensorSource
 
+#: Bytes of input cast at a time (the error's float64 temporaries are a few times this).
+_PIECE = 1 << 20
 #: Floating dtypes modelsize casts between.
 CASTABLE: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 
@@ -80,9 +82,14 @@ class Cast:
     def chunks(self) -> Iterator[bytes]:
         """Cast chunks; :attr:`error` is complete once they are all consumed."""
         np = self.np
+        size = DTYPES[self.src].block_bytes
+        step = _PIECE - _PIECE % size
         for chunk in self.source.chunks():
+            view = memoryview(chunk)
             with np.errstate(over="ignore", invalid="ignore"):
-                out = self._cast(np, chunk)
+                # In pieces: the float64 temporaries of the error stay a few MiB.
+                out = b"".join(self._cast(np, view[i : i + step])
+                               for i in range(0, len(view), step))
             yield out
 
     def _cast(self, np: Any, chunk: bytes | memoryview) -> bytes:
