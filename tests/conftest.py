@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,8 @@ def run_in_tf(code: str, *args: str, timeout: int = 600) -> subprocess.Completed
     """Run ``code`` with the TensorFlow venv's Python (skips when there is none)."""
     proc = subprocess.run(
         [tf_python(), "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin", "HOME": str(REPO)},
+        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin",
+             "HOME": tempfile.gettempdir()},  # Keras writes ~/.keras/keras.json on import
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc

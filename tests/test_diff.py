@@ -55,7 +55,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str
 
 def test_tensors_added_removed_changed(pair: tuple[Path, Path, dict[str, Any],
                                                    dict[str, Any]]) -> None:
-    a, b, before, after = pair
+    a, b, _, after = pair
     d = diff(a, b)
     # "model." is the container of a training checkpoint: inside it, names are the model's keys
     # and pair with the plain state dict's (unambiguously here).

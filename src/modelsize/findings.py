@@ -100,6 +100,9 @@ def optimizer_description(inv: Inventory) -> str:
 def slim_target(path: Path, suffix: str | None = None) -> Path:
     """Where ``modelsize slim`` writes by default: ``x.pt`` -> ``x.slim.pt``; ``suffix``
     replaces the extension (``--to safetensors``); a directory or prefix gets ``.slim``."""
+    if suffix is None and path.is_file() and path.name.endswith(".weights.h5"):
+        # Keras 3's load_weights insists on the .weights.h5 ending.
+        return path.with_name(path.name[: -len(".weights.h5")] + ".slim.weights.h5")
     ext = path.suffix if (suffix is None and path.is_file()) else ""
     stem = path.name[: -len(ext)] if ext else path.name
     if suffix is not None and path.is_file() and path.suffix:

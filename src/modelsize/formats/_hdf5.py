@@ -644,6 +644,9 @@ class _Reader:
         for i in range(count):
             name_at = self.uint(body, i * entry, self.offset_size, "link name offset")
             header = self.addr(body, i * entry + self.offset_size, "object header address")
+            cache = self.uint(body, i * entry + 2 * self.offset_size, 4, "cache type")
+            if cache == 2:
+                continue  # a soft link: a path, no object of its own (as for link messages)
             if name_at >= len(names):
                 raise HDF5Error(f"link name offset {name_at} outside a {len(names)}-byte heap",
                                 address)

@@ -4,7 +4,8 @@ All three keep their variables in HDF5, read here by :mod:`._hdf5` without h5py.
 ``.keras`` archive the HDF5 member is read in place: a stored member (what Keras writes) is
 addressed directly at its offset in the zip; a deflated one (an archive re-zipped by hand)
 through :class:`InflatedBlob`, which inflates it once, keeps restart points, and charges
-each dataset the compressed bytes of its stretch of the stream. Nothing is extracted.
+each dataset the compressed bytes of its stretch of the stream. Nothing is extracted; such
+datasets are *encoded* storages, whose bytes :func:`storage_chunks` inflates for ``slim``.
 
 What each part is:
 
@@ -24,22 +25,24 @@ from __future__ import annotations
 import bisect
 import json
 import mmap
+import os
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import BinaryIO
 
 from modelsize.categories import Category
+from modelsize.errors import UsageError, printable
 from modelsize.formats import _zip
 from modelsize.formats._hdf5 import SIGNATURE, Blob, BytesBlob, H5File, HDF5Error, read_hdf5
 from modelsize.formats.base import Source
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 __all__ = ["InflatedBlob", "KerasH5Reader", "KerasReader", "account_hdf5", "categorize",
-           "layer_classes"]
+           "layer_classes", "storage_chunks"]
 
 WEIGHTS_MEMBER = "model.weights.h5"
 _MAX_CONFIG = 256 << 20
@@ -169,6 +172,29 @@ class InflatedBlob:
         while len(self.pages) > self._CACHE_PAGES:
             self.pages.popitem(last=False)
 
+    def stream(self, offset: int, nbytes: int, chunk: int = 8 << 20) -> Iterator[bytes]:
+        """Bytes ``offset..offset+nbytes`` in pieces of at most ``chunk``: one forward pass
+        from the nearest snapshot, so a dataset costs its own bytes plus one interval."""
+        i = bisect.bisect_right(self.snapshot_u, offset) - 1
+        c, u, snap = self.snapshots[i]
+        d = snap.copy()
+        skip, left = offset - u, nbytes
+        while left > 0:
+            if c >= self.csize:
+                raise ValueError("read past the end of an inflated member")
+            pending = self._compressed(c)
+            c += len(pending)
+            while pending and left > 0:
+                data = d.decompress(pending, chunk)
+                pending = d.unconsumed_tail
+                if skip:
+                    cut = min(skip, len(data))
+                    data, skip = data[cut:], skip - cut
+                if data:
+                    data = data[:left]
+                    left -= len(data)
+                    yield data
+
     def compressed_offset(self, u: int) -> int:
         """Where output position ``u`` lies in the compressed stream (interpolated)."""
         i = bisect.bisect_left(self.points_u, u)
@@ -181,6 +207,69 @@ class InflatedBlob:
         u0, u1 = self.points_u[i - 1], self.points_u[i]
         c0, c1 = self.points_c[i - 1], self.points_c[i]
         return c0 + (u - u0) * (c1 - c0) // max(1, u1 - u0)
+
+
+class _PathReader:
+    """``seek`` and ``read`` on a path, opening it per read: an :class:`InflatedBlob` kept
+    between calls of :func:`storage_chunks` holds no open file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pos = 0
+
+    def seek(self, pos: int) -> int:
+        self.pos = pos
+        return pos
+
+    def read(self, n: int) -> bytes:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, n, self.pos)
+        finally:
+            os.close(fd)
+        self.pos += len(data)
+        return data
+
+
+#: id(inventory) -> (inventory, inflated weights member, dataset name -> (offset, nbytes)).
+_INFLATED: dict[int, tuple[Inventory, InflatedBlob, dict[str, tuple[int, int] | None]]] = {}
+
+
+def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """The raw bytes of a dataset of a deflated ``model.weights.h5`` member, inflated.
+
+    Datasets with HDF5 filters (gzip, shuffle...) are refused: their raw bytes are not the
+    data, and Keras never writes them.
+    """
+    hit = _INFLATED.get(id(inv))
+    if hit is None or hit[0] is not inv:
+        if len(_INFLATED) > 4:
+            _INFLATED.clear()
+        hit = _INFLATED[id(inv)] = (inv, *_inflated_weights(inv))
+    _, blob, pieces = hit
+    where = pieces.get(storage.key)
+    if where is None:
+        raise UsageError(f"{printable(storage.key)} is stored chunked or with HDF5 filters, "
+                         "which modelsize does not decode (Keras never writes such datasets)")
+    yield from blob.stream(*where)
+
+
+def _inflated_weights(
+    inv: Inventory,
+) -> tuple[InflatedBlob, dict[str, tuple[int, int] | None]]:
+    path = inv.files[0].path
+    builder = InventoryBuilder(inv.format, [path])
+    member = next((m for m in _zip.members(path, builder) if m.name == WEIGHTS_MEMBER), None)
+    if member is None or member.method != _zip.DEFLATED:
+        raise UsageError(f"{printable(str(path))}: a chunked or filtered HDF5 dataset, which "
+                         "modelsize does not decode (Keras never writes such datasets)")
+    blob = InflatedBlob(_PathReader(path), member)  # type: ignore[arg-type]  # seek + read
+    h5 = _parse(builder, blob, 0, member.data_offset)
+    pieces: dict[str, tuple[int, int] | None] = {}
+    for d in h5.datasets:
+        ok = len(d.pieces) == 1 and not d.filters
+        pieces[d.path.lstrip("/")] = d.pieces[0] if ok else None
+    return blob, pieces
 
 
 # --------------------------------------------------------------------------------------
@@ -261,7 +350,8 @@ def account_hdf5(builder: InventoryBuilder, h5: H5File, categories: dict[str, Ca
         if len(d.pieces) == 1:
             start, nbytes = d.pieces[0]
             where, n, inflated = place(start, nbytes)
-            compressed = inflated or bool(d.filters)
+            # A single chunk is laid out in the chunk's shape, not the dataset's: not raw data.
+            compressed = inflated or bool(d.filters) or d.layout == "chunked"
             builder.add_storage(name, where, n, file=file, compressed=compressed,
                                 logical_nbytes=d.logical_nbytes if compressed else None,
                                 dtype=dtype)
@@ -338,6 +428,7 @@ class KerasReader:
 
     name = "keras"
     extensions = (".keras",)
+    storage_chunks = staticmethod(storage_chunks)
 
     def sniff(self, source: Source) -> bool:
         """A zip holding ``config.json`` and ``model.weights.h5`` or ``metadata.json``."""

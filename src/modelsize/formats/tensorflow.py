@@ -22,7 +22,9 @@ Which bytes are what:
 * ``DT_STRING`` tensors hold serialized bytes: the object graph is metadata, Keras 2 layer
   configs (``OBJECT_CONFIG_JSON``) are graph, anything else (vocabularies) is other.
 * Two variables with identical bytes (a SavedModel from ``model.export()`` stores every
-  variable twice) are found by the inventory builder and charged as duplicates.
+  variable twice) are found by the inventory builder and charged as duplicates; two entries
+  naming the very same bytes (a bundle written by ``modelsize slim --dedupe``) view one
+  storage, counted once.
 """
 
 from __future__ import annotations
@@ -405,6 +407,14 @@ def _slice_label(name: str, extents: tuple[tuple[int, int], ...]) -> str:
     return f"{name}[{','.join(parts)}]"
 
 
+def tensor_name(key: bytes) -> str:
+    """The name the inventory gives the tensor stored under ``key`` (a slice gets its label);
+    ``ValueError`` for an unreadable slice key."""
+    if key.startswith(b"\x00"):
+        return _slice_label(*decode_slice_key(key))
+    return printable(key.decode("utf-8", "replace"), 300)
+
+
 # --------------------------------------------------------------------------------------
 # What each variable is
 # --------------------------------------------------------------------------------------
@@ -745,6 +755,8 @@ class _Bundle:
         trainable = self._trainable(meta) if by_graph is None else None
         b.facts["checkpoint"] = "object-based (TF2)" if by_graph is not None else "name-based (TF1)"
         partitioned = {e.key.decode("utf-8", "replace"): e for e in entries if e.slices}
+        # Entries naming the same bytes (a deduplicated bundle) view one storage.
+        ranges: dict[tuple[int, int, int], str] = {}
         for entry in entries:
             if entry.slices:
                 continue  # a partitioned variable's data lives in its slice entries
@@ -764,7 +776,10 @@ class _Bundle:
             else:
                 base = name
             file = 1 + entry.shard
-            b.add_storage(name, entry.offset, entry.size, file=file)
+            storage = ranges.setdefault((entry.shard, entry.offset, entry.size), name)
+            if storage == name or not entry.size:
+                storage = name
+                b.add_storage(name, entry.offset, entry.size, file=file)
             canonical, tf_name = _TF_DTYPES.get(entry.dtype, (None, f"DataType {entry.dtype}"))
             if entry.key == OBJECT_GRAPH_KEY:
                 cat = Category.METADATA
@@ -777,7 +792,7 @@ class _Bundle:
             dt = DTYPES.get(canonical or "")
             expected = dt.nbytes(numel(entry.shape)) if dt else -1
             if dt is not None and expected == entry.size:
-                b.add_tensor(name, dt.name, entry.shape, cat, storage=name, tags=tags)
+                b.add_tensor(name, dt.name, entry.shape, cat, storage=storage, tags=tags)
                 continue
             if dt is not None and entry.dtype in _EXACT_DTYPES:
                 raise self.corrupt(
@@ -785,7 +800,7 @@ class _Bundle:
                     f"claims {entry.size} bytes", entry.offset, file,
                 )
             # Strings, variants and exotic dtypes: account the stored bytes as they are.
-            b.add_tensor(name, "uint8", (entry.size,), cat, storage=name,
+            b.add_tensor(name, "uint8", (entry.size,), cat, storage=storage,
                          tags=[*tags, f"tf_dtype={tf_name}", f"shape={list(entry.shape)}"])
 
 

@@ -30,7 +30,7 @@ from modelsize.categories import NOT_NEEDED_FOR_INFERENCE, Category
 from modelsize.errors import UsageError
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming.cast import CASTABLE, should_cast
-from modelsize.slimming.source import TensorSource
+from modelsize.slimming.source import NoDataError, TensorSource
 
 #: What ``--drop`` accepts besides categories: tensors tagged as an EMA copy of the model.
 EMA = "ema"
@@ -169,9 +169,9 @@ def make_plan(
 ) -> Plan:
     """Decide the output of slimming ``inv`` with ``options``.
 
-    ``source_of(record)`` returns a record's bytes, or raises ``ValueError`` when it holds
-    none in the file; ``tensors`` replaces the inventory's own tensors (consolidated
-    checkpoints).
+    ``source_of(record)`` returns a record's bytes, or raises
+    :class:`~modelsize.slimming.source.NoDataError` when it holds none in the file;
+    ``tensors`` replaces the inventory's own tensors (consolidated checkpoints).
     """
     dropped_names = options.dropped
     records = list(inv.tensors if tensors is None else tensors)
@@ -200,7 +200,9 @@ def make_plan(
                 continue
         try:
             sources[t.name] = source_of(t)
-        except ValueError as exc:
+        except NoDataError as exc:
+            # A meta tensor or an object array: nothing to copy (never a decoding failure,
+            # which stops the slim instead of losing the tensor).
             dropped.append(DroppedTensor(t, f"holds no data in the file ({exc})"))
             continue
         kept.append(t)
@@ -223,7 +225,7 @@ def make_plan(
             del aliases[copy]
             try:
                 sources[copy] = source_of(by_name[copy])
-            except ValueError as exc:
+            except NoDataError as exc:
                 kept = [t for t in kept if t.name != copy]
                 dropped.append(DroppedTensor(by_name[copy], f"holds no data ({exc})"))
 

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from modelsize.dtypes import DTYPES
-from modelsize.errors import CorruptFileError
+from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.inventory import Inventory, StorageRecord, TensorRecord
 
 #: Bytes read or written at a time: large enough for full disk speed, small enough to bound RSS.
 CHUNK = 8 << 20
+#: Bytes the kernel copies per ``copy_file_range`` call (progress is reported between calls).
+COPY_STEP = 64 << 20
 
 #: What a reader that can decode encoded storages provides.
 StorageDecoder = Callable[[Inventory, StorageRecord], Iterator[bytes]]
@@ -61,6 +64,31 @@ class FileRange:
         self.offset = offset
         self.nbytes = nbytes
         self.step = max(1, CHUNK // max(itemsize, 1)) * max(itemsize, 1)
+
+    def copy_to(self, out_fd: int, advance: Callable[[int], None] | None = None) -> int:
+        """Copy the bytes to ``out_fd``'s current position inside the kernel
+        (``copy_file_range``: no trip through Python's memory); returns the CRC-32 of the
+        source bytes, read separately. ``OSError`` if the kernel cannot copy between these
+        files (the caller falls back to :meth:`chunks`)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pos, end = self.offset, self.offset + self.nbytes
+            while pos < end:
+                n = os.copy_file_range(fd, out_fd, min(COPY_STEP, end - pos), pos)
+                if n <= 0:
+                    raise OSError(f"copy_file_range stopped at byte {pos} of {self.path}")
+                pos += n
+                if advance is not None:
+                    advance(n)
+            crc = 0
+            pos = self.offset
+            while pos < end:
+                data = _pread_exact(fd, min(self.step, end - pos), pos, self.path)
+                crc = zlib.crc32(data, crc)
+                pos += len(data)
+            return crc
+        finally:
+            os.close(fd)
 
     def chunks(self) -> Iterator[bytes]:
         """Read with ``pread``: no shared file position, one open file per source."""
@@ -288,8 +316,9 @@ def tensor_source(inv: Inventory, t: TensorRecord,
     itemsize = itemsize_of(t.dtype)
     if st.compressed:
         if decoder is None:
-            raise NoDataError(f"{t.name}: {inv.format} storage {st.key} is encoded and this "
-                              "format's reader cannot decode it")
+            raise UsageError(
+                f"{printable(str(path))}: {printable(t.name)} is stored chunked or compressed "
+                f"in a way modelsize cannot decode ({inv.format}); nothing was written")
         dec = decoder
 
         def stream() -> Iterator[bytes]:

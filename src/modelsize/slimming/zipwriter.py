@@ -50,7 +50,7 @@ def _needs64(m: Member) -> bool:
     return m.nbytes >= _Z64 or m.compressed >= _Z64 or m.header_offset >= _Z64
 
 
-def _local_extra(m: Member, at: int) -> bytes:
+def local_extra(m: Member, at: int) -> bytes:
     """Extra field of the local header written at offset ``at``: ZIP64 sizes, alignment."""
     extra = b""
     if m.nbytes >= _Z64 or (m.deflate and m.nbytes >= _Z64 // 2):
@@ -81,24 +81,26 @@ class ZipWriter:
         self.members: list[Member] = []
         self.pos = fh.tell()
 
-    def write_member(self, member: Member, chunks: Iterable[bytes | memoryview],
-                     crc: Callable[[], int] | None = None) -> Member:
+    def write_member(self, member: Member, chunks: Iterable[bytes | memoryview] | None,
+                     crc: Callable[[], int] | None = None,
+                     fill: Callable[[BinaryIO], int] | None = None) -> Member:
         """Write one member's header and data; returns it with offsets, size and CRC filled.
 
         ``crc`` returns the data's CRC-32 once ``chunks`` are consumed, when the caller already
-        computes it (a stored member's bytes are then checksummed once, not twice).
+        computes it (a stored member's bytes are then checksummed once, not twice); with it,
+        ``fill(fh)`` may write the data itself (and return its length) instead of ``chunks``.
         """
         m = member
         m.header_offset = self.pos
-        extra = _local_extra(m, m.header_offset)
-        header = self._local_header(m, extra, crc=0, compressed=0)
+        extra = local_extra(m, m.header_offset)
+        header = self.local_header(m, extra, crc=0, compressed=0)
         self.fh.write(header)
         m.data_offset = m.header_offset + len(header)
         value, written = 0, 0
         if m.deflate:
             comp = zlib.compressobj(6, zlib.DEFLATED, -15)
             out = 0
-            for chunk in chunks:
+            for chunk in chunks or ():
                 value = zlib.crc32(chunk, value)
                 written += len(chunk)
                 data = comp.compress(chunk)
@@ -107,13 +109,16 @@ class ZipWriter:
             data = comp.flush()
             self.fh.write(data)
             m.compressed = out + len(data)
+        elif fill is not None and crc is not None:
+            written = fill(self.fh)
+            m.compressed = written
         elif crc is not None:
-            for chunk in chunks:
+            for chunk in chunks or ():
                 written += len(chunk)
                 self.fh.write(chunk)
             m.compressed = written
         else:
-            for chunk in chunks:
+            for chunk in chunks or ():
                 value = zlib.crc32(chunk, value)
                 written += len(chunk)
                 self.fh.write(chunk)
@@ -125,13 +130,13 @@ class ZipWriter:
         end = m.data_offset + m.compressed
         # Patch the CRC and sizes into the local header now that they are known.
         self.fh.seek(m.header_offset)
-        self.fh.write(self._local_header(m, extra, crc=crc_value, compressed=m.compressed))
+        self.fh.write(self.local_header(m, extra, crc=crc_value, compressed=m.compressed))
         self.fh.seek(end)
         self.pos = end
         self.members.append(m)
         return m
 
-    def _local_header(self, m: Member, extra: bytes, crc: int, compressed: int) -> bytes:
+    def local_header(self, m: Member, extra: bytes, crc: int, compressed: int) -> bytes:
         z64 = bool(extra[:2] == b"\x01\x00")
         if z64:
             extra = struct.pack("<HHQQ", 0x0001, 16, m.nbytes, compressed) + extra[20:]
@@ -181,7 +186,7 @@ def plan_sizes(members: Iterable[Member]) -> int:
             raise ValueError("the size of a deflated member is not known before writing")
         m = Member(member.name, member.nbytes, member.align)
         m.header_offset = pos
-        extra = _local_extra(m, pos)
+        extra = local_extra(m, pos)
         m.compressed = m.nbytes
         pos += _LOCAL.size + len(m.encoded_name) + len(extra) + m.nbytes
         done.append(m)

@@ -13,13 +13,13 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from modelsize.findings import slim_target
 from modelsize.slimming.cast import Cast, CastError
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
-from modelsize.slimming.source import TensorSource
+from modelsize.slimming.source import FileRange, TensorSource
 
 #: ``progress(bytes written, bytes planned)``.
 Progress = Callable[[int, int], None]
@@ -90,6 +90,35 @@ class Streamed:
         self.written.crc, self.written.nbytes = crc, n
         if isinstance(src, Cast):
             self.written.error = src.error
+
+
+    def write_to(self, fh: BinaryIO) -> int:
+        """Write the bytes at ``fh``'s position; returns how many. A plain copy of a contiguous
+        run of the input goes through the kernel (``copy_file_range``), the CRC-32 taken from
+        the input's bytes; anything else streams through :meth:`chunks`."""
+        src = self.source()
+        if isinstance(src, FileRange) and src.nbytes >= _KERNEL_COPY_MIN:
+            fh.flush()
+            start = fh.tell()
+            try:
+                crc = src.copy_to(fh.fileno(), self.meter.advance if self.meter else None)
+            except OSError:
+                fh.seek(start)  # the kernel cannot copy between these files: stream instead
+                if self.meter is not None:
+                    self.meter.done = self.meter.done  # progress restarts with the stream
+            else:
+                fh.seek(start + src.nbytes)  # resynchronise the buffered file's position
+                self.written.crc, self.written.nbytes = crc, src.nbytes
+                return src.nbytes
+        n = 0
+        for chunk in self.chunks():
+            fh.write(chunk)
+            n += len(chunk)
+        return n
+
+
+#: Runs shorter than this are cheaper to copy through Python than to hand to the kernel.
+_KERNEL_COPY_MIN = 1 << 20
 
 
 def stream(tensor: PlannedTensor, meter: Meter | None = None) -> Streamed:

@@ -96,8 +96,7 @@ def write_file(fh: Any, lay: FileLayout, meter: Meter, written: dict[str, Writte
     fh.write(lay.header)
     for t in lay.tensors:
         s = stream(t, meter)
-        for chunk in s.chunks():
-            fh.write(chunk)
+        s.write_to(fh)
         written[t.name] = s.written
 
 

@@ -345,7 +345,7 @@ class TorchFile:
             zw.write_member(next(members), [data])
         for _key, t in self.storages:
             s = stream(t, meter)
-            zw.write_member(next(members), s.chunks(), crc=_crc_of(s))
+            zw.write_member(next(members), None, crc=_crc_of(s), fill=s.write_to)
             written[t.name] = s.written
         zw.write_member(next(members), [b"3\n"])
         zw.write_member(next(members), [_serialization_id(self.pickle)])

@@ -1,0 +1,377 @@
+"""TensorFlow output: a tensor bundle (``PREFIX.index`` + ``PREFIX.data-00000-of-00001``),
+written without TensorFlow.
+
+The data file holds the kept tensors back to back, streamed from the input. The index is a
+sorted table (:mod:`._tftable`): under the empty key a ``BundleHeaderProto`` (one shard,
+little-endian, version 1), then a ``BundleEntryProto`` per tensor (dtype, shape, shard,
+offset, size and the masked CRC-32C of its bytes, which TensorFlow checks on every read). The
+CRC-32C is computed as the bytes stream (:mod:`._tfcrc`); for a tensor copied as it is, it
+must equal the input's, or the input is damaged and nothing is written.
+
+What each kind of input becomes:
+
+* a TF2 object-based checkpoint keeps its keys (TensorFlow finds a value through the graph,
+  whatever its key; kept keys let ``modelsize diff`` pair input and output, even Keras 3's
+  ``optimizer/_trainable_variables/N`` for model kernels); its object graph
+  (``_CHECKPOINTABLE_OBJECT_GRAPH``) is rewritten without the optimizer, its slot variables
+  and whatever else was dropped (:mod:`._tfgraph`), so ``tf.train.Checkpoint(model=model)
+  .restore(prefix)`` matches every node;
+* a TF1 ``Saver`` checkpoint keeps its variable names; its ``.meta`` graph is not written (it
+  is the training graph: restoring it would look for the optimizer's slots), see the note;
+* a partitioned variable keeps its slices and its full entry (listing the slices kept);
+* a directory (a ``checkpoint`` state file naming the latest prefix) gives a directory with
+  the bundle under the same prefix name and a new state file;
+* a SavedModel is refused: its graph refers to every variable, so slimming it is a graph
+  rewrite (not done yet); ``--to safetensors`` writes its variables.
+
+Deduplicated tensors share bytes: the alias's index entry points at its original's offset,
+size and checksum (TensorFlow reads each entry by offset; nothing forbids two entries to name
+the same bytes). ``--cast`` is allowed: ``tf.train.load_checkpoint`` reads the narrower dtype,
+but restoring into variables of the old dtype fails (see the note).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelsize.errors import CorruptFileError, UsageError, printable
+from modelsize.formats._protobuf import I32, LEN, ProtobufError, iter_fields
+from modelsize.formats._sstable import SSTableError, iter_table
+from modelsize.formats.tensorflow import (
+    FORMAT,
+    OBJECT_GRAPH_KEY,
+    Entry,
+    _string_payload,
+    decode_entry,
+    decode_slice_key,
+    tensor_name,
+)
+from modelsize.slimming.output import Output
+from modelsize.slimming.plan import Plan, PlannedTensor
+from modelsize.slimming.writers._tfcrc import crc32c, mask
+from modelsize.slimming.writers._tfgraph import rewrite_object_graph
+from modelsize.slimming.writers._tftable import (
+    field_bytes,
+    field_fixed32,
+    field_varint,
+    table,
+    varint,
+)
+from modelsize.slimming.writers.base import Meter, Written, output_nbytes, slim_name, stream
+
+#: canonical dtype -> TensorFlow ``DataType`` for cast tensors (uncast ones keep the input's).
+TF_DTYPES: dict[str, int] = {"float32": 1, "float64": 2, "bfloat16": 14, "float16": 19}
+DATA_SUFFIX = ".data-00000-of-00001"
+_BUNDLE_FILE_RE = re.compile(r"\.(index|meta|data-\d{5}-of-\d{5})$")
+#: ``BundleHeaderProto``: ``num_shards: 1``, ``version { producer: 1 }``.
+_HEADER = field_varint(1, 1) + field_bytes(3, field_varint(1, 1))
+
+
+@dataclass
+class _InputEntry:
+    """One entry of the input's index: the decoded entry and its raw fields."""
+
+    entry: Entry
+    raw: bytes
+    crc: int
+
+    def fields(self, *numbers: int) -> bytes:
+        """The raw bytes of the fields ``numbers`` (tag included), in file order."""
+        return b"".join(self.raw[f.start : f.end] for f in iter_fields(self.raw)
+                        if f.number in numbers)
+
+
+@dataclass
+class _OutputEntry:
+    """One tensor of the output's index."""
+
+    key: bytes
+    dtype: int
+    shape: bytes
+    offset: int
+    size: int
+    crc: int = 0
+    #: The stored tensor whose bytes (and checksum) an alias shares.
+    alias_of: str | None = None
+
+    def encode(self) -> bytes:
+        out = field_varint(1, self.dtype) + self.shape
+        if self.offset:
+            out += field_varint(4, self.offset)
+        if self.size:
+            out += field_varint(5, self.size)
+        return out + field_fixed32(6, self.crc)  # always there: the index size is known early
+
+
+class _Bytes:
+    """A :class:`~modelsize.slimming.source.TensorSource` over bytes made here."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.nbytes = len(data)
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.data:
+            yield self.data
+
+
+def string_tensor(payload: bytes) -> tuple[bytes, int]:
+    """A scalar ``DT_STRING`` tensor as a bundle stores it, and its entry's masked CRC-32C.
+
+    The bytes: the varint length, the masked CRC-32C of the length (as a 32-bit or 64-bit
+    integer), the string. The entry's CRC-32C covers the length integer, the length checksum
+    and the string (TensorFlow's ``WriteStringTensor``).
+    """
+    n = len(payload)
+    crc = crc32c(n.to_bytes(4 if n <= 0xFFFFFFFF else 8, "little"))
+    length_crc = mask(crc).to_bytes(4, "little")
+    crc = crc32c(payload, crc32c(length_crc, crc))
+    return varint(n) + length_crc + payload, mask(crc)
+
+
+def _read_index(path: Path) -> dict[str, _InputEntry]:
+    """Every entry of the input's index, by the name its inventory gives the tensor."""
+    try:
+        buf = path.read_bytes()
+        out: dict[str, _InputEntry] = {}
+        for key, start, end in iter_table(buf):
+            if not key:
+                continue
+            raw = buf[start:end]
+            crc = next((f.value for f in iter_fields(raw) if f.number == 6 and f.wire_type == I32),
+                       0)
+            out[tensor_name(key)] = _InputEntry(decode_entry(key, raw, 0, len(raw)), raw, crc)
+        return out
+    except (SSTableError, ProtobufError) as exc:
+        raise CorruptFileError(path, FORMAT, exc.reason, exc.offset) from exc
+    except (OSError, ValueError) as exc:
+        raise CorruptFileError(path, FORMAT, str(exc)) from exc
+
+
+def _exact(t: PlannedTensor) -> bool:
+    """Whether the inventory holds the tensor's real dtype (not strings, variants, int4...)."""
+    return not any(tag.startswith("tf_dtype=") for tag in t.record.tags)
+
+
+@dataclass
+class TensorflowJob:
+    """A bundle at a prefix (and a ``checkpoint`` state file when the output is a folder)."""
+
+    files: list[str]
+    main: str
+    directory: bool
+    predicted_bytes: int | None
+    data_name: str
+    index_name: str
+    state: bytes | None
+    stored: list[tuple[PlannedTensor, _OutputEntry, _InputEntry | None]]
+    aliases: list[_OutputEntry]
+    #: Entries of partitioned variables (no bytes: the list of their slices).
+    full: list[tuple[bytes, bytes]]
+    #: The input's data shards (a damaged one is named in the error).
+    shards: tuple[Path, ...]
+
+    def index(self) -> bytes:
+        """The ``.index`` file for the entries as they stand."""
+        by_name = {t.name: e for t, e, _ in self.stored}
+        for alias in self.aliases:
+            original = by_name[alias.alias_of or ""]
+            alias.offset, alias.size, alias.crc = original.offset, original.size, original.crc
+        entries = [(b"", _HEADER)] + [(e.key, e.encode()) for _, e, _ in self.stored]
+        entries += [(e.key, e.encode()) for e in self.aliases] + self.full
+        return table(sorted(entries))
+
+    def write(self, out: Output, meter: Meter) -> dict[str, Written]:
+        """The data file, streamed with each tensor's CRC-32C; then the index; then the state."""
+        written: dict[str, Written] = {}
+        fh = out.open(self.data_name)
+        for t, entry, source in self.stored:
+            s = stream(t, meter)
+            crc = 0
+            for chunk in s.chunks():
+                fh.write(chunk)
+                crc = crc32c(chunk, crc)
+            written[t.name] = s.written
+            if source is None:  # made here (the object graph): its checksum is known
+                continue
+            if not _exact(t):
+                entry.crc = source.crc  # strings, variants: copied as they are, checksum too
+                continue
+            entry.crc = mask(crc)
+            if not t.cast and entry.crc != source.crc:
+                raise CorruptFileError(
+                    self.shards[source.entry.shard], FORMAT,
+                    f"{printable(t.name)}: its bytes' CRC-32C is {entry.crc:#010x} but the index "
+                    f"records {source.crc:#010x} (the data file is damaged; TensorFlow refuses it "
+                    "too)",
+                )
+        out.open(self.index_name).write(self.index())
+        if self.state is not None:
+            out.open("checkpoint").write(self.state)
+        return written
+
+    def output_name(self, name: str) -> str:
+        """Keys are kept: the output's reader gives every tensor its input name."""
+        return name
+
+
+def _target_prefix(target: Path) -> Path:
+    """``x.index``, ``x.data-00000-of-00001``, ``x.meta`` -> ``x``; a prefix stays."""
+    return target.with_name(_BUNDLE_FILE_RE.sub("", target.name)) if _BUNDLE_FILE_RE.search(
+        target.name) else target
+
+
+def _state_file(prefix_name: str) -> bytes:
+    quoted = prefix_name.replace("\\", "\\\\").replace('"', '\\"')
+    return (f'model_checkpoint_path: "{quoted}"\n'
+            f'all_model_checkpoint_paths: "{quoted}"\n').encode()
+
+
+class TensorflowWriter:
+    """TensorFlow checkpoints (tensor bundles), TF1 and TF2."""
+
+    name = "tensorflow"
+
+    def default_target(self, plan: Plan, source: Path) -> Path:
+        """``model.ckpt`` -> ``model.ckpt.slim`` (a prefix); a folder -> ``folder.slim/``."""
+        if source.is_dir():
+            return source.with_name(source.name + ".slim")
+        return _target_prefix(slim_name(source))
+
+    def prepare(self, plan: Plan, target: Path) -> TensorflowJob:
+        """Every entry, offset and the index's size, before a byte is written."""
+        inv = plan.inventory
+        if inv.format != FORMAT:
+            raise UsageError(f"the tensorflow writer reads TensorFlow checkpoints, not "
+                             f"{inv.format}")
+        if inv.facts.get("layout") == "saved_model":
+            raise UsageError(
+                f"{printable(str(inv.path))} is a SavedModel: its graph refers to every variable, "
+                "and slimming it means rewriting that graph, which modelsize does not do yet; "
+                "write its tensors with --to safetensors (or --to npz)"
+            )
+        if "prefix" not in inv.facts:
+            raise UsageError(f"{printable(str(inv.path))} holds no tensor bundle")
+        in_prefix = Path(inv.facts["prefix"])
+        directory = inv.path.is_dir() and not _BUNDLE_FILE_RE.search(target.name)
+        if directory:
+            prefix_name = in_prefix.name
+        else:
+            if target.is_dir():
+                raise UsageError(
+                    f"{printable(str(target))} is a folder: name the output's prefix inside it "
+                    f"(e.g. {printable(str(target / in_prefix.name))})"
+                )
+            prefix_name = _target_prefix(target).name
+        data_name, index_name = prefix_name + DATA_SUFFIX, prefix_name + ".index"
+        inputs = _read_index(inv.files[0].path)
+        job = TensorflowJob(
+            files=[data_name, index_name] + (["checkpoint"] if directory else []),
+            main=index_name, directory=directory, predicted_bytes=None, data_name=data_name,
+            index_name=index_name, state=_state_file(prefix_name) if directory else None,
+            stored=[], aliases=[], full=[],
+            shards=tuple(f.path for f in inv.files[1 : 1 + int(inv.facts.get("shards", 0))]),
+        )
+        kept_keys: set[str] = set()
+        #: partitioned variable -> (output dtype, extents of the slices kept)
+        slices: dict[bytes, tuple[int, list[tuple[tuple[int, int], ...]]]] = {}
+        for t in plan.tensors:
+            source = inputs.get(t.record.name)
+            if source is None:
+                raise UsageError(f"{printable(t.record.name)} is not an entry of the input's "
+                                 "index (a modelsize bug: please report it)")
+            base = source.entry.key.decode("utf-8", "replace")
+            if "slice" in t.record.tags:
+                base, extents = decode_slice_key(source.entry.key)
+                dtype = TF_DTYPES[t.dtype] if t.cast else source.entry.dtype
+                slices.setdefault(base.encode(), (dtype, []))[1].append(extents)
+            kept_keys.add(base)
+        graph = self._object_graph(plan, kept_keys)
+        offset = 0
+        for t in plan.tensors:
+            source = inputs[t.record.name]
+            dtype = TF_DTYPES[t.dtype] if t.cast else source.entry.dtype
+            entry = _OutputEntry(source.entry.key, dtype, source.fields(2), 0, 0)
+            if t.alias_of is not None:
+                entry.alias_of = t.alias_of
+                job.aliases.append(entry)
+                continue
+            entry.offset, entry.size = offset, output_nbytes(t)
+            offset += entry.size
+            if graph is not None and t is graph[0]:
+                entry.crc = graph[1]
+                job.stored.append((t, entry, None))
+            else:
+                job.stored.append((t, entry, source))
+        for key, (dtype, kept) in slices.items():
+            full = inputs.get(tensor_name(key))
+            if full is None:
+                raise CorruptFileError(inv.files[0].path, FORMAT, "slices of "
+                                       f"{printable(tensor_name(key))} without their full entry")
+            listed = [f for f in iter_fields(full.raw) if f.number == 7 and f.wire_type == LEN]
+            job.full.append((key, field_varint(1, dtype) + full.fields(2) + b"".join(
+                full.raw[f.start : f.end]
+                for f, extents in zip(listed, full.entry.slices, strict=True) if extents in kept
+            )))
+        job.predicted_bytes = offset + len(job.index()) + len(job.state or b"")
+        self._notes(plan, job, directory)
+        return job
+
+    def _object_graph(self, plan: Plan, kept_keys: set[str]) -> tuple[PlannedTensor, int] | None:
+        """Replace the planned object graph (TF2) by one without the dropped nodes; return the
+        new planned tensor and its entry's checksum, or None when it stands as it is."""
+        name = OBJECT_GRAPH_KEY.decode()
+        for i, t in enumerate(plan.tensors):
+            if t.record.name != name or t.source is None:
+                continue
+            raw = b"".join(bytes(c) for c in t.source.chunks())
+            try:
+                graph = rewrite_object_graph(_string_payload(raw), kept_keys)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CorruptFileError(plan.inventory.files[0].path, FORMAT,
+                                       f"object graph unreadable: {exc}") from exc
+            if graph is None:
+                return None
+            data, crc = string_tensor(graph[0])
+            record = dataclasses.replace(t.record, shape=(len(data),), nbytes=len(data),
+                                         stored_nbytes=len(data))
+            new = plan.tensors[i] = PlannedTensor(record, t.name, t.dtype, _Bytes(data))
+            plan.notes.append(
+                f"object graph rewritten without the {len(plan.dropped)} dropped tensor(s) and "
+                f"the {graph[1]} object(s) only they needed (optimizer, slot variables...): "
+                "tf.train.Checkpoint(model=model).restore(prefix) matches every object left"
+            )
+            return new, crc
+        return None
+
+    def _notes(self, plan: Plan, job: TensorflowJob, directory: bool) -> None:
+        inv = plan.inventory
+        if any(f.path.name.endswith(".meta") for f in inv.files):
+            plan.notes.append(
+                "the input's .meta (the TF1 training graph, optimizer included) is not written: "
+                "read the slim bundle with tf.train.load_checkpoint(prefix), or restore it with "
+                "tf.compat.v1.train.Saver(var_list=<the model's variables>).restore(sess, prefix) "
+                "in a graph that builds the model"
+            )
+        cast = [t for t in plan.stored if t.cast]
+        if cast:
+            plan.notes.append(
+                f"{len(cast)} tensor(s) cast to {cast[0].dtype}: tf.train.load_checkpoint reads "
+                "them as such, but restoring them into variables of the old dtype "
+                "(Checkpoint.restore, Saver.restore) fails; build the model in the new dtype"
+            )
+        if job.aliases:
+            plan.notes.append(
+                f"{len(job.aliases)} duplicate(s) share their original's bytes (two index entries, "
+                "one copy in the data file): "
+                + ", ".join(f"{printable(e.key.decode('utf-8', 'replace'), 60)} = "
+                            f"{printable(e.alias_of or '', 60)}" for e in job.aliases[:3])
+            )
+        if directory:
+            plan.notes.append(f"a checkpoint state file names {job.index_name[:-6]} as the "
+                              "folder's latest checkpoint")
+
