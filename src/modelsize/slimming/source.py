@@ -80,15 +80,18 @@ class FileRange:
                 pos += n
                 if advance is not None:
                     advance(n)
-            crc = 0
-            pos = self.offset
-            while pos < end:
-                data = _pread_exact(fd, min(self.step, end - pos), pos, self.path)
-                crc = zlib.crc32(data, crc)
-                pos += len(data)
-            return crc
+            return _crc_fd(fd, self.offset, self.nbytes, self.path)
         finally:
             os.close(fd)
+
+    def crc(self) -> int:
+        """CRC-32 of the bytes, read into one reused buffer (nothing handed out)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return _crc_fd(fd, self.offset, self.nbytes, self.path)
+        finally:
+            os.close(fd)
+
 
     def chunks(self) -> Iterator[bytes]:
         """Read with ``pread``: no shared file position, one open file per source."""
@@ -103,6 +106,19 @@ class FileRange:
                 pos += n
         finally:
             os.close(fd)
+
+
+def _crc_fd(fd: int, offset: int, nbytes: int, path: Path) -> int:
+    buf = bytearray(min(CHUNK, max(nbytes, 1)))
+    view = memoryview(buf)
+    crc, pos, end = 0, offset, offset + nbytes
+    while pos < end:
+        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
+        if n <= 0:
+            raise CorruptFileError(path, "slim", f"file ends before byte {end}", pos)
+        crc = zlib.crc32(view[:n], crc)
+        pos += n
+    return crc
 
 
 def _gather(buf: bytes | bytearray, base: int, shape: Sequence[int], strides: Sequence[int],

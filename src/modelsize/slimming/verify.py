@@ -17,7 +17,7 @@ from modelsize import formats
 from modelsize.errors import VerificationError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming.plan import Plan
-from modelsize.slimming.source import tensor_source
+from modelsize.slimming.source import FileRange, tensor_source
 from modelsize.slimming.writers.base import Job, Written
 
 
@@ -25,6 +25,8 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
     """CRC-32 and length of a tensor's bytes, as modelsize reads them from ``inv``'s files."""
     reader = formats.registry().get(inv.format)
     src = tensor_source(inv, record, getattr(reader, "storage_chunks", None))
+    if isinstance(src, FileRange):
+        return src.crc(), src.nbytes
     crc, n = 0, 0
     for chunk in src.chunks():
         crc = zlib.crc32(chunk, crc)
