@@ -31,6 +31,8 @@ from pathlib import Path
 
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
+from modelsize.formats import _zip
+from modelsize.formats._pickle import PickleError, scan
 from modelsize.formats.base import Source
 from modelsize.formats.torch_sharded import (
     Merged,
@@ -43,7 +45,7 @@ from modelsize.formats.torch_sharded import (
     relative,
     split_facts,
 )
-from modelsize.inventory import Inventory, TensorRecord
+from modelsize.inventory import Inventory, InventoryBuilder, TensorRecord
 
 FORMAT = "deepspeed"
 LATEST = "latest"
@@ -103,6 +105,28 @@ def parse_name(path: Path) -> StatesFile | None:
                       m["bf16"] is not None, other)
 
 
+def states_files(inv: Inventory) -> list[StatesFile]:
+    """The states files of a DeepSpeed inventory (its ``latest`` file left out), in its order."""
+    found = (parse_name(f.path) for f in inv.files)
+    return [f for f in found if f is not None]
+
+
+def states_tree(path: Path) -> object:
+    """The object a states file pickles, parsed and never loaded: for what only its plain data
+    says (``param_shapes``, ``buffer_names``, ``partition_count``...). Tensors stay
+    placeholders."""
+    builder = InventoryBuilder(FORMAT, [path])
+    pkl = next((m for m in _zip.members(path, builder)
+                if m.name.endswith("data.pkl") and m.name.count("/") <= 1), None)
+    if pkl is None:
+        raise builder.corrupt("expected a torch.save zip archive with a data.pkl member")
+    data = _zip.read_member(path, pkl, builder)
+    try:
+        return scan(data).value
+    except PickleError as exc:
+        raise builder.corrupt(f"{pkl.name} is not a valid pickle: {exc}") from exc
+
+
 def _states_files(directory: Path) -> list[StatesFile]:
     found = (parse_name(p) for p in sorted(directory.iterdir()) if p.is_file())
     return [f for f in found if f is not None]
@@ -124,6 +148,14 @@ def _model_recategorize(t: TensorRecord) -> Category | None:
 
 def _optim_recategorize(t: TensorRecord) -> Category | None:
     return Category.OPTIMIZER_STATE
+
+
+def _full_weights(files: list[StatesFile]) -> str:
+    """Where the model's full weights are (what ``modelsize slim`` consolidates)."""
+    if any(f.role == "optim" and f.dp_rank is not None for f in files):
+        return ("fp32 master weights, gathered from the ranks' optimizer partitions (as "
+                "DeepSpeed's zero_to_fp32.py does)")
+    return "the module's weights in the model states file, as saved"
 
 
 def _zero_layout(files: list[StatesFile]) -> str:
@@ -215,6 +247,7 @@ class _DeepSpeedRead:
         facts = self.spec.facts
         facts["tag"] = tag_dir.name
         facts["zero"] = _zero_layout(files)
+        facts["full_weights"] = _full_weights(files)
         facts["model_states_bytes"] = str(sum(p.inventory.file_bytes for f, p in
                                               zip(files, parts, strict=True) if f.role == "model"))
         facts["optimizer_states_bytes"] = str(sum(p.inventory.file_bytes for f, p in

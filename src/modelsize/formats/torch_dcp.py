@@ -482,9 +482,7 @@ class _DcpRead:
                     cat: tuple[Category, tuple[str, ...]]) -> None:
         b = self.builder
         chunk = self.chunk_of(item, meta, file)
-        name = meta.fqn if len(meta.chunks) == 1 else (
-            f"{meta.fqn}@{','.join(str(o) for o in chunk.offsets)}"
-        )
+        name = chunk_name(meta.fqn, chunk.offsets, len(meta.chunks))
         dt = DTYPES[meta.dtype]
         if item.transformed:
             # A compressed stream: its bytes cannot be split into header and data.
@@ -566,6 +564,46 @@ class _DcpRead:
             classify(parsed.value, b, prefix=prefix)
         m = members[pkl]
         b.add_region(item.start + m.data_offset, m.size, cat, f"value of {item.fqn}", file)
+
+
+def chunk_name(fqn: str, offsets: tuple[int, ...], chunks: int) -> str:
+    """The inventory's name for one chunk: the fqn alone for a tensor saved whole."""
+    return fqn if chunks == 1 else f"{fqn}@{','.join(str(o) for o in offsets)}"
+
+
+@dataclass(frozen=True)
+class ChunkedTensor:
+    """One tensor of the state dict as ``.metadata`` describes it: its full size and the boxes
+    (``offsets``, ``sizes``) its chunks cover, each named in the inventory by ``names``."""
+
+    fqn: str
+    dtype: str
+    size: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    names: tuple[str, ...]
+    path: tuple[str, ...]
+
+
+def chunked_tensors(inv: Inventory) -> list[ChunkedTensor]:
+    """The full tensors of a DCP checkpoint already read into ``inv``, in ``.metadata`` order.
+
+    ``.metadata`` (the inventory's first file) is parsed again, never loaded: the inventory
+    keeps each chunk as a tensor of its own and not the full size it belongs to.
+    """
+    meta_path = inv.files[0].path
+    read = _DcpRead(meta_path.parent, meta_path.parent)
+    read.notes = []
+    tensors, _, _, paths, _ = read.parse_metadata()
+    out = []
+    for fqn, t in tensors.items():
+        boxes = tuple((c.offsets, c.sizes) for c in t.chunks)
+        path = paths.get(fqn)
+        out.append(ChunkedTensor(
+            fqn, t.dtype, t.size, boxes,
+            tuple(chunk_name(fqn, o, len(boxes)) for o, _ in boxes),
+            tuple(str(p) for p in path) if path else (fqn,),
+        ))
+    return out
 
 
 class TorchDcpReader:

@@ -46,8 +46,10 @@ def _sources(inv: Inventory) -> LogicalTensors:
 
 def plan_slim(inv: Inventory, options: SlimOptions) -> Plan:
     """The plan for slimming an inventory already read."""
-    tensors, source_of = _sources(inv)
+    found = _sources(inv)
+    tensors, source_of = found
     plan = make_plan(inv, options, source_of, tensors)
+    plan.notes.extend(getattr(found, "notes", ()))
     if inv.unsafe_globals:
         plan.notes.append(
             f"the input's pickle would import and call {len(inv.unsafe_globals)} unsafe "
