@@ -40,6 +40,8 @@ def should_cast(dtype: str, target: str) -> bool:
 
 def _to_float(np: Any, data: bytes | memoryview, dtype: str) -> Any:
     """Elements of ``dtype`` as a float32/float64 array (bfloat16 widened exactly)."""
+    if isinstance(data, np.ndarray):
+        data = data.data
     if dtype == "bfloat16":
         u16 = np.frombuffer(data, dtype="<u2")
         return (u16.astype("<u4") << 16).view("<f4")
@@ -93,20 +95,25 @@ class Cast:
             yield out
 
     def _cast(self, np: Any, chunk: bytes | memoryview) -> bytes:
-        """One chunk cast, its error folded into :attr:`error`."""
+        """One piece cast, its error folded into :attr:`error` (computed in float32, or
+        float64 for float64 sources: wide enough to hold both sides exactly)."""
         values = _to_float(np, chunk, self.src)
         out = _from_float(np, values, self.dst)
-        back = _to_float(np, out.tobytes(), self.dst).astype("<f8")
-        exact = values.astype("<f8")
-        finite = np.isfinite(exact)
-        over = finite & ~np.isfinite(back)
-        self.error.overflow += int(over.sum())
-        ok = finite & ~over
-        if ok.any():
-            diff = np.abs(back[ok] - exact[ok])
-            self.error.max_abs = max(self.error.max_abs, float(diff.max()))
-            mag = np.abs(exact[ok])
-            nz = mag > 0
-            if nz.any():
-                self.error.max_rel = max(self.error.max_rel, float((diff[nz] / mag[nz]).max()))
-        return bytes(out.tobytes())
+        wide = "<f8" if self.src == "float64" else "<f4"
+        exact = values.astype(wide, copy=False)
+        back = _to_float(np, out, self.dst).astype(wide, copy=False)
+        diff = np.abs(exact - back)
+        bad = ~np.isfinite(diff)
+        if bad.any():  # NaN/inf in the source, or values beyond the target's range
+            over = np.isinf(back) & np.isfinite(exact)
+            self.error.overflow += int(np.count_nonzero(over))
+            diff[bad] = np.nan
+        mag = np.abs(exact)
+        rel = diff / mag  # 0/0 is NaN and ignored below; x/0 cannot occur (0 casts exactly)
+        max_abs = float(np.fmax.reduce(diff)) if diff.size else 0.0
+        max_rel = float(np.fmax.reduce(rel)) if rel.size else 0.0
+        if max_abs == max_abs:  # not NaN
+            self.error.max_abs = max(self.error.max_abs, max_abs)
+        if max_rel == max_rel:
+            self.error.max_rel = max(self.error.max_rel, max_rel)
+        return bytes(out.data)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from modelsize import formats
-from modelsize.errors import UsageError
+from modelsize.errors import UsageError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming import writers
 from modelsize.slimming.output import Output, write_verified
@@ -96,9 +96,17 @@ def slim(
     writer = writers.for_input(inv.format, options.to)
     plan = plan_slim(inv, options)
     if not plan.stored and not plan.aliases:
-        raise UsageError(f"{inv.path}: nothing would be left to write (every tensor is dropped)")
+        what = ("holds no tensor data to write" if not plan.dropped else
+                f"nothing would be left to write: all {len(plan.dropped)} tensors are dropped "
+                f"({', '.join(sorted({d.reason.split(' (')[0] for d in plan.dropped}))})")
+        raise UsageError(f"{printable(str(inv.path))}: {what}")
     target = Path(out) if out is not None else writer.default_target(plan, inv.path)
-    job = writer.prepare(plan, target)
+    try:
+        job = writer.prepare(plan, target)
+    except UsageError as exc:
+        if str(inv.path) in str(exc):
+            raise
+        raise UsageError(f"{printable(str(inv.path))}: {exc}") from exc
     output = Output(target, directory=job.directory, force=force,
                     inputs=tuple(f.path for f in inv.files))
     output.check(job.files)

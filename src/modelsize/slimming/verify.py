@@ -54,9 +54,11 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
         if rec is None:
             problems.append(f"{t.name} is missing")
             continue
-        if rec.dtype != t.dtype or rec.shape != t.shape:
+        form = getattr(job, "output_form", None)
+        dtype, shape = form(t) if form is not None else (t.dtype, t.shape)
+        if rec.dtype != dtype or rec.shape != shape:
             problems.append(f"{t.name} reads back as {rec.dtype}{list(rec.shape)}, planned "
-                            f"{t.dtype}{list(t.shape)}")
+                            f"{dtype}{list(shape)}")
             continue
         w = written.get(t.name)
         crc, n = crc_of(out, rec)

@@ -143,7 +143,8 @@ class NpzWriter:
             t, header = realised[0]
             return NpzJob([target.name], target.name, False, len(header) + output_nbytes(t),
                           realised, True, False)
-        deflate = plan.options.to == "same" and _was_compressed(plan.inventory.files[0].path)
+        deflate = (plan.options.to == "same" and plan.inventory.format == "npz"
+                   and _was_compressed(plan.inventory.files[0].path))
         members = [Member(f"{t.name}.npy", len(h) + output_nbytes(t)) for t, h in realised]
         predicted = None if deflate else plan_sizes(members)
         return NpzJob([target.name], target.name, False, predicted, realised, False, deflate)

@@ -5,7 +5,10 @@ the safetensors library writes it) and the tensors back to back, largest element
 so that every tensor stays aligned when the file is memory-mapped. Aliases of deduplicated
 tensors cannot share bytes in safetensors (the library refuses overlapping tensors), so they
 are recorded in the header's ``__metadata__`` under ``modelsize.aliases`` (a JSON map of alias
--> tensor holding the bytes) and their bytes are stored once.
+-> tensor holding the bytes) and their bytes are stored once. Types safetensors cannot name
+(GGML block-quantized ``q4_K``..., packed 4-bit integers) are stored as their raw bytes, a
+``U8`` tensor, with the real dtype and shape under ``modelsize.raw_dtypes``: nothing is lost,
+and ``--to safetensors`` works from every input.
 
 A sharded input (an index, or a directory of shards) keeps its shard assignment: each shard is
 rewritten without what was dropped, shards left empty disappear, and the index gets the new
@@ -24,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from modelsize.dtypes import DTYPES
-from modelsize.errors import UsageError, printable
 from modelsize.formats.safetensors import INDEX_SUFFIX
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
@@ -42,15 +44,21 @@ DTYPE_CODES: dict[str, str] = {
 ALIASES_KEY = "modelsize.aliases"
 
 
+RAW_KEY = "modelsize.raw_dtypes"
+
+
 def dtype_code(t: PlannedTensor) -> str:
-    """The safetensors dtype of a planned tensor, or a :class:`UsageError` saying why none."""
-    code = DTYPE_CODES.get(t.dtype)
-    if code is None:
-        raise UsageError(
-            f"{printable(t.name)}: safetensors has no dtype for {t.dtype}; "
-            "keep the input's format (--to same) or drop this tensor"
-        )
-    return code
+    """The safetensors dtype of a planned tensor (``U8`` for what safetensors cannot name)."""
+    return DTYPE_CODES.get(t.dtype, "U8")
+
+
+def stored_form(t: PlannedTensor) -> tuple[str, tuple[int, ...]]:
+    """(dtype, shape) as the file holds the tensor: packed and block-quantized types
+    (GGML ``q4_K``, 4-bit ints...) that safetensors has no name for are kept as their raw
+    bytes, a ``U8`` tensor, with the real dtype and shape in the header's metadata."""
+    if t.dtype in DTYPE_CODES:
+        return t.dtype, t.shape
+    return "uint8", (output_nbytes(t),)
 
 
 @dataclass
@@ -80,15 +88,20 @@ def layout(name: str, tensors: Sequence[PlannedTensor], metadata: dict[str, str]
         meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     if meta:
         doc["__metadata__"] = meta
+    raw = {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in order
+           if t.dtype not in DTYPE_CODES}
+    if raw:
+        meta[RAW_KEY] = json.dumps(raw, sort_keys=True)
+        doc["__metadata__"] = meta
     pos = 0
     for t in order:
         n = output_nbytes(t)
-        doc[t.name] = {"dtype": dtype_code(t), "shape": list(t.shape),
+        doc[t.name] = {"dtype": dtype_code(t), "shape": list(stored_form(t)[1]),
                        "data_offsets": [pos, pos + n]}
         pos += n
-    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    return FileLayout(name, struct.pack("<Q", len(raw)) + raw, order, pos)
+    header = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    header += b" " * (-len(header) % 8)
+    return FileLayout(name, struct.pack("<Q", len(header)) + header, order, pos)
 
 
 def write_file(fh: Any, lay: FileLayout, meter: Meter, written: dict[str, Written]) -> None:
@@ -140,6 +153,10 @@ class SafetensorsJob:
     def output_name(self, name: str) -> str:
         """Names are kept as they are."""
         return name
+
+    def output_form(self, t: PlannedTensor) -> tuple[str, tuple[int, ...]]:
+        """How the output's reader sees a tensor (raw ``U8`` for unnamed dtypes)."""
+        return stored_form(t)
 
 
 class SafetensorsWriter:
