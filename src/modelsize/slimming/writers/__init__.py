@@ -19,6 +19,7 @@ WRITERS: dict[str, tuple[str, str]] = {
     "safetensors": ("safetensors", "SafetensorsWriter"),
     "pytorch": ("torch", "TorchWriter"),
     "npz": ("numpy", "NpzWriter"),
+    "directory": ("directory", "DirectoryWriter"),
     "tensorflow": ("tensorflow", "TensorflowWriter"),
     "keras": ("keras", "KerasWriter"),
     "keras-h5": ("keras", "KerasH5Writer"),
@@ -31,7 +32,7 @@ WRITERS: dict[str, tuple[str, str]] = {
 SAME_FORMAT: dict[str, str] = {
     "pytorch": "pytorch",
     "pytorch-legacy": "pytorch",
-    "pytorch-sharded": "pytorch",
+    "pytorch-sharded": "directory",
     "deepspeed": "pytorch",
     "torch-dcp": "pytorch",
     "safetensors": "safetensors",

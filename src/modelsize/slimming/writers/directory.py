@@ -93,6 +93,21 @@ def _relative(path: Path, base: Path) -> str:
         return path.name
 
 
+class DirectoryWriter:
+    """A model directory of torch (or safetensors) weight files, kept file by file."""
+
+    name = "directory"
+
+    def default_target(self, plan: Plan, source: Path) -> Path:
+        """``dir.slim/`` beside the input's folder."""
+        folder = source if source.is_dir() else source.parent
+        return folder.with_name(folder.name + ".slim")
+
+    def prepare(self, plan: Plan, target: Path) -> DirectoryJob:
+        """Lay out every file of the output folder."""
+        return prepare_directory(plan, target)
+
+
 def prepare_directory(plan: Plan, target: Path) -> DirectoryJob:
     """Lay out every file of the output folder."""
     from modelsize.slimming.writers.safetensors import layout

@@ -414,40 +414,24 @@ def _serialization_id(pickle: bytes) -> bytes:
 
 
 class TorchWriter:
-    """``torch.save`` zip archives (``.pt``, ``.pth``, ``.bin``); a model directory of torch
-    shards (``pytorch-sharded``) keeps its layout (:mod:`~modelsize.slimming.writers.directory`)."""
+    """``torch.save`` zip archives (``.pt``, ``.pth``, ``.bin``)."""
 
     name = "pytorch"
 
-    def _directory(self, plan: Plan) -> bool:
-        return plan.options.to == "same" and plan.inventory.format == "pytorch-sharded"
-
     def default_target(self, plan: Plan, source: Path) -> Path:
-        """``x.slim.pt`` (the input's extension kept for torch files); ``dir.slim/``."""
-        if self._directory(plan):
-            folder = source if source.is_dir() else source.parent
-            return folder.with_name(folder.name + ".slim")
+        """``x.slim.pt`` (the input's extension kept for torch files)."""
         torch_input = plan.inventory.format in ("pytorch", "pytorch-legacy")
         if torch_input and source.is_file() and source.suffix:
             return slim_name(source)
         return slim_name(source, ".pt")
 
-    def prepare(self, plan: Plan, target: Path) -> Any:
+    def prepare(self, plan: Plan, target: Path) -> TorchJob:
         """The pickle and the member list, before any byte is written."""
-        if self._directory(plan):
-            from modelsize.slimming.writers.directory import prepare_directory
-
-            return prepare_directory(plan, target)
         names = {t.name: t.name for t in plan.tensors}
-
-        def root(refs: dict[str, _TensorRef]) -> Any:
-            ordered = {t.name: refs[t.name] for t in plan.tensors}
-            return _build_tree(plan, ordered)
-
         tree: list[_Tree] = []
 
         def tree_root(refs: dict[str, _TensorRef]) -> Any:
-            tree.append(root(refs))
+            tree.append(_build_tree(plan, {t.name: refs[t.name] for t in plan.tensors}))
             return tree[0].root
 
         file = torch_file(target.name, plan.tensors, names, tree_root)
