@@ -316,7 +316,7 @@ def main() -> None:
         "accelerate's ignore the batch; the formula's activation term is Korthikanti's "
         "16-bit transformer formula, applied as published to these fp32 runs. MemTracker "
         "sees what fake tensors see: it misses the oneDNN convolution buffers and the LSTM "
-        "workspace that modelsize probes (see `modelsize/estimate/scratch.py`).",
+        "workspace that modelsize probes (see `modelsize/estimation/scratch.py`).",
         "",
         "**CUDA device model: not validated.** No GPU was available when it was written. "
         "`--device cuda` adds to the traced tensor peak the caching allocator's 512-byte "
