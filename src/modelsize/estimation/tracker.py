@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from modelsize.estimation.fake_rules import RULES
 from modelsize.estimation.scratch import ScratchModels
 
 
@@ -208,7 +209,11 @@ class CountingFakeMode(FakeTensorMode):
         nested = not self._is_composite(func)
         self.depth += nested
         try:
-            out = super().__torch_dispatch__(func, types, args, kwargs or {})
+            rule = RULES.get(func)
+            if rule is not None:
+                out = rule(self, func, args, kwargs or {})
+            else:
+                out = super().__torch_dispatch__(func, types, args, kwargs or {})
         finally:
             self.depth -= nested
         if not self.counting or self.depth:
