@@ -20,6 +20,7 @@ no ``ru_maxrss`` and gets no measurement.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from modelsize.errors import printable
+from modelsize.formats.base import check_file
 from modelsize.inventory import Inventory
 
 #: Wall-clock limit of one measuring subprocess.
@@ -314,9 +316,15 @@ def measure_load_cost(
     """Measure the usual ways to load the checkpoint of ``inv``, each in a fresh subprocess.
 
     ``ways`` limits the run to the named ways (see :class:`Way` names). Never raises for a
-    way that fails: its :class:`WayResult` says why.
+    way that fails: its :class:`WayResult` says why. A path to load that is a FIFO, device or
+    socket is an :class:`~modelsize.errors.InputError` before any child starts.
     """
     planned, paths, notes = _plan(inv)
+    for path in paths:
+        # A FIFO would hang every child until its timeout; a device has no size to load. A
+        # file gone since it was read is left to each way to report.
+        with contextlib.suppress(OSError):
+            check_file(path)
     if ways is not None:
         planned = [w for w in planned if w.name in ways]
     results: list[WayResult] = []

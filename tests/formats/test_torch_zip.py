@@ -355,15 +355,23 @@ def test_truncated_zip(saved: Path, tmp_path: Path) -> None:
     expect_corrupt(cut, "zip central directory unreadable")
 
 
-def test_flipped_opcode_in_data_pkl(saved: Path) -> None:
+def test_flipped_opcode_in_data_pkl(saved: Path, tmp_path: Path) -> None:
     with zipfile.ZipFile(saved) as zf:
-        info = zf.getinfo("model/data.pkl")
-        raw = zf.read(info)
+        raw = bytearray(zf.read("model/data.pkl"))
+    raw[2] = 0xFF  # the opcode right after PROTO
+    # Rewritten with a matching CRC-32, as a crafted file would be: the parser must refuse it.
+    bad = tmp_path / "flipped.pt"
+    rewrite(saved, bad, {"model/data.pkl": bytes(raw)})
+    expect_corrupt(bad, "unknown opcode")
+
+
+def test_flipped_opcode_in_place_is_a_crc_error(saved: Path) -> None:
+    with zipfile.ZipFile(saved) as zf:
+        raw = zf.read("model/data.pkl")
     data = bytearray(saved.read_bytes())
-    start = data.find(raw)
-    data[start + 2] = 0xFF  # the opcode right after PROTO
+    data[data.find(raw) + 2] = 0xFF  # damaged after writing: the CRC-32 no longer matches
     saved.write_bytes(bytes(data))
-    expect_corrupt(saved, "unknown opcode")
+    expect_corrupt(saved, "member 'model/data.pkl' is corrupted")
 
 
 def test_missing_storage_member(saved: Path, tmp_path: Path) -> None:

@@ -4,6 +4,13 @@ Shared by every zip-based format (PyTorch, NumPy ``.npz``, Keras ``.keras``). Me
 located through each local header, checked against the file size, and read raw: encryption
 or data-descriptor flags that would make :mod:`zipfile` refuse a member do not hide its
 contents from us (loaders such as torch's ignore them too).
+
+Every member modelsize reads (:func:`read_member`) or charges to ``graph`` or ``metadata``
+without reading it (:func:`check_members`) is checked against the CRC-32 of the central
+directory: a flipped byte in a pickle or a JSON config would otherwise be reported as a
+healthy file. Tensor payloads are never read, so never checked. A CRC of 0 on a non-empty
+member means none was recorded (``torch.save`` with ``compute_crc32=False`` writes 0 for
+every member, and torch loads such files): :func:`crc_recorded` tells readers to say so.
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ from __future__ import annotations
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 from modelsize.categories import Category
+from modelsize.errors import CorruptFileError
 from modelsize.inventory import InventoryBuilder
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
@@ -27,6 +36,8 @@ DEFLATED = zipfile.ZIP_DEFLATED
 _MAX_RATIO = 1100
 #: Members we read whole (pickles, JSON headers) are never allowed past this.
 MAX_READ = 1 << 30
+#: Bytes read (or inflated) at a time when a member is only checked, not kept.
+_CHUNK = 1 << 20
 
 
 class Member(NamedTuple):
@@ -109,33 +120,102 @@ def members(
     return out
 
 
+def crc_recorded(member: Member) -> bool:
+    """Whether the archive records a CRC-32 for ``member`` (0 on a non-empty member: none)."""
+    return member.crc != 0 or member.file_size == 0
+
+
+def _check_crc(member: Member, crc: int, builder: InventoryBuilder, file: int) -> None:
+    if crc != member.crc and crc_recorded(member):
+        raise builder.corrupt(
+            f"member {member.name!r} is corrupted: its bytes have CRC-32 {crc:#010x} where the "
+            f"archive records {member.crc:#010x} (the file was damaged after it was written: "
+            "copy or download it again)", member.data_offset, file,
+        )
+
+
+def _unsupported(member: Member, builder: InventoryBuilder, file: int) -> CorruptFileError:
+    return builder.corrupt(
+        f"member {member.name!r} uses compression method {member.method}; modelsize reads "
+        "stored and deflated members", member.header_offset, file,
+    )
+
+
+def _bad_size(member: Member, size: int, builder: InventoryBuilder, file: int) -> CorruptFileError:
+    return builder.corrupt(
+        f"member {member.name!r} inflates to {size} bytes, header says {member.file_size}",
+        member.data_offset, file,
+    )
+
+
 def read_member(
     path: Path, member: Member, builder: InventoryBuilder, limit: int = MAX_READ, file: int = 0
 ) -> bytes:
-    """The uncompressed bytes of a member (stored or deflated), at most ``limit`` bytes."""
+    """The uncompressed bytes of a member (stored or deflated), at most ``limit`` bytes,
+    checked against the member's CRC-32."""
     if member.file_size > limit:
         raise builder.corrupt(
             f"member {member.name!r} is {member.file_size} bytes, more than the {limit} "
             "modelsize reads whole", member.header_offset, file,
         )
+    if member.method not in (STORED, DEFLATED):
+        raise _unsupported(member, builder, file)
     with open(path, "rb") as fh:
         fh.seek(member.data_offset)
-        raw = fh.read(member.compress_size)
-    if member.method == STORED:
-        return raw
+        data = fh.read(member.compress_size)
     if member.method == DEFLATED:
         d = zlib.decompressobj(-15)
-        data = d.decompress(raw, member.file_size + 1)
-        if len(data) != member.file_size:
+        try:
+            data = d.decompress(data, member.file_size + 1)
+        except zlib.error as exc:
             raise builder.corrupt(
-                f"member {member.name!r} inflates to {len(data)} bytes, header says "
-                f"{member.file_size}", member.data_offset, file,
-            )
-        return data
-    raise builder.corrupt(
-        f"member {member.name!r} uses compression method {member.method}; modelsize reads "
-        "stored and deflated members", member.header_offset, file,
-    )
+                f"member {member.name!r} does not inflate ({exc})", member.data_offset, file
+            ) from exc
+        if len(data) != member.file_size:
+            raise _bad_size(member, len(data), builder, file)
+    _check_crc(member, zlib.crc32(data), builder, file)
+    return data
+
+
+def check_members(
+    path: Path, items: Iterable[Member], builder: InventoryBuilder, file: int = 0
+) -> None:
+    """Check members that are charged but not read (code, records, JSON) against their CRC-32,
+    a chunk at a time: nothing of them is kept."""
+    todo = [m for m in items if crc_recorded(m)]
+    if not todo:
+        return
+    with open(path, "rb") as fh:
+        for m in todo:
+            if m.method not in (STORED, DEFLATED):
+                raise _unsupported(m, builder, file)
+            fh.seek(m.data_offset)
+            crc = size = 0
+            left = m.compress_size
+            d = zlib.decompressobj(-15)
+            try:
+                while left:
+                    raw = fh.read(min(left, _CHUNK))
+                    if not raw:
+                        break
+                    left -= len(raw)
+                    while raw:
+                        if m.method == STORED:
+                            data, raw = raw, b""
+                        else:
+                            data = d.decompress(raw, _CHUNK)
+                            raw = d.unconsumed_tail
+                        size += len(data)
+                        if size > m.file_size:
+                            raise _bad_size(m, size, builder, file)
+                        crc = zlib.crc32(data, crc)
+            except zlib.error as exc:
+                raise builder.corrupt(
+                    f"member {m.name!r} does not inflate ({exc})", m.data_offset, file
+                ) from exc
+            if size != m.file_size:
+                raise _bad_size(m, size, builder, file)
+            _check_crc(m, crc, builder, file)
 
 
 def account_headers(builder: InventoryBuilder, items: list[Member], file: int = 0) -> None:

@@ -3,18 +3,107 @@
 A reader has a ``name``, the ``extensions`` it usually sees, ``sniff(source) -> bool`` (magic
 bytes beat extensions) and ``read(source) -> Inventory``. Readers import their framework, if
 any, inside ``read`` so that sniffing costs nothing and ``inspect`` runs without frameworks.
+
+Paths that are neither regular files nor directories are refused before anything opens them:
+opening a named pipe blocks until someone writes to it, and a device such as ``/dev/zero``
+reads as an endless (or empty) file whose size means nothing. :meth:`Source.open` checks the
+path it is given and, for a directory, the entries a reader may open inside it;
+:func:`check_file` is the same check for any other path a reader is about to open.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from modelsize.errors import InputError, printable
 from modelsize.inventory import Inventory
 
 HEAD_BYTES = 4096
+#: How deep :meth:`Source.open` looks into a directory for special files: the directory and
+#: its subfolders (``global_step1/``, ``variables/``, ``checkpoint-500/``), where readers look.
+_SCAN_DEPTH = 2
+#: Entries looked at, at most: a directory this large is no checkpoint, and readers refuse it.
+_SCAN_ENTRIES = 10_000
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+#: stat() errors that mean "nothing there", as :meth:`pathlib.Path.exists` reads them.
+_MISSING = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF)
+
+
+def special_kind(mode: int) -> str | None:
+    """What a path is when it is neither a regular file nor a directory, from its ``st_mode``
+    (``"a named pipe (FIFO)"``, ``"a character device"``...); ``None`` for files and folders."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return next((what for test, what in _SPECIAL if test(mode)), "not a regular file")
+
+
+def not_a_file(path: str | Path, what: str) -> InputError:
+    """The error for a special path (raise it): one line saying what the path is."""
+    return InputError(f"{printable(str(path))}: is {what}, not a model file")
+
+
+def check_file(path: str | Path) -> os.stat_result:
+    """``stat`` of a path a reader is about to open (symlinks followed), refusing FIFOs,
+    devices and sockets with :func:`not_a_file`. ``OSError`` (a missing path...) propagates."""
+    st = os.stat(path)
+    what = special_kind(st.st_mode)
+    if what is not None:
+        raise not_a_file(path, what)
+    return st
+
+
+def is_regular_file(path: str | Path) -> bool:
+    """:meth:`pathlib.Path.is_file` for a file a checkpoint names (a shard in an index...):
+    ``False`` if nothing is there, but a FIFO, device or socket is refused, not passed over."""
+    try:
+        check_file(path)
+    except OSError:
+        return False
+    return True
+
+
+def check_tree(root: Path) -> None:
+    """Refuse a model directory holding a FIFO, device or socket where a reader may look.
+
+    Readers list a checkpoint directory with ``is_file()``, which quietly passes over a named
+    pipe called ``model.safetensors``: the checkpoint would be read without that shard, or a
+    reader would open it and wait forever. No checkpoint holds such entries, so any one of
+    them, down to :data:`_SCAN_DEPTH` levels, is an error. Directory links are not followed.
+    """
+    todo, seen = [(root, 1)], 0
+    while todo:
+        folder, depth = todo.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > _SCAN_ENTRIES:
+                        return
+                    if entry.is_dir(follow_symlinks=False):
+                        if depth < _SCAN_DEPTH:
+                            todo.append((Path(entry.path), depth + 1))
+                        continue
+                    if entry.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        what = special_kind(entry.stat().st_mode)  # a link: its target
+                    except OSError:
+                        continue  # a dangling link is the reader's "missing" to report
+                    if what is not None:
+                        raise not_a_file(entry.path, what)
+        except OSError:
+            continue  # an unreadable subfolder: the reader says so if it needs it
 
 
 @dataclass
@@ -30,15 +119,27 @@ class Source:
 
     @classmethod
     def open(cls, path: str | Path) -> Source:
-        """Stat the path and read the first bytes of a file."""
+        """Stat the path and read the first bytes of a file.
+
+        A FIFO, device or socket is refused (:func:`not_a_file`) without being opened, and so
+        is a directory holding one (:func:`check_tree`).
+        """
         p = Path(path)
-        if p.is_dir():
+        try:
+            st = p.stat()
+        except OSError as exc:
+            if exc.errno in _MISSING:
+                return cls(p, "missing")
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            check_tree(p)
             return cls(p, "dir")
-        if not p.exists():
-            return cls(p, "missing")
+        what = special_kind(st.st_mode)
+        if what is not None:
+            raise not_a_file(p, what)
         with open(p, "rb") as fh:
             head = fh.read(HEAD_BYTES)
-        return cls(p, "file", head, p.stat().st_size)
+        return cls(p, "file", head, st.st_size)
 
     @property
     def suffix(self) -> str:

@@ -18,6 +18,10 @@ What each part is:
 * legacy ``.h5``: ``model_weights/`` weights and buffers (``moving_mean:0``...),
   ``optimizer_weights/`` optimizer state, the ``model_config`` attribute graph.
 * HDF5 structure (headers, B-trees, heaps, attribute names) is metadata.
+
+``config.json`` and ``metadata.json`` are checked against their CRC-32 (as Keras's own
+``zipfile`` does when it loads them); a deflated weights member is too, while it is inflated.
+A stored one is tensor data in place and is not read, so not checked.
 """
 
 from __future__ import annotations
@@ -455,6 +459,7 @@ class KerasReader:
                     builder.notes.append("config.json is not valid JSON")
             elif m.name == "metadata.json":
                 builder.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                _zip.check_members(path, [m], builder)
             elif m.name == WEIGHTS_MEMBER:
                 weights = m
             elif not m.name.endswith("/"):

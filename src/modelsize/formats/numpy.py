@@ -13,7 +13,8 @@ data. It is scanned, never loaded, for the callables it would import; its bytes 
 An ``.npz`` is a zip of ``name.npy`` members. A stored member is a header (metadata) and a
 storage; a deflated member (``np.savez_compressed``) is one compressed storage whose logical
 size is ``numel * itemsize``. Only as much of a deflated member is inflated as its header
-needs, except for object arrays, whose pickle must be scanned whole.
+needs, except for object arrays, whose pickle must be scanned whole: a member read whole is
+checked against its CRC-32 (array data, never read, is not).
 
 A bare ``.npy`` array is taken as a weight whatever its dtype (a single saved array is most
 often one); arrays of an ``.npz`` are classified by name like a state dict
@@ -270,9 +271,13 @@ def _read_at(path: Path, offset: int, limit: int) -> Callable[[int], bytes]:
 
 def _account_plain(
     builder: InventoryBuilder, name: str, start: int, length: int, classify: Classifier,
-    what: str = "",
+    what: str = "", member: _zip.Member | None = None,
 ) -> None:
-    """An uncompressed ``.npy`` stream at ``start`` of ``length`` bytes: header, data, rest."""
+    """An uncompressed ``.npy`` stream at ``start`` of ``length`` bytes: header, data, rest.
+
+    ``member`` is the stored ``.npz`` member holding the stream, if any: an object array's
+    pickle is then read with its member, whole and CRC-checked.
+    """
     path = builder.files[0].path
     try:
         header = parse_header(_read_at(path, start, length), length)
@@ -286,9 +291,13 @@ def _account_plain(
                 f"{what}object-array pickle of {rest} bytes is more than the "
                 f"{MAX_PICKLE} modelsize scans", data_start,
             )
-        with open(path, "rb") as fh:
-            fh.seek(data_start)
-            data = fh.read(rest)
+        if member is not None:
+            whole = _zip.read_member(path, member, builder, MAX_PICKLE + header.nbytes)
+            data = whole[header.nbytes :]
+        else:
+            with open(path, "rb") as fh:
+                fh.seek(data_start)
+                data = fh.read(rest)
         _scan_pickle(builder, data, name, what, data_start)
         builder.add_region(data_start, rest, Category.OTHER, f"pickled object array {name}")
         _declare_array(builder, name, header, classify, None)
@@ -486,7 +495,7 @@ class NpzReader:
                 continue
             if m.method == _zip.STORED:
                 _account_plain(
-                    builder, name, m.data_offset, m.compress_size, classify_member, _member(m)
+                    builder, name, m.data_offset, m.compress_size, classify_member, _member(m), m
                 )
             elif m.method == _zip.DEFLATED:
                 self._account_deflated(builder, source.path, m, name)

@@ -25,7 +25,7 @@ from typing import Any
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
 from modelsize.errors import CorruptFileError, printable
-from modelsize.formats.base import Source
+from modelsize.formats.base import Source, is_regular_file
 from modelsize.inventory import Inventory, InventoryBuilder
 
 #: The Rust implementation refuses headers above this; so do we, before reading one.
@@ -325,7 +325,7 @@ def _shard_paths(index: Path, weight_map: dict[str, str]) -> dict[str, Path]:
                 f"shard {printable(shard)!r} is not a file name inside the index's directory",
             )
         path = index.parent.joinpath(*rel.parts)
-        if not path.is_file():
+        if not is_regular_file(path):  # a FIFO shard is refused, not "missing"
             raise CorruptFileError(
                 index, "safetensors-index",
                 f"shard {printable(shard)!r} named in the index is missing "

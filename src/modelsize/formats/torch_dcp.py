@@ -44,7 +44,7 @@ from modelsize.formats._torch_tree import (
     mapping_items,
     storage_dtype,
 )
-from modelsize.formats.base import Source
+from modelsize.formats.base import Source, is_regular_file
 from modelsize.formats.safetensors import classify_name
 from modelsize.formats.torch_sharded import inside, relative, split_facts
 from modelsize.inventory import Inventory, InventoryBuilder
@@ -368,7 +368,7 @@ class _DcpRead:
         for item in items:
             if item.file not in by_name:
                 path = inside(self.dir, item.file, self.meta_path, FORMAT, "relative_path")
-                if not path.is_file():
+                if not is_regular_file(path):
                     raise self.bad(f"storage_data places {printable(item.fqn)!r} in "
                                    f"{printable(item.file)!r}, which is missing")
                 by_name[item.file] = path
@@ -620,7 +620,7 @@ class TorchDcpReader:
             return False
         if source.path.name == METADATA_NAME:
             return source.head[:1] == b"\x80"  # a pickle, as DCP writes it
-        return source.suffix == SUFFIX and (source.path.parent / METADATA_NAME).is_file()
+        return source.suffix == SUFFIX and is_regular_file(source.path.parent / METADATA_NAME)
 
     def read(self, source: Source) -> Inventory:
         """One inventory over ``.metadata`` and every file it references."""

@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
-from modelsize.formats.base import Source
+from modelsize.formats.base import Source, is_regular_file
 from modelsize.formats.safetensors import read_weight_map
 from modelsize.formats.torch_legacy import TorchLegacyReader
 from modelsize.formats.torch_zip import TorchZipReader
@@ -337,7 +337,7 @@ def read_model(
         weight_map = read_index(index)
         for shard in sorted(set(weight_map.values())):
             path = inside(index.parent, shard, index, FORMAT, "shard")
-            if not path.is_file():
+            if not is_regular_file(path):  # a FIFO shard is refused, not "missing"
                 raise CorruptFileError(
                     index, FORMAT,
                     f"shard {printable(shard)!r} named in the index is missing "

@@ -10,6 +10,10 @@ model, with ``.debug_pkl`` source maps) and ``constants.pkl`` with storages in `
 ``('storage', torch.FloatStorage, key, location, numel)`` becomes a
 :class:`~modelsize.formats._torch_tree.StorageRef` to its zip member, whose size must agree with
 ``numel * itemsize``. :mod:`~modelsize.formats._torch_tree` then names and classifies tensors.
+
+Every member read (the pickles, ``code/*.py``) or charged to graph or metadata (the rest of
+``code/``, the records, ``extra/``) is checked against its CRC-32: a few kB to a few MB, which
+costs nothing next to parsing the pickle. Storages are tensor data, never read, never checked.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class _ZipRead:
         self.members: dict[str, _zip.Member] = {}
         self.archive = ""
         self.roles: ScriptRoles = {}
+        #: Members read whole, so already checked against their CRC-32.
+        self.read_whole: set[str] = set()
 
     def run(self) -> Inventory:
         b = self.builder
@@ -101,6 +107,11 @@ class _ZipRead:
         self.archive = data_pkl.name[: -len("data.pkl")]
         scripted = any(n.startswith(self.archive + "code/") for n in self.members)
         _zip.account_headers(b, items)
+        if not _zip.crc_recorded(data_pkl):
+            b.notes.append(
+                f"{data_pkl.name} records no CRC-32 (saved with compute_crc32=False): the "
+                "archive's members could not be checked for corruption"
+            )
 
         if scripted:
             self.roles = self.read_script_roles(items)
@@ -123,6 +134,7 @@ class _ZipRead:
         if scripted:
             b.facts["torchscript"] = "yes"
 
+        charged: list[_zip.Member] = []  # graph or metadata, not read: CRC-checked below
         for m in items:
             if m.name in done or b.has_storage(m.name):
                 continue
@@ -135,12 +147,16 @@ class _ZipRead:
                 )
             elif rel.startswith("code/"):
                 b.add_region(m.data_offset, m.compress_size, Category.GRAPH, m.name)
+                if m.name not in self.read_whole:
+                    charged.append(m)
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                charged.append(m)
             else:
                 if rel.endswith(".pkl") and "/" not in rel:
                     self.scan_for_globals(m, scripted)  # e.g. TorchScript's traced_inputs.pkl
                 b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
+        _zip.check_members(self.path, charged, b)
         return b.build()
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
@@ -196,6 +212,7 @@ class _ZipRead:
         for m in items:
             if m.name.startswith(code) and m.name.endswith(".py"):
                 text = _zip.read_member(self.path, m, self.builder, limit=_MAX_CODE)
+                self.read_whole.add(m.name)
                 module = m.name[len(code) : -len(".py")].replace("/", ".")
                 roles.update(script_roles(module, text.decode("utf-8", "replace")))
         return roles

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from modelsize.errors import UsageError, printable
+from modelsize.formats.base import special_kind
 
 T = TypeVar("T")
 
@@ -81,6 +82,15 @@ class Output:
                     "choose another -o path"
                 )
         existing = [p for p in paths if p.exists() or p.is_symlink()]
+        for p in existing:
+            # --force replaces files, never a FIFO or a device: as root, /dev/null would go.
+            with contextlib.suppress(OSError):
+                what = special_kind(p.stat().st_mode)
+                if what is not None:
+                    raise UsageError(
+                        f"{printable(str(p))}: is {what}, not a file slim may replace; "
+                        "choose another -o path"
+                    )
         if existing and not self.force:
             raise UsageError(
                 f"{printable(str(existing[0]))} exists; use --force to replace it"
