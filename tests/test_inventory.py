@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
-from modelsize.categories import Category
+from modelsize.categories import PRECEDENCE, Category
 from modelsize.errors import AccountingError, CorruptFileError
-from modelsize.inventory import FileInfo, Inventory, InventoryBuilder
+from modelsize.inventory import FileInfo, Inventory, InventoryBuilder, element_runs
 
 
 def _file(tmp_path: Path, data: bytes, name: str = "f.bin") -> Path:
@@ -55,14 +56,15 @@ def test_shared_storage_counts_once_with_precedence(tmp_path: Path) -> None:
     assert [t.stored_nbytes for t in inv.tensors] == [0, 64]
 
 
-def test_strided_view_spans_first_to_last_element(tmp_path: Path) -> None:
+def test_strided_view_reaches_its_elements_only(tmp_path: Path) -> None:
     p = _file(tmp_path, bytes(4 * 12))
     b = InventoryBuilder("test", [p])
     b.add_storage("s", 0, 48)  # a 3x4 float32 matrix
     b.add_tensor("col0", "float32", (3,), Category.WEIGHTS, storage="s", strides=(4,))
     inv = b.build()
-    assert inv.bytes_by_category[Category.WEIGHTS] == (2 * 4 + 1) * 4
-    assert inv.bytes_by_category[Category.UNUSED_STORAGE] == 48 - 36
+    assert inv.bytes_by_category[Category.WEIGHTS] == 3 * 4  # elements 0, 4 and 8
+    assert inv.bytes_by_category[Category.UNUSED_STORAGE] == 48 - 12
+    assert inv.tensors[0].stored_nbytes == 12
 
 
 def test_identical_storages_are_duplicates_but_constant_ones_are_not(tmp_path: Path) -> None:
@@ -105,3 +107,175 @@ def test_multi_file_checkpoints_account_each_file(tmp_path: Path) -> None:
     assert inv.file_bytes == 40
     assert inv.bytes_by_category[Category.WEIGHTS] == 8
     assert inv.bytes_by_category[Category.METADATA] == 32
+
+
+# -- storages no tensor reaches ------------------------------------------------------------
+
+
+def test_storages_without_any_tensor_are_a_parser_failure(tmp_path: Path) -> None:
+    p = _file(tmp_path, bytes(100))
+    b = InventoryBuilder("test", [p])
+    b.add_storage("a", 0, 40)
+    b.add_storage("b", 40, 40)
+    with pytest.raises(CorruptFileError, match="found 2 storages but no tensor refers to them: "
+                       "this looks like a file layout modelsize does not understand; "
+                       "please report it"):
+        b.build()
+
+
+def test_storages_mostly_unreached_are_a_parser_failure(tmp_path: Path) -> None:
+    p = _file(tmp_path, bytes(100))
+    b = InventoryBuilder("test", [p])
+    b.layout = "pickle"
+    for i, key in enumerate("abc"):
+        b.add_storage(key, 10 * i, 10)
+    b.add_tensor("w", "uint8", (10,), Category.WEIGHTS, storage="a")
+    with pytest.raises(CorruptFileError, match="found 3 storages but no tensor refers to 2 of "
+                       "them: this looks like a pickle layout"):
+        b.build()
+
+
+def test_a_few_unreached_storages_among_reached_ones_are_unused(tmp_path: Path) -> None:
+    p = _file(tmp_path, bytes(100))
+    b = InventoryBuilder("test", [p])
+    for i, key in enumerate("abc"):
+        b.add_storage(key, 10 * i, 10)
+    b.add_tensor("a", "uint8", (10,), Category.WEIGHTS, storage="a")
+    b.add_tensor("b", "uint8", (2,), Category.WEIGHTS, storage="b")
+    cats = b.build().bytes_by_category
+    assert cats[Category.WEIGHTS] == 12 and cats[Category.UNUSED_STORAGE] == 8 + 10
+
+
+def test_one_big_storage_and_a_small_slice_is_legitimate(tmp_path: Path) -> None:
+    p = _file(tmp_path, bytes(1 << 20))
+    b = InventoryBuilder("test", [p])
+    b.add_storage("s", 0, 1 << 20)
+    b.add_tensor("head", "float32", (4,), Category.WEIGHTS, storage="s", storage_offset=8)
+    cats = b.build().bytes_by_category
+    assert cats[Category.WEIGHTS] == 16 and cats[Category.UNUSED_STORAGE] == (1 << 20) - 16
+
+
+# -- the bytes a strided view reaches ----------------------------------------------------------
+
+
+def _elements(shape: tuple[int, ...], strides: tuple[int, ...], offset: int = 0) -> set[int]:
+    """Every element index a view reaches, listed one by one (small views only)."""
+    found = {offset}
+    for d, s in zip(shape, strides, strict=True):
+        found = {i + k * s for i in found for k in range(d)}
+    return found if all(shape) else set()
+
+
+def _runs_of(elements: set[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i in sorted(elements):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def test_element_runs_agree_with_listing_every_element() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        ndim = rng.randint(1, 4)
+        shape = tuple(rng.choice((0, 1, 2, 3, 4, 5, 7)) for _ in range(ndim))
+        strides = tuple(rng.choice((-6, -1, 0, 1, 2, 3, 4, 5, 8, 12, 30)) for _ in range(ndim))
+        expected = _elements(shape, strides)
+        first, stop, runs, count, approximate = element_runs(shape, strides)
+        assert not approximate
+        assert count == len(expected), (shape, strides)
+        assert runs == _runs_of(expected), (shape, strides)
+        if expected:
+            assert (first, stop) == (min(expected), max(expected) + 1)
+        # With room for only a few runs the count stays exact unless elements repeat, and an
+        # approximation only ever covers more.
+        first, stop, few, count, approximate = element_runs(shape, strides, limit=3)
+        if approximate:
+            assert count >= len(expected)
+            listed = few if few is not None else [(first, stop)]
+            assert expected <= {i for a, b in listed for i in range(a, b)}
+        else:
+            assert count == len(expected), (shape, strides)
+            assert few is None or few == _runs_of(expected)
+
+
+_Views = dict[str, tuple[Category, tuple[int, ...], tuple[int, ...], int]]
+
+
+def _views_build(tmp_path: Path, views: _Views, size: int) -> Inventory:
+    p = _file(tmp_path, bytes(size * 4), "views.bin")
+    b = InventoryBuilder("test", [p])
+    b.add_storage("s", 0, size * 4)
+    for name, (cat, shape, strides, offset) in views.items():
+        b.add_tensor(name, "float32", shape, cat, storage="s", strides=strides,
+                     storage_offset=offset)
+    return b.build()
+
+
+def test_views_of_one_storage_are_charged_their_union(tmp_path: Path) -> None:
+    views = {  # a 20x30 float32 matrix seen five ways
+        "cols": (Category.WEIGHTS, (20, 3), (30, 1), 4),
+        "rows": (Category.WEIGHTS, (2, 30), (30, 1), 60),
+        "steps": (Category.OPTIMIZER_STATE, (7, 5), (90, 7), 2),
+        "t": (Category.ACTIVATIONS, (4, 6), (1, 30), 100),
+        "overlapping": (Category.BUFFERS, (5, 3, 2), (1, 1, 2), 450),
+    }
+    inv = _views_build(tmp_path, views, 600)
+    reached = {n: {4 * e + k for e in _elements(v[1], v[2], v[3]) for k in range(4)}
+               for n, v in views.items()}
+    order = sorted(views, key=lambda n: (PRECEDENCE.index(views[n][0]), list(views).index(n)))
+    taken: set[int] = set()
+    stored: dict[str, int] = {}
+    for n in order:
+        stored[n] = len(reached[n] - taken)
+        taken |= reached[n]
+    assert {t.name: t.stored_nbytes for t in inv.tensors} == stored
+    cats = inv.bytes_by_category
+    for cat in (Category.WEIGHTS, Category.OPTIMIZER_STATE, Category.ACTIVATIONS,
+                Category.BUFFERS):
+        assert cats[cat] == sum(stored[n] for n in views if views[n][0] is cat)
+    assert cats[Category.UNUSED_STORAGE] == 600 * 4 - len(taken)
+    assert not inv.notes
+
+
+def test_huge_fake_views_are_counted_exactly(tmp_path: Path) -> None:
+    """Metadata only: 10**9-element storages in a sparse file, each viewed by one huge view
+    (3 columns of every row; 5 pairs of odd rows), and a slice beside one of them."""
+    rows, cols = 10**6, 1000
+    n = 4 * rows * cols
+    p = tmp_path / "sparse.bin"
+    with open(p, "wb") as fh:
+        fh.truncate(2 * n)
+    b = InventoryBuilder("test", [p])
+    b.add_storage("a", 0, n)
+    b.add_storage("b", n, n)
+    b.add_tensor("w", "float32", (rows - 1, 3), Category.WEIGHTS, storage="a",
+                 strides=(cols, 1))
+    b.add_tensor("head", "float32", (5,), Category.WEIGHTS, storage="a",
+                 storage_offset=(rows - 1) * cols)  # the last row: past w's span
+    b.add_tensor("x", "float32", (rows // 2, 5, 2), Category.WEIGHTS, storage="b",
+                 strides=(2 * cols, 100, 1), storage_offset=cols + 7)
+    inv = b.build()
+    stored = [4 * (rows - 1) * 3, 4 * 5, 4 * rows // 2 * 10]
+    assert [t.stored_nbytes for t in inv.tensors] == stored
+    assert inv.bytes_by_category[Category.WEIGHTS] == sum(stored)
+    assert inv.bytes_by_category[Category.UNUSED_STORAGE] == 2 * n - sum(stored)
+    assert not inv.notes
+
+
+def test_huge_overlapping_views_are_merged_conservatively_with_a_note(tmp_path: Path) -> None:
+    rows, cols = 10**6, 1000
+    p = tmp_path / "sparse.bin"
+    with open(p, "wb") as fh:
+        fh.truncate(4 * rows * cols)
+    b = InventoryBuilder("test", [p])
+    b.add_storage("s", 0, 4 * rows * cols)
+    b.add_tensor("w", "float32", (rows, 3), Category.WEIGHTS, storage="s", strides=(cols, 1))
+    b.add_tensor("v", "float32", (rows, 3), Category.WEIGHTS, storage="s", strides=(cols, 1),
+                 storage_offset=1)
+    inv = b.build()
+    weights = inv.bytes_by_category[Category.WEIGHTS]
+    assert 4 * rows * 4 <= weights <= 4 * ((rows - 1) * cols + 4)  # exact <= charged <= span
+    assert any("more than 65,536 separate runs" in n for n in inv.notes)

@@ -14,6 +14,7 @@ which fills the gaps, resolves shared storages and duplicates, and derives the t
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Callable, Iterable
@@ -165,16 +166,66 @@ class Inventory:
         return [t for t in self.tensors if t.category in wanted]
 
 
+#: Runs of elements one strided view is listed by. Past it, a view whose elements do not
+#: overlap keeps its exact byte count but is merged with other views of its storage as its whole
+#: span, and a self-overlapping one is taken as its span: overestimates, each with a note.
+MAX_RUNS = 1 << 16
+
+
 class _View:
-    """The bytes ``start..stop`` of its storage that tensor ``record_index`` reaches."""
+    """The bytes of its storage that tensor ``record_index`` reaches.
 
-    __slots__ = ("category", "record_index", "start", "stop")
+    ``start..stop`` is the span from its first to its last byte and ``nbytes`` the bytes its
+    elements occupy in it. ``runs`` lists them as sorted, disjoint ``(start, stop)`` byte
+    ranges, listed on demand (:meth:`listed`): a view alone in its part of a storage is charged
+    ``nbytes`` without them. ``layout`` (shape, strides, byte offset, element size) is kept for
+    that of a strided view. ``approximate`` says an overestimate was made.
+    """
 
-    def __init__(self, record_index: int, start: int, stop: int, category: Category) -> None:
+    __slots__ = (
+        "approximate", "category", "layout", "nbytes", "record_index", "runs", "start", "stop",
+    )
+
+    def __init__(
+        self,
+        record_index: int,
+        category: Category,
+        start: int,
+        stop: int,
+        nbytes: int,
+        layout: tuple[tuple[int, ...], tuple[int, ...], int, int] | None = None,
+        approximate: bool = False,
+    ) -> None:
         self.record_index = record_index
+        self.category = category
         self.start = start
         self.stop = stop
-        self.category = category
+        self.nbytes = nbytes
+        self.layout = layout
+        self.approximate = approximate
+        self.runs: list[tuple[int, int]] | None = None
+
+    def listed(self) -> list[tuple[int, int]]:
+        """Its byte runs; past :data:`MAX_RUNS` of them, its span (an overestimate)."""
+        if self.runs is not None:
+            return self.runs
+        if self.layout is None:
+            self.runs = [(self.start, self.stop)]
+            self.approximate = self.approximate or self.nbytes != self.stop - self.start
+            return self.runs
+        shape, strides, offset, size = self.layout
+        first, stop, runs, count, approximate = element_runs(shape, strides, MAX_RUNS)
+        self.nbytes, self.approximate = count * size, approximate
+        if runs is None:  # too many to list: the span stands for them
+            runs, self.approximate = [(first, stop)], True
+        self.runs = [(offset + a * size, offset + b * size) for a, b in runs]
+        return self.runs
+
+    def clip(self, size: int) -> None:
+        """Keep only what lies inside a storage of ``size`` bytes."""
+        self.runs = [(max(a, 0), min(b, size)) for a, b in self.listed() if b > 0 and a < size]
+        self.start, self.stop = max(0, self.start), max(0, min(size, self.stop))
+        self.nbytes = sum(b - a for a, b in self.runs)
 
 
 #: What a reader declared of a storage: (file, offset, nbytes, logical nbytes, compressed,
@@ -205,6 +256,9 @@ class InventoryBuilder:
         self.facts: dict[str, str] = {}
         if root is not None:
             self.facts["path"] = str(root)
+        #: What the reader parsed, for the message when storages are left without tensors
+        #: (the tree walker of pickled checkpoints sets ``pickle``).
+        self.layout = "file"
 
     # -- what readers call -------------------------------------------------------------
     def corrupt(self, reason: str, offset: int | None = None, file: int = 0) -> CorruptFileError:
@@ -287,19 +341,13 @@ class InventoryBuilder:
         strides_t = tuple(map(int, strides)) if strides is not None else None
         if strides_t is not None and is_contiguous(shape_t, strides_t):
             strides_t = None
-        if strides_t is None or n == 0:
-            span = nbytes
-        else:
-            last = 0
-            for d, s in zip(shape_t, strides_t, strict=False):
-                last += (d - 1) * abs(s)
-            span = dt.nbytes(last + 1) if dt else 0
         offset_bytes = dt.nbytes(int(storage_offset)) if dt and storage_offset else 0
         self._tensors.append(
             dict(
                 name=name, dtype=dt_name, shape=shape_t, category=category, nbytes=nbytes,
-                storage=storage, storage_offset=offset_bytes, span=span, tags=tuple(tags),
+                storage=storage, storage_offset=offset_bytes, tags=tuple(tags),
                 strides=strides_t if n else None, container=container,
+                block=(dt.block, dt.block_bytes) if dt else (1, 0),
             )
         )
 
@@ -318,38 +366,49 @@ class InventoryBuilder:
                 continue
             if key not in self._storages:
                 raise self.corrupt(f"tensor {t['name']!r} refers to missing storage {key!r}")
-            by_storage.setdefault(key, []).append(
-                _View(i, t["storage_offset"], t["storage_offset"] + t["span"], t["category"])
-            )
+            if t["strides"] is None:  # contiguous: most tensors, built here at no extra call
+                start, n = t["storage_offset"], t["nbytes"]
+                view = _View(i, t["category"], start, start + n, n)
+            else:
+                view = _view_of(i, t)
+            views = by_storage.get(key)
+            if views is None:
+                by_storage[key] = [view]
+            else:
+                views.append(view)
+        self._check_reached(by_storage)
 
         storages: dict[str, StorageRecord] = {}
         rank = {c: i for i, c in enumerate(PRECEDENCE)}
+        approximated: list[str] = []
         for key, (file, offset, nbytes, logical, compressed, dtype) in self._storages.items():
             totals: dict[Category, int] = {}
             views = by_storage.get(key, [])
-            if len(views) > 1:
-                views = sorted(views, key=lambda v: (rank[v.category], v.record_index))
             if compressed:
                 # Compressed bytes cannot be mapped to element ranges: the best view owns all.
+                if len(views) > 1:
+                    views = sorted(views, key=lambda v: (rank[v.category], v.record_index))
                 if views:
                     totals[views[0].category] = nbytes
                     stored[views[0].record_index] += nbytes
                 else:
                     totals[Category.UNUSED_STORAGE] = nbytes
             else:
-                covered: list[tuple[int, int]] = []
-                for v in views:
-                    start, stop = max(0, v.start), min(nbytes, v.stop)
-                    new = _uncovered(covered, start, stop) if covered else max(0, stop - start)
-                    if new:
-                        totals[v.category] = totals.get(v.category, 0) + new
-                        stored[v.record_index] += new
-                        covered = _merge(covered, start, stop) if covered else [(start, stop)]
-                unused = nbytes - sum(b - a for a, b in covered)
-                if unused:
-                    totals[Category.UNUSED_STORAGE] = unused
+                reached = _charge(views, nbytes, rank, totals, stored)
+                approximated.extend(self._tensors[v.record_index]["name"]
+                                    for v in views if v.approximate)
+                if nbytes > reached:
+                    totals[Category.UNUSED_STORAGE] = nbytes - reached
             storages[key] = StorageRecord(
                 key, file, offset, nbytes, logical, compressed, dtype, totals
+            )
+        if approximated:
+            more = f" and {len(approximated) - 1} more" if len(approximated) > 1 else ""
+            self.notes.append(
+                f"the bytes reached by {approximated[0]!r}{more} are counted up to the span of "
+                f"the view where it meets other views or repeats elements: its elements form "
+                f"more than {MAX_RUNS:,} separate runs, too many to list one by one "
+                "(unused_storage may be understated)"
             )
 
         dup_of: dict[str, str] = self._find_duplicates(storages, by_storage) if dedupe else {}
@@ -397,6 +456,28 @@ class InventoryBuilder:
             unsafe_globals=tuple(self._unsafe),
             notes=tuple(dict.fromkeys(self.notes)),
             facts=dict(self.facts),
+        )
+
+    def _check_reached(self, by_storage: dict[str, list[_View]]) -> None:
+        """Refuse storages left without tensors by a layout the reader did not understand.
+
+        Whole storages that no tensor refers to, in a file where no storage (or fewer storages
+        than those) is reached, are a parser's failure, not a finding: reported as
+        ``unused_storage``, they would have the user slim the model away.
+        """
+        unreached = [k for k, d in self._storages.items() if d[2] and k not in by_storage]
+        if not unreached or len(unreached) <= len(by_storage):
+            return
+        if not by_storage:
+            n = len(unreached)
+            what = f"{n} storages but no tensor refers to them" if n > 1 else (
+                "1 storage but no tensor refers to it")
+        else:
+            what = (f"{len(self._storages)} storages but no tensor refers to "
+                    f"{len(unreached)} of them")
+        raise self.corrupt(
+            f"found {what}: this looks like a {self.layout} layout modelsize does not "
+            "understand; please report it"
         )
 
     def _gaps(self, storages: Iterable[StorageRecord], default: Category) -> list[Region]:
@@ -614,19 +695,172 @@ def is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return True
 
 
-def _uncovered(covered: list[tuple[int, int]], start: int, stop: int) -> int:
-    """Bytes of [start, stop) not inside any of the sorted, disjoint ``covered`` intervals."""
-    if stop <= start:
-        return 0
-    inside = sum(max(0, min(b, stop) - max(a, start)) for a, b in covered)
-    return (stop - start) - inside
+# -- the bytes views reach ------------------------------------------------------------------
 
 
-def _merge(covered: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+def _view_of(index: int, t: dict[str, Any]) -> _View:
+    """The bytes of its storage the declared tensor ``t`` reaches (see :func:`element_runs`)."""
+    offset, nbytes, strides = t["storage_offset"], t["nbytes"], t["strides"]
+    block, block_bytes = t["block"]
+    if strides is None or nbytes == 0:
+        return _View(index, t["category"], offset, offset + nbytes, nbytes)
+    # Span and element count only (one run at most): most views need no more.
+    first, stop, _, count, approximate = element_runs(t["shape"], strides, 1)
+    if block != 1:
+        # Packed sub-byte elements share bytes: only the span can be said to be reached.
+        start = offset + (first // block) * block_bytes
+        span = -(-(stop - first) // block) * block_bytes
+        return _View(index, t["category"], start, start + span, span)
+    return _View(index, t["category"], offset + first * block_bytes,
+                 offset + stop * block_bytes, count * block_bytes,
+                 (t["shape"], strides, offset, block_bytes), approximate)
+
+
+def element_runs(
+    shape: tuple[int, ...], strides: tuple[int, ...], limit: int = MAX_RUNS
+) -> tuple[int, int, list[tuple[int, int]] | None, int, bool]:
+    """The storage elements a view of ``shape`` and ``strides`` reaches, from its offset.
+
+    Returns ``(first, stop, runs, count, approximate)``: the span ``first..stop`` (``first`` is
+    negative where a stride is), the sorted, disjoint runs of elements in it (``None`` when
+    there would be more than ``limit``) and the number of elements reached. Computed a dimension
+    at a time from the smallest stride, as runs of a repeated pattern, never as a set of
+    indices: a column slice ``big[:, :3]`` of a 1000x1000 matrix is 1000 runs of 3 elements,
+    ``numel`` elements counted exactly however large. Past ``limit`` runs, a pattern whose
+    copies overlap (``as_strided`` views that reuse elements) is taken as its span and
+    ``approximate`` is set.
+    """
+    base = 0
+    dims: list[tuple[int, int]] = []
+    for d, s in zip(shape, strides, strict=False):
+        if d == 0:
+            return 0, 0, [], 0, False
+        if d == 1 or s == 0:
+            continue  # one element along it, or the same elements again (expand)
+        if s < 0:
+            base += (d - 1) * s
+            s = -s
+        dims.append((s, d))
+    dims.sort()
+    runs: list[tuple[int, int]] | None = [(0, 1)]
+    hull = count = 1
+    approximate = False
+    for s, d in dims:
+        if runs is not None and len(runs) == 1 and s <= hull:
+            # Copies of one block that overlap or touch: still one block.
+            hull += (d - 1) * s
+            runs, count = [(0, hull)], hull
+        elif s >= hull:
+            # Copies that cannot overlap: every element is new (exact without listing them).
+            runs = _repeat(runs, d, s) if runs is not None and len(runs) * d <= limit else None
+            count *= d
+            hull += (d - 1) * s
+        elif runs is not None and len(runs) * d <= limit:
+            runs = _union([(a + i * s, b + i * s) for i in range(d) for a, b in runs])
+            hull += (d - 1) * s
+            count = sum(b - a for a, b in runs)
+        else:
+            hull += (d - 1) * s
+            runs, count, approximate = [(0, hull)], hull, True
+    if base:
+        runs = None if runs is None else [(a + base, b + base) for a, b in runs]
+    return base, base + hull, runs, count, approximate
+
+
+def _repeat(runs: list[tuple[int, int]], d: int, s: int) -> list[tuple[int, int]]:
+    """``runs`` and ``d - 1`` copies of them, each ``s`` further (copies do not overlap)."""
     out: list[tuple[int, int]] = []
-    for a, b in sorted([*covered, (start, stop)]):
+    for i in range(d):
+        shift = i * s
+        for a, b in runs:
+            a, b = a + shift, b + shift
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+    return out
+
+
+def _union(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint ranges covering the same elements as ``runs``."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(runs):
         if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
         else:
             out.append((a, b))
     return out
+
+
+def _charge(
+    views: list[_View],
+    size: int,
+    rank: dict[Category, int],
+    totals: dict[Category, int],
+    stored: list[int],
+) -> int:
+    """Charge the bytes of a storage of ``size`` bytes its ``views`` reach; return their total.
+
+    A byte reached by several views is charged once, to the first by category precedence.
+    Views whose spans overlap no other view's are charged their exact bytes without listing
+    them; only groups of overlapping spans are merged, run by run.
+    """
+    reached = 0
+    live = []
+    for v in views:
+        if v.start < 0 or v.stop > size:
+            v.clip(size)
+        if v.nbytes:
+            live.append(v)
+    if len(live) > 1:
+        live.sort(key=lambda v: v.start)
+    groups: list[list[_View]] = []
+    group_stop = 0
+    for v in live:
+        if groups and v.start < group_stop:
+            groups[-1].append(v)
+            group_stop = max(group_stop, v.stop)
+        else:
+            groups.append([v])
+            group_stop = v.stop
+    for group in groups:
+        if len(group) == 1:
+            only = group[0]
+            if only.approximate:
+                only.listed()  # elements that repeat: listed, they are counted once
+            totals[only.category] = totals.get(only.category, 0) + only.nbytes
+            stored[only.record_index] += only.nbytes
+            reached += only.nbytes
+        else:
+            reached += _charge_overlapping(group, rank, totals, stored)
+    return reached
+
+
+def _charge_overlapping(
+    group: list[_View], rank: dict[Category, int], totals: dict[Category, int],
+    stored: list[int],
+) -> int:
+    """:func:`_charge` for views whose spans overlap: their runs merged in precedence order."""
+    starts: list[int] = []
+    stops: list[int] = []
+    covered = 0
+    for v in sorted(group, key=lambda v: (rank[v.category], v.record_index)):
+        new = 0
+        for a, b in v.listed():
+            i = bisect.bisect_left(stops, a)  # the first range that ends at or after a
+            j = bisect.bisect_right(starts, b)  # past the last that starts at or before b
+            if i == j:
+                starts.insert(i, a)
+                stops.insert(i, b)
+                new += b - a
+                continue
+            lo, hi = min(a, starts[i]), max(b, stops[j - 1])
+            new += (hi - lo) - sum(stops[k] - starts[k] for k in range(i, j))
+            starts[i:j] = [lo]
+            stops[i:j] = [hi]
+        if new:
+            totals[v.category] = totals.get(v.category, 0) + new
+            stored[v.record_index] += new
+            covered += new
+    return covered

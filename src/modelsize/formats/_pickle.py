@@ -193,6 +193,10 @@ SAFE_CALLS: frozenset[str] = (
         "torch.jit._pickle.restore_type_tag",
         # joblib's placeholder for an array whose bytes follow it in the file.
         "joblib.numpy_pickle.NumpyArrayWrapper",
+        # torch 0.3/0.4 module pickles: a function whose body is `pass` in today's torch
+        # (kept for old pickles only), and the pre-0.4 tensor wrapper.
+        "torch.nn.backends.thnn._get_thnn_function_backend",
+        "torch.autograd.variable.Variable",
     }
 )
 _TENSOR_TYPES = frozenset(

@@ -16,6 +16,13 @@ to the :class:`~modelsize.inventory.InventoryBuilder` with its category:
   buffers. Paths through an EMA copy (``ema``, ``model_ema``, ``shadow_params``...) add the tag
   ``ema``.
 
+Tensors are recognised in the forms of every torch generation: ``_rebuild_tensor`` (0.3),
+``_rebuild_tensor_v2`` (0.4 on), ``_v3``, ``Parameter(data, requires_grad)`` and
+``Variable(data)`` (0.3/0.4), ``_rebuild_parameter`` and ``_rebuild_parameter_with_state``;
+mappings in the forms of both Pythons (Python 2 rebuilds an ``OrderedDict`` from a list of
+``[key, value]`` lists). A storage saved by itself, outside any tensor, is a 1-D tensor tagged
+``storage``.
+
 The walk is iterative (no recursion however deep the pickle nests) and visits each object once:
 a tensor pickled twice through the memo (tied weights) is declared under both names, as two
 views of the same bytes.
@@ -32,7 +39,7 @@ from typing import Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
-from modelsize.formats._pickle import Blob, Call, Global, PersistentId, UnhashableKey
+from modelsize.formats._pickle import Blob, Call, Data, Global, PersistentId, UnhashableKey
 from modelsize.inventory import InventoryBuilder
 
 MAX_DIMS = 256
@@ -70,6 +77,8 @@ _NUMPY_TYPES = {
     "i4": "int32", "i8": "int64", "u1": "uint8", "u2": "uint16", "u4": "uint32",
     "u8": "uint64", "b1": "bool", "c8": "complex64", "c16": "complex128",
 }
+#: Classes that old torch pickles call on a tensor to wrap it (see :meth:`_Walker.tensor`).
+_WRAPPER_CALLS = frozenset({"torch.nn.parameter.Parameter", "torch.autograd.variable.Variable"})
 _SPARSE_PARTS = {
     "torch.sparse_coo": ("indices", "values"),
 }
@@ -236,7 +245,12 @@ def mapping_items(obj: object) -> list[tuple[object, object]] | None:
     if isinstance(obj, Call) and global_name(obj.func) in _MAPPING_CALLS:
         pairs: list[tuple[object, object]] = []
         if obj.args and isinstance(obj.args[0], (list, tuple)):
-            pairs.extend(p for p in obj.args[0] if isinstance(p, tuple) and len(p) == 2)
+            # Python 3 pickles pairs as tuples; Python 2's OrderedDict.__reduce__ as [key, value]
+            # lists (every PyTorch 0.x state dict saved under Python 2).
+            pairs.extend(
+                (p[0], p[1]) for p in obj.args[0]
+                if isinstance(p, (tuple, list)) and len(p) == 2
+            )
         elif obj.args and isinstance(obj.args[0], dict):
             pairs.extend(obj.args[0].items())
         pairs.extend(obj.dictitems)
@@ -379,6 +393,13 @@ class _Walker:
             if len(a) > 3:
                 inner.extras.append(("", a[3]))
             return inner
+        if name in _WRAPPER_CALLS and a and isinstance(a[0], Call):
+            # torch 0.3/0.4 reduce a Parameter to ``Parameter(data, requires_grad)`` and a
+            # Variable to ``Variable(data)``: the class called on the tensor it wraps.
+            wrapped = self.tensor(a[0])
+            if wrapped is not None:
+                wrapped.parameter = name == "torch.nn.parameter.Parameter"
+                return wrapped
         if name == "torch._tensor._rebuild_from_type_v2":
             if len(a) < 3 or not isinstance(a[2], tuple):
                 raise _Invalid("_rebuild_from_type_v2 needs (func, type, args, state)")
@@ -520,6 +541,13 @@ class _Walker:
             sub = path.child(suffix) if suffix else path
             self.todo.append((extra, sub, sub_ctx if suffix else ctx))
 
+    def declare_storage(self, ref: StorageRef, path: _Path, ctx: _Ctx) -> None:
+        """A storage met outside any tensor, declared as a 1-D tensor over all its elements."""
+        numel = ref.numel if ref.view_numel is None else ref.view_numel
+        t = _Tensor(ref.dtype, (numel,), None, ref)
+        self.declare_one(t, path.name() or "storage", self.category(t, path, ctx),
+                         (*ctx.tags, "storage"), path)
+
     def container(self, path: _Path) -> str:
         """The root mapping's key above ``path`` (with its dot) when the tensor lies deeper than
         the root's own values: ``model.`` for ``model.fc1.weight`` in ``{"model": state_dict}``."""
@@ -608,6 +636,11 @@ class _Walker:
                         self.declare(t, path, ctx)
                 continue
             seen.add(id(value))
+            if type(value) is StorageRef:
+                # A storage saved by itself (torch.save({"s": t.untyped_storage()})): its
+                # elements are data, as a 1-D tensor of the storage's dtype.
+                self.declare_storage(value, path, ctx)
+                continue
             if isinstance(value, Call):
                 # Tensors first, and without a generator: they are most of what is walked (and
                 # a tensor is no mapping: it has no optimizer keys).
@@ -796,6 +829,7 @@ def classify(
     :func:`script_roles`). Nonsense rebuild arguments raise the builder's
     :class:`~modelsize.errors.CorruptFileError`.
     """
+    builder.layout = "pickle"
     walker = _Walker(builder, blob_base, script_roles or {})
     try:
         walker.walk(root, prefix)
@@ -877,3 +911,60 @@ def script_roles(module: str, source: str) -> ScriptRoles:
             if len(found) == 2:
                 roles[current] = (found["parameters"], found["buffers"])
     return roles
+
+
+def place_python2_array(data: Data, obj: Call, build_end: int) -> None:
+    """A ``BUILD`` hook for :func:`~modelsize.formats._pickle.scan`: the data of a Python 2
+    NumPy array is a ``str`` (the parser decodes it); give it its place in ``data`` instead, a
+    :class:`Blob`, so that the array is itemized like a Python 3 one. Returns ``None`` (the
+    hook's "nothing to skip")."""
+    state = obj.state
+    if (
+        isinstance(state, tuple) and len(state) == 5 and type(state[4]) is str
+        and global_name(obj.func).endswith("multiarray._reconstruct")
+    ):
+        blob = _python2_array_data(data, build_end, state[4])
+        if blob is not None:
+            obj.state = (*state[:4], blob)
+
+
+def _python2_array_data(data: Data, build_end: int, raw: str) -> Blob | None:
+    """Where the ``str`` data of a Python 2 array lies, from the opcodes that end its BUILD.
+
+    Python 2 pickles ``ndarray.__reduce__``'s state as ``MARK ... <data> [PUT] TUPLE [PUT]
+    BUILD``, the data a ``BINSTRING``/``SHORT_BINSTRING`` of the raw bytes: the few layouts
+    that end at ``build_end`` are tried, and one is taken only where the string's header
+    holds its length and its first and last bytes are the parsed string's.
+    """
+    n = len(raw)
+    if build_end < 2 or data[build_end - 1] != ord("b"):
+        return None
+    for tuple_end in _before_put(data, build_end - 1):
+        if tuple_end < 1 or data[tuple_end - 1] != ord("t"):
+            continue
+        for end in _before_put(data, tuple_end - 1):
+            start = end - n
+            if start >= 5 and data[start - 5] == ord("T"):
+                header_ok = int.from_bytes(data[start - 4 : start], "little") == n
+            elif start >= 2 and data[start - 2] == ord("U"):
+                header_ok = data[start - 1] == n
+            else:
+                continue
+            probe = min(n, 64)
+            if (
+                header_ok
+                and bytes(data[start : start + probe]) == raw[:probe].encode("latin-1")
+                and bytes(data[end - probe : end]) == raw[n - probe :].encode("latin-1")
+            ):
+                return Blob(start, n)
+    return None
+
+
+def _before_put(data: Data, end: int) -> list[int]:
+    """``end``, and where a ``BINPUT``/``LONG_BINPUT`` that could end at ``end`` starts."""
+    found = [end]
+    if end >= 2 and data[end - 2] == ord("q"):
+        found.append(end - 2)
+    if end >= 5 and data[end - 5] == ord("r"):
+        found.append(end - 5)
+    return found

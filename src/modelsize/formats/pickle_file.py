@@ -7,6 +7,11 @@ tensors whose data is accounted as a storage of its own; bytes after the last pi
 ``other``. Every callable a load would import and call and that is not known to be safe is
 listed in ``unsafe_globals``.
 
+Python 2 pickled a NumPy array's data as a ``str`` (``BINSTRING``/``SHORT_BINSTRING``, the
+raw bytes in the file): the parser places such data by the opcodes around it, so that the array
+is itemized like a Python 3 one. (Protocol 0 escapes the bytes as text: those arrays stay part
+of the pickle's bytes.)
+
 Uncompressed joblib files are pickles too, with one twist: after each
 ``joblib.numpy_pickle.NumpyArrayWrapper`` the array's bytes follow inline (after a one-byte
 padding length and the padding, since joblib 1.2). The parser skips them and hands the array
@@ -37,6 +42,7 @@ from modelsize.formats._torch_tree import (
     global_name,
     numpy_dtype,
     numpy_itemsize,
+    place_python2_array,
 )
 from modelsize.formats.base import Source
 from modelsize.formats.torch_legacy import open_mapped
@@ -116,7 +122,13 @@ class _Joblib:
     opaque: list[tuple[int, int]] = field(default_factory=list)
 
     def after_build(self, obj: Call, pos: int) -> tuple[int, object] | None:
-        """Skip the array bytes after a NumpyArrayWrapper; put the array in its place."""
+        """Skip the array bytes after a NumpyArrayWrapper; put the array in its place.
+
+        A Python 2 array whose data is a ``str`` gets the data's place in the file instead.
+        """
+        if isinstance(obj.state, tuple):
+            place_python2_array(self.data, obj, pos)
+            return None
         if global_name(obj.func) != _WRAPPER or not isinstance(obj.state, dict):
             return None
         state = obj.state

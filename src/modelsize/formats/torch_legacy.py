@@ -10,7 +10,13 @@ The file is five pickles followed by raw storages::
     storage keys      the order the storages follow in
     per key:          int64 element count, then count * itemsize raw bytes
 
-The even older tar format (torch < 0.4: members ``sys_info``, ``pickle``, ``tensors``,
+torch 0.3 to 1.5 wrote it by default, today's torch on request, under Python 2 and 3:
+Python 2 pickles carry strings as ``SHORT_BINSTRING``/``BINSTRING``, integers past 32 bits as
+text ``INT`` and ``long`` s as ``LONG1``, which the parser reads like their Python 3 forms.
+``sys_info`` is not needed: storages hold torch's element sizes whatever ``type_sizes`` says
+(Windows writes ``long`` as 4 bytes), and a location (``cuda:1``) does not change the bytes.
+
+The even older tar format of the first releases (members ``sys_info``, ``pickle``, ``tensors``,
 ``storages``) is recognised and refused with a clear message.
 """
 
@@ -21,12 +27,21 @@ import struct
 
 from modelsize.categories import Category
 from modelsize.errors import UnknownFormatError
-from modelsize.formats._pickle import Data, Global, PickleError, PickleScan, looks_like_pickle, scan
+from modelsize.formats._pickle import (
+    Call,
+    Data,
+    Global,
+    PickleError,
+    PickleScan,
+    looks_like_pickle,
+    scan,
+)
 from modelsize.formats._torch_tree import (
     StorageRef,
     add_pickle_region,
     classify,
     describe,
+    place_python2_array,
     storage_dtype,
 )
 from modelsize.formats.base import Source
@@ -78,8 +93,8 @@ class TorchLegacyReader:
         if _is_tar_checkpoint(source.head):
             raise UnknownFormatError(
                 source.path,
-                "PyTorch tar checkpoint (torch < 0.4): modelsize does not read this format; "
-                "load it with an old torch and save it again",
+                "PyTorch tar checkpoint (the first torch releases): modelsize does not read this "
+                "format; load it with an old torch and save it again",
             )
         return _LegacyRead(source, self.name).run()
 
@@ -95,7 +110,8 @@ class _LegacyRead:
         b = self.builder
         try:
             load = self.persistent if hook else None
-            parsed = scan(self.data, offset=offset, persistent_load=load)
+            parsed = scan(self.data, offset=offset, persistent_load=load,
+                          on_build=self.build_hook if hook else None)
         except PickleError as exc:
             extra = f" (before that it calls {', '.join(exc.unsafe)})" if exc.unsafe else ""
             raise b.corrupt(f"{what} pickle: {exc}{extra}", exc.offset) from exc
@@ -166,6 +182,10 @@ class _LegacyRead:
             pos += 8 + ref.nbytes
         if pos < self.size:
             b.add_region(pos, self.size - pos, Category.OTHER, "bytes after the last storage")
+
+    def build_hook(self, obj: Call, pos: int) -> None:
+        """NumPy arrays pickled by Python 2 get the place of their data (see pickle_file)."""
+        place_python2_array(self.data, obj, pos)
 
     def persistent(self, pid: object) -> object:
         b = self.builder
