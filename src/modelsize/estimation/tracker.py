@@ -12,8 +12,15 @@ comparing the two, allocation by allocation, against the CPU profiler; see tests
 
 * FakeTensorMode runs some ops through Python decompositions that dispatch their parts back
   through the mode: only the outer op is counted (a real kernel allocates its outputs, not the
-  decomposition's intermediates), unless the op is CompositeImplicit, which a real run
-  decomposes too;
+  decomposition's intermediates), unless a real run on the target device decomposes the op
+  too (:func:`modelsize.estimation.kernels.runs_as_kernel`). Those composite ops bypass the
+  fake-tensor dispatch cache, which is shared by every fake mode of the process: a cached
+  result would skip the parts, so the count would depend on what ran before;
+* a dispatch mode makes ATen and autograd take their "tensor subclass" branches, some of
+  which allocate more than a real run: the counting mode takes a real run's branch instead
+  (:mod:`modelsize.estimation.kernels`: composite kernels while the mode is entered, the
+  gradient accumulation of the autograd engine and a few formulas in
+  :meth:`CountingFakeMode.__torch_dispatch__`);
 * kernels allocate memory no output owns (BLAS operand copies, oneDNN reorders, wrapped Python
   scalars): :mod:`modelsize.estimation.scratch`;
 * a few meta kernels report output sizes the CPU kernels do not produce (oneDNN LSTM
@@ -30,11 +37,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from types import TracebackType
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from modelsize.estimation import kernels
 from modelsize.estimation.fake_rules import RULES
 from modelsize.estimation.scratch import ScratchModels
 
@@ -94,11 +104,21 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
 
 
 class CountingFakeMode(FakeTensorMode):
-    """A :class:`FakeTensorMode` that counts the bytes of live storages after every op."""
+    """A :class:`FakeTensorMode` that counts the bytes of live storages after every op.
 
-    def __init__(self, scratch: ScratchModels | None = None) -> None:
+    ``device_type`` is the device whose kernels the count follows where a composite op runs
+    as one kernel on some devices and decomposed on others (default: the scratch table's
+    device, else CPU).
+    """
+
+    #: Marks fake tensors whose composite kernels take a real run's branches (kernels.py).
+    counts_real_kernels = True
+
+    def __init__(self, scratch: ScratchModels | None = None,
+                 device_type: str | None = None) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.scratch = scratch
+        self.device_type = device_type or (scratch.device_type if scratch else "cpu")
         self._scratch_ops = (
             set(scratch.analytic) | set(scratch.probed) | set(scratch.outputs) if scratch else set()
         )
@@ -119,7 +139,8 @@ class CountingFakeMode(FakeTensorMode):
         self.origin = Origin.OTHER
         self.counting = True
         self.depth = 0
-        self._composite: dict[Any, bool] = {}
+        self._node: tuple[int, str] | None = None
+        self._node_mark = 0
 
     # -- registration -----------------------------------------------------------------------
 
@@ -184,17 +205,76 @@ class CountingFakeMode(FakeTensorMode):
         if self.phases and self.phases[-1].end < 0:
             self.phases[-1].end = self.tick
 
-    def _is_composite(self, func: Any) -> bool:
-        known = self._composite.get(func)
-        if known is None:
-            try:
-                known = torch._C._dispatch_has_kernel_for_dispatch_key(
-                    func.name(), "CompositeImplicitAutograd"
-                )
-            except RuntimeError:  # prim:: ops are not registered with the dispatcher
-                known = False
-            self._composite[func] = known
-        return known
+    # -- real-run paths ---------------------------------------------------------------------
+
+    def __enter__(self) -> CountingFakeMode:
+        kernels.acquire()
+        try:
+            super().__enter__()
+        except BaseException:
+            kernels.release()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
+                 exc_tb: TracebackType | None) -> None:
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            kernels.release()
+
+    def _cached_dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if not kernels.runs_as_kernel(func, self.device_type):
+            # a cache hit would skip the parts a real run allocates
+            return self._dispatch_impl(func, types, args, kwargs)
+        return super()._cached_dispatch_impl(func, types, args, kwargs)
+
+    def _real_path(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The in-place op a real run's backward runs where this one would copy, if any."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        key = (node._sequence_nr(), node.name())
+        if key != self._node:  # a new node: what it creates from here on is its own
+            self._node, self._node_mark = key, self.tick
+        if torch.is_grad_enabled():
+            return None
+        inplace = kernels.NODE_INPLACE.get((key[1], func))
+        if inplace is not None:
+            rec = self.allocation_of(args[0]) if isinstance(args[0], FakeTensor) else None
+            return inplace if rec is not None and rec.created > self._node_mark else None
+        if func is torch.ops.aten.add.Tensor and self._accumulates_in_place(args, kwargs):
+            return torch.ops.aten.add_.Tensor
+        return None
+
+    def _accumulates_in_place(self, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether this ``add`` is the engine accumulating a gradient that a real run adds
+        in place (``InputBuffer::accumulate``): the engine holds the only reference to the
+        earlier gradient (tensor and storage), which is dense and not a zero tensor.
+
+        The earlier gradient was made before the running node; the new one by the node
+        itself, and the engine holds it alone, so its use count is the baseline that the
+        dispatch path adds to every argument (one more per mode above this one).
+        """
+        if len(args) != 2 or kwargs.get("alpha", 1) != 1:
+            return False
+        old, new = args
+        if not (isinstance(old, FakeTensor) and isinstance(new, FakeTensor)) or old is new:
+            return False
+        if old.shape != new.shape or old.dtype != new.dtype:
+            return False
+        rec_old, rec_new = self.allocation_of(old), self.allocation_of(new)
+        if rec_old is None or rec_new is None:
+            return False
+        if rec_old.created > self._node_mark or rec_new.created <= self._node_mark:
+            return False
+        if old._is_zerotensor() or not is_non_overlapping_and_dense_or_false(old):
+            return False
+        # Tensor._use_count is undocumented but stable (the C++ TensorImpl's refcount)
+        if old._use_count() != new._use_count():  # type: ignore[attr-defined]
+            return False
+        storage = old.untyped_storage()  # this wrapper holds one more reference
+        return bool(torch._C._storage_Use_Count(storage._cdata) == 2)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -206,7 +286,12 @@ class CountingFakeMode(FakeTensorMode):
         kwargs: Any = None,
     ) -> Any:
         # A Python decomposition of an op that has a real kernel: count the op, not its parts.
-        nested = not self._is_composite(func)
+        nested = kernels.runs_as_kernel(func, self.device_type)
+        kwargs = kwargs or {}
+        if self.counting and not self.depth and self.origin is Origin.BACKWARD:
+            inplace = self._real_path(func, args, kwargs)
+            if inplace is not None:
+                func = inplace
         self.depth += nested
         try:
             rule = RULES.get(func)
