@@ -43,7 +43,7 @@ from modelsize.formats._protobuf import (
     read_varint,
     signed64,
 )
-from modelsize.formats.base import Source
+from modelsize.formats.base import Source, is_regular_file
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 #: ``TensorProto.DataType`` -> canonical dtype names of :mod:`modelsize.dtypes`.
@@ -381,6 +381,7 @@ class _Parser:
         self.path = path
         self.model = _Model()
         self.anonymous = 0
+        self.names: set[str] = set()
 
     def parse(self) -> _Model:
         buf, model = self.buf, self.model
@@ -528,9 +529,11 @@ class _Parser:
         for i, g in enumerate(inner):
             label = name if len(inner) == 1 else f"{name}[{i}]"
             if g.number in (5, 10):
-                self.tensor(g.data_start, g.end, "", label, site=site)
+                # A tensor's own name is scoped like an initializer's: exporters give the
+                # Constant values of both branches of an If the same name (silero-vad).
+                self.tensor(g.data_start, g.end, scope, label[len(scope):], site=site)
             elif g.number in (22, 23):
-                self.sparse(g, "", label, site)
+                self.sparse(g, scope, label[len(scope):], site)
             else:
                 node.subgraphs.append(self.graph(g.data_start, g.end, depth + 1, f"{label}/",
                                                  node.graph, GraphKind.SUBGRAPH))
@@ -635,6 +638,8 @@ class _Parser:
                 _expect(f, VARINT, "TensorProto.data_location")
                 location = f.value
         own_name = not force_name and bool(name)
+        if own_name and default_name is not None and scope + name in self.names:
+            own_name = False  # a name already taken: a node's value is named after its node
         if not own_name:
             if default_name is None:
                 self.anonymous += 1
@@ -642,6 +647,7 @@ class _Parser:
             name = default_name
         bare = name
         name = scope + name
+        self.names.add(name)
         if any(d < 0 for d in dims):
             raise ProtobufError(f"tensor {printable(name)!r} has negative dims {dims}", start)
         dtype = ONNX_DTYPES.get(data_type)
@@ -803,7 +809,7 @@ def _external_files(model_path: Path, model: _Model) -> tuple[list[Path], dict[s
                 f"tensor {printable(t.name)!r} points at external data "
                 f"{printable(t.location)!r} outside the model's folder (or the model itself)",
             )
-        if not target.is_file():
+        if not is_regular_file(target):
             raise CorruptFileError(
                 model_path, "onnx",
                 f"tensor {printable(t.name)!r} needs external data file "

@@ -41,7 +41,7 @@ from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.formats._protobuf import LEN, VARINT, Buffer, ProtobufError, iter_fields
 from modelsize.formats._sstable import FOOTER_SIZE, MAGIC, SSTableError, iter_table
-from modelsize.formats.base import Source
+from modelsize.formats.base import Source, is_regular_file
 from modelsize.inventory import Inventory, InventoryBuilder
 
 FORMAT = "tensorflow"
@@ -112,6 +112,8 @@ _TRAINABLE_EDGES = frozenset({"trainable_variables", "_trainable_variables", "tr
 _NON_TRAINABLE_EDGES = frozenset(
     {"non_trainable_variables", "_non_trainable_variables", "non_trainable_weights"}
 )
+#: Keras metrics (``keras_api/metrics/N/total``): accumulators of a training run, not the model.
+_METRIC_EDGES = frozenset({"metrics", "_metrics", "compile_metrics"})
 
 
 # --------------------------------------------------------------------------------------
@@ -507,6 +509,8 @@ def classify_graph(nodes: list[_Node]) -> dict[str, Category]:
     optimizer_state = _reach(nodes, list(optimizers), set(), _TRAINABLE_EDGES)
     optimizer_state.update(slot for i in optimizers for _, slot in nodes[i].slots)
     counters = {c for c, local in nodes[0].children if local == "save_counter"}
+    metrics = _reach(nodes, [c for n in nodes for c, local in n.children
+                             if local in _METRIC_EDGES], set())
 
     def full_names(ids: set[int]) -> set[str]:
         return {a[1] for i in ids for a in nodes[i].attributes if a[1]}
@@ -524,6 +528,8 @@ def classify_graph(nodes: list[_Node]) -> dict[str, Category]:
                 cat = Category.WEIGHTS
             elif i in optimizer_state and i not in model:
                 cat = Category.OPTIMIZER_STATE
+            elif i in metrics:
+                cat = Category.OTHER
             elif i in frozen or full_name in frozen_names or leaves & _BUFFER_LEAVES:
                 cat = Category.BUFFERS
             elif i in model:
@@ -661,7 +667,7 @@ class _Bundle:
                 _suffixed(layout.prefix, f".data-{i:05d}-of-{shard_count:05d}")
                 for i in range(shard_count)
             ]
-            missing = [p.name for p in shards if not p.is_file()]
+            missing = [p.name for p in shards if not is_regular_file(p)]
             if missing:
                 raise CorruptFileError(
                     index, FORMAT,
