@@ -180,8 +180,14 @@ def make_plan(
     aliases: dict[str, str] = {}
     sources: dict[str, TensorSource] = {}
     by_name = {t.name: t for t in records}
+    structure = (Category.METADATA, Category.GRAPH)
     for t in records:
         keep = matches(t.name, options.keep)
+        if options.to != "same" and t.category in structure and not keep:
+            # The input format's own bookkeeping (a TF object graph, a config string): the
+            # output format has its own.
+            dropped.append(DroppedTensor(t, f"{t.category.value} of the {inv.format} format"))
+            continue
         if not keep:
             reason = None
             if t.category == Category.DUPLICATES:
