@@ -482,35 +482,234 @@ class _Machine:
 
     # -- the loop ----------------------------------------------------------------------
     def run(self) -> object:
-        data, size = self.data, self.size
-        table = [getattr(self, f"op_{n.lower()}") if n else None for n in _NAMES]
+        """Run the opcodes up to ``STOP``; return the value it leaves on the stack.
+
+        The opcodes ``torch.save`` and ``pickle.dump`` emit most (memo, small ints, tuples,
+        strings, calls) are handled inline, on local variables: a call per opcode would be
+        most of the time ``inspect`` spends on a checkpoint. The others are ``op_<name>``
+        methods, which read and write ``self.pos`` and ``self.stack``: the loop hands its
+        locals over before one runs and takes them back after.
+        """
+        data, size, view = self.data, self.size, self.view
+        table = [getattr(self, f"op_{n.lower()}", None) if n else None for n in _NAMES]
+        memo, metastack, depths = self.memo, self.metastack, self.depths
+        nested, judge_call, set_items, extend = (
+            self.nested, self.judge_call, self.set_items, self.extend
+        )
+        persistent_load = self.persistent_load
+        stack = self.stack
+        pos = op = self.pos
         # Each opcode pushes at most one item, MARKs or memoizes at most once: until there have
         # been as many opcodes as the lowest ceiling, none can be crossed, and none is checked.
         # Only a pickle running longer pays for checking the stack, the MARKs and the memo.
         free = min(MAX_OPS, MAX_STACK, MAX_MEMO)
-        op = self.pos
         try:
             # The ranges count the opcodes (MAX_OPS in all) at no cost per opcode.
             for checked, count in ((False, free), (True, MAX_OPS - free)):
                 for _ in range(count):
-                    op = self.pos
+                    op = pos
                     if op >= size:
                         raise self.error("data ends before the pickle's STOP opcode", op, "")
-                    handler = table[data[op]]
-                    if handler is None:
-                        raise self.error(f"unknown opcode {bytes([data[op]])!r}", op, "")
-                    self.pos = op + 1
-                    handler()
+                    c = data[op]
+                    pos = op + 1
+                    # Most frequent first (torch.save's protocol 2, then protocol 4's).
+                    if c == 0x72:  # LONG_BINPUT
+                        if pos + 4 > size:
+                            self.pos = pos
+                            raise self.short(4)
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        memo[_U32(data, pos)[0]] = stack[-1]
+                        pos += 4
+                    elif c == 0x68:  # BINGET
+                        if pos >= size:
+                            self.pos = pos
+                            raise self.short(1)
+                        idx = data[pos]
+                        pos += 1
+                        try:
+                            stack.append(memo[idx])
+                        except KeyError:
+                            raise _Fail(f"memo entry {idx} was never stored") from None
+                    elif c == 0x4B:  # BININT1
+                        if pos >= size:
+                            self.pos = pos
+                            raise self.short(1)
+                        stack.append(data[pos])
+                        pos += 1
+                    elif c == 0x28:  # MARK
+                        metastack.append(stack)
+                        stack = []
+                    elif c == 0x52:  # REDUCE
+                        if len(stack) < 2:
+                            raise _Fail("stack underflow")
+                        args = stack.pop()
+                        func = stack.pop()
+                        # Safe callables whose arguments need no judging (the rebuild
+                        # functions; any safe one called with no arguments) skip the judge.
+                        if type(func) is not Global or not (
+                            func.qualname in _PLAIN_CALLS
+                            or (args == () and func.qualname in SAFE_CALLS)
+                        ):
+                            judge_call(func, args)
+                        stack.append(
+                            Call(func, args if type(args) is tuple else self.args_tuple(args))
+                        )
+                    elif c == 0x74:  # TUPLE
+                        if not metastack:
+                            raise _Fail("no MARK to return to")
+                        items = stack
+                        stack = metastack.pop()
+                        stack.append(nested(tuple(items), items))
+                    elif c == 0x4D:  # BININT2
+                        if pos + 2 > size:
+                            self.pos = pos
+                            raise self.short(2)
+                        stack.append(_U16(data, pos)[0])
+                        pos += 2
+                    elif c == 0x29:  # EMPTY_TUPLE
+                        stack.append(())
+                    elif c == 0x58 or c == 0x8C:  # BINUNICODE, SHORT_BINUNICODE
+                        width = 4 if c == 0x58 else 1
+                        if pos + width > size:
+                            self.pos = pos
+                            raise self.short(width)
+                        n = _U32(data, pos)[0] if width == 4 else data[pos]
+                        pos += width
+                        end = pos + n
+                        if end > size:
+                            self.pos = pos
+                            raise self.short(n)
+                        try:
+                            stack.append(str(view[pos:end], "utf-8", "surrogatepass"))
+                        except (UnicodeDecodeError, ValueError) as exc:
+                            raise _Fail(f"undecodable text ({exc})") from exc
+                        pos = end
+                    elif c == 0x89:  # NEWFALSE
+                        stack.append(False)
+                    elif c == 0x51:  # BINPERSID
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        pid = stack.pop()
+                        stack.append(
+                            persistent_load(pid) if persistent_load is not None
+                            else nested(PersistentId(pid), [pid])
+                        )
+                    elif c == 0x85:  # TUPLE1
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        first = stack[-1]
+                        t: tuple[Any, ...] = (first,)
+                        if type(first) in _HASHED_NESTED:
+                            stack[-1] = nested(t, t)
+                        else:  # what nested() records for a tuple of one plain value
+                            depths[id(t)] = (1, 2, t)
+                            stack[-1] = t
+                    elif c == 0x86:  # TUPLE2
+                        if len(stack) < 2:
+                            raise _Fail("stack underflow")
+                        first, second = stack[-2], stack[-1]
+                        t = (first, second)
+                        del stack[-1]
+                        if type(first) in _HASHED_NESTED or type(second) in _HASHED_NESTED:
+                            stack[-1] = nested(t, t)
+                        else:
+                            depths[id(t)] = (1, 3, t)
+                            stack[-1] = t
+                    elif c == 0x71:  # BINPUT
+                        if pos >= size:
+                            self.pos = pos
+                            raise self.short(1)
+                        if not stack:
+                            self.pos = pos + 1
+                            raise _Fail("stack underflow")
+                        memo[data[pos]] = stack[-1]
+                        pos += 1
+                    elif c == 0x94:  # MEMOIZE
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        memo[len(memo)] = stack[-1]
+                    elif c == 0x6A:  # LONG_BINGET
+                        if pos + 4 > size:
+                            self.pos = pos
+                            raise self.short(4)
+                        idx = _U32(data, pos)[0]
+                        pos += 4
+                        try:
+                            stack.append(memo[idx])
+                        except KeyError:
+                            raise _Fail(f"memo entry {idx} was never stored") from None
+                    elif c == 0x7D:  # EMPTY_DICT
+                        stack.append({})
+                    elif c == 0x75:  # SETITEMS
+                        if not metastack:
+                            raise _Fail("no MARK to return to")
+                        items = stack
+                        stack = metastack.pop()
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        set_items(stack[-1], items)
+                    elif c == 0x73:  # SETITEM
+                        if len(stack) < 3:
+                            # Two pops, then the target: the same checks in the same order.
+                            raise _Fail("stack underflow")
+                        value = stack.pop()
+                        key = stack.pop()
+                        set_items(stack[-1], [key, value])
+                    elif c == 0x4A:  # BININT
+                        if pos + 4 > size:
+                            self.pos = pos
+                            raise self.short(4)
+                        stack.append(_I32(data, pos)[0])
+                        pos += 4
+                    elif c == 0x5D:  # EMPTY_LIST
+                        stack.append([])
+                    elif c == 0x65:  # APPENDS
+                        if not metastack:
+                            raise _Fail("no MARK to return to")
+                        items = stack
+                        stack = metastack.pop()
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        extend(stack[-1], items)
+                    elif c == 0x61:  # APPEND
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        value = stack.pop()
+                        if not stack:
+                            raise _Fail("stack underflow")
+                        extend(stack[-1], [value])
+                    elif c == 0x4E:  # NONE
+                        stack.append(None)
+                    elif c == 0x88:  # NEWTRUE
+                        stack.append(True)
+                    elif c == 0x87:  # TUPLE3
+                        if len(stack) < 3:
+                            raise _Fail("stack underflow")
+                        t = (stack[-3], stack[-2], stack[-1])
+                        del stack[-2:]
+                        stack[-1] = nested(t, t)
+                    elif c == 0x2E:  # STOP
+                        if not stack:
+                            raise _Fail("STOP with an empty stack")
+                        self.pos, self.stack = pos, stack
+                        return stack.pop()
+                    else:
+                        handler = table[c]
+                        if handler is None:
+                            raise self.error(f"unknown opcode {bytes([c])!r}", op, "")
+                        self.pos, self.stack = pos, stack
+                        handler()
+                        pos, stack = self.pos, self.stack
                     if checked:
+                        self.stack = stack
                         self.check_ceilings()
-            op = self.pos
-            if op >= size:
-                raise self.error("data ends before the pickle's STOP opcode", op, "")
-            if table[data[op]] is None:
-                raise self.error(f"unknown opcode {bytes([data[op]])!r}", op, "")
+            if pos >= size:
+                raise self.error("data ends before the pickle's STOP opcode", pos, "")
+            if not _NAMES[data[pos]]:
+                raise self.error(f"unknown opcode {bytes([data[pos]])!r}", pos, "")
+            op = pos
             raise self.error(f"more than {MAX_OPS} opcodes", op, _NAMES[data[op]])
-        except _Stop:
-            return self.stack.pop() if self.stack else None
         except _Fail as exc:
             raise self.error(exc.reason, op, _NAMES[data[op]]) from exc.__cause__
         except (struct.error, OverflowError, MemoryError, RecursionError) as exc:
@@ -526,8 +725,7 @@ class _Machine:
             raise _Fail(f"more than {MAX_MEMO} memo entries")
 
     # -- opcodes -----------------------------------------------------------------------
-    # The frequent ones inline their reads and stack access: this loop is most of the time
-    # ``inspect`` spends on a checkpoint.
+    # The rarer ones (the frequent ones are inline in :meth:`run`).
     def op_proto(self) -> None:
         proto = self.read_byte()
         if proto > HIGHEST_PROTOCOL:
@@ -538,15 +736,6 @@ class _Machine:
         n = self.read_u64()
         if self.pos + n > self.size:
             raise _Fail(f"frame of {n} bytes runs past the end of the data")
-
-    def op_stop(self) -> None:
-        if not self.stack:
-            raise _Fail("STOP with an empty stack")
-        raise _Stop
-
-    def op_mark(self) -> None:
-        self.metastack.append(self.stack)
-        self.stack = []
 
     def op_pop(self) -> None:
         if self.stack:
@@ -561,15 +750,6 @@ class _Machine:
         self.stack.append(self.top())
 
     # constants and numbers
-    def op_none(self) -> None:
-        self.stack.append(None)
-
-    def op_newtrue(self) -> None:
-        self.stack.append(True)
-
-    def op_newfalse(self) -> None:
-        self.stack.append(False)
-
     def op_int(self) -> None:
         line = self.readline()
         if line == b"00":
@@ -589,23 +769,6 @@ class _Machine:
 
     def op_long(self) -> None:
         self.stack.append(self.parse_int(self.readline()))
-
-    def op_binint(self) -> None:
-        self.stack.append(self.read_i32())
-
-    def op_binint1(self) -> None:
-        pos = self.pos
-        if pos >= self.size:
-            raise self.short(1)
-        self.pos = pos + 1
-        self.stack.append(self.data[pos])
-
-    def op_binint2(self) -> None:
-        pos = self.pos
-        if pos + 2 > self.size:
-            raise self.short(2)
-        self.pos = pos + 2
-        self.stack.append(_U16(self.data, pos)[0])
 
     def op_long1(self) -> None:
         n = self.read_byte()
@@ -649,36 +812,6 @@ class _Machine:
     def op_unicode(self) -> None:
         self.stack.append(self.text(self.readline(), "raw-unicode-escape"))
 
-    def op_binunicode(self) -> None:
-        pos = self.pos
-        if pos + 4 > self.size:
-            raise self.short(4)
-        n = _U32(self.data, pos)[0]
-        self.pos = pos = pos + 4
-        end = pos + n
-        if end > self.size:
-            raise self.short(n)
-        self.pos = end
-        try:
-            self.stack.append(str(self.view[pos:end], "utf-8", "surrogatepass"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _Fail(f"undecodable text ({exc})") from exc
-
-    def op_short_binunicode(self) -> None:
-        pos = self.pos
-        if pos >= self.size:
-            raise self.short(1)
-        n = self.data[pos]
-        self.pos = pos = pos + 1
-        end = pos + n
-        if end > self.size:
-            raise self.short(n)
-        self.pos = end
-        try:
-            self.stack.append(str(self.view[pos:end], "utf-8", "surrogatepass"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _Fail(f"undecodable text ({exc})") from exc
-
     def op_binunicode8(self) -> None:
         n = self.read_u64()
         self.stack.append(self.text(self.read(n), "utf-8", "surrogatepass"))
@@ -706,48 +839,8 @@ class _Machine:
     op_readonly_buffer = op_next_buffer
 
     # containers
-    def op_empty_list(self) -> None:
-        self.stack.append([])
-
-    def op_empty_dict(self) -> None:
-        self.stack.append({})
-
     def op_empty_set(self) -> None:
         self.stack.append(set())
-
-    def op_empty_tuple(self) -> None:
-        self.stack.append(())
-
-    def op_tuple(self) -> None:
-        metastack = self.metastack
-        if not metastack:
-            raise _Fail("no MARK to return to")
-        items = self.stack
-        self.stack = stack = metastack.pop()
-        stack.append(self.nested(tuple(items), items))
-
-    def op_tuple1(self) -> None:
-        stack = self.stack
-        if not stack:
-            raise _Fail("stack underflow")
-        t = (stack[-1],)
-        stack[-1] = self.nested(t, t)
-
-    def op_tuple2(self) -> None:
-        stack = self.stack
-        if len(stack) < 2:
-            raise _Fail("stack underflow")
-        t = (stack[-2], stack[-1])
-        del stack[-1]
-        stack[-1] = self.nested(t, t)
-
-    def op_tuple3(self) -> None:
-        stack = self.stack
-        if len(stack) < 3:
-            raise _Fail("stack underflow")
-        t = (stack[-3], stack[-2], stack[-1])
-        del stack[-2:]
-        stack[-1] = self.nested(t, t)
 
     def op_list(self) -> None:
         items = self.pop_mark()
@@ -772,14 +865,6 @@ class _Machine:
         else:
             raise _Fail(f"cannot append to a {type(target).__name__}")
 
-    def op_append(self) -> None:
-        value = self.pop()
-        self.extend(self.top(), [value])
-
-    def op_appends(self) -> None:
-        items = self.pop_mark()
-        self.extend(self.top(), items)
-
     def set_items(self, target: object, items: list[Any]) -> None:
         if len(items) % 2:
             raise _Fail("odd number of items for SETITEMS")
@@ -793,19 +878,6 @@ class _Machine:
             target.dictitems.extend((items[i], items[i + 1]) for i in range(0, len(items), 2))
         else:
             raise _Fail(f"cannot set items on a {type(target).__name__}")
-
-    def op_setitem(self) -> None:
-        stack = self.stack
-        if len(stack) < 3:
-            # Two pops, then the target: the same checks in the same order, one message.
-            raise _Fail("stack underflow")
-        value = stack.pop()
-        key = stack.pop()
-        self.set_items(stack[-1], [key, value])
-
-    def op_setitems(self) -> None:
-        items = self.pop_mark()
-        self.set_items(self.top(), items)
 
     def op_additems(self) -> None:
         items = self.pop_mark()
@@ -830,53 +902,8 @@ class _Machine:
     def op_put(self) -> None:
         self.memo_put(self.parse_int(self.readline()))
 
-    def op_binput(self) -> None:
-        pos = self.pos
-        if pos >= self.size:
-            raise self.short(1)
-        self.pos = pos + 1
-        stack = self.stack
-        if not stack:
-            raise _Fail("stack underflow")
-        self.memo[self.data[pos]] = stack[-1]
-
-    def op_long_binput(self) -> None:
-        pos = self.pos
-        if pos + 4 > self.size:
-            raise self.short(4)
-        self.pos = pos + 4
-        stack = self.stack
-        if not stack:
-            raise _Fail("stack underflow")
-        self.memo[_U32(self.data, pos)[0]] = stack[-1]
-
-    def op_memoize(self) -> None:
-        self.memo_put(len(self.memo))
-
     def op_get(self) -> None:
         self.memo_get(self.parse_int(self.readline()))
-
-    def op_binget(self) -> None:
-        pos = self.pos
-        if pos >= self.size:
-            raise self.short(1)
-        self.pos = pos + 1
-        idx = self.data[pos]
-        try:
-            self.stack.append(self.memo[idx])
-        except KeyError:
-            raise _Fail(f"memo entry {idx} was never stored") from None
-
-    def op_long_binget(self) -> None:
-        pos = self.pos
-        if pos + 4 > self.size:
-            raise self.short(4)
-        self.pos = pos + 4
-        idx = _U32(self.data, pos)[0]
-        try:
-            self.stack.append(self.memo[idx])
-        except KeyError:
-            raise _Fail(f"memo entry {idx} was never stored") from None
 
     # globals and calls
     def line_name(self) -> str:
@@ -927,15 +954,6 @@ class _Machine:
         if isinstance(args, list):
             return tuple(args)
         raise _Fail(f"call arguments are a {type(args).__name__}, not a tuple")
-
-    def op_reduce(self) -> None:
-        stack = self.stack
-        if len(stack) < 2:
-            raise _Fail("stack underflow")
-        args = stack.pop()
-        func = stack.pop()
-        self.judge_call(func, args)
-        stack.append(Call(func, args if type(args) is tuple else self.args_tuple(args)))
 
     def op_newobj(self) -> None:
         args = self.pop()
@@ -995,13 +1013,6 @@ class _Machine:
     def op_persid(self) -> None:
         pid = self.text(self.readline(), "ascii")
         self.stack.append(self.persistent(pid))
-
-    def op_binpersid(self) -> None:
-        stack = self.stack
-        if not stack:
-            raise _Fail("stack underflow")
-        pid = stack.pop()
-        stack.append(self.persistent(pid))
 
     def persistent(self, pid: object) -> object:
         if self.persistent_load is not None:
