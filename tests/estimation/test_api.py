@@ -21,13 +21,48 @@ from tests.estimation import models
 def test_public_api_is_locked() -> None:
     assert sorted(api.__all__) == sorted([
         "DeviceEstimate", "DeviceTerm", "Estimate", "MemoryCategory", "PhaseSpan", "Setup",
-        "estimate",
+        "Source", "Verification", "estimate",
     ])
     assert modelsize.Estimate is Estimate
     assert [c.value for c in MemoryCategory] == [
         "parameters", "buffers", "gradients", "optimizer_state", "activations",
         "temporaries", "inputs",
     ]
+
+
+def test_the_public_name_stays_the_function() -> None:
+    # Once, the function and its subpackage shared the name modelsize.estimate: importing the
+    # subpackage (or anything that imported it) rebound the attribute to the module.
+    code = textwrap.dedent("""
+        import types
+        import torch
+        import modelsize
+        import modelsize.estimation
+        import modelsize.estimation.core
+        from torch import nn
+        model, x = nn.Linear(4, 2), (torch.randn(3, 4),)
+        first = modelsize.estimate(model, x, mode="infer").peak_bytes
+        modelsize.Estimate
+        second = modelsize.estimate(model, x, mode="infer").peak_bytes
+        from modelsize import estimate
+        third = estimate(model, x, mode="infer").peak_bytes
+        print(first, second, third, isinstance(estimate, types.FunctionType),
+              estimate is modelsize.estimate)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    # weight 2x4 + bias 2 (fp32), input 3x4, output 3x2: all live at the end of the forward
+    peak = (2 * 4 + 2) * 4 + 3 * 4 * 4 + 3 * 2 * 4
+    assert out.stdout.split() == [str(peak)] * 3 + ["True", "True"]
+
+
+def test_defaults_are_recorded_as_defaults() -> None:
+    model, x = models.Wide(), torch.randn(1, 256)
+    est = estimate(model, (x,))
+    assert (est.setup.device, est.setup.optimizer) == ("cpu", "adamw")
+    assert est.setup.to_dict()["sources"] == {"device": "default", "optimizer": "default"}
+    given = estimate(model, (x,), device="cpu", optimizer="sgd")
+    assert given.setup.to_dict()["sources"] == {"device": "given", "optimizer": "given"}
 
 
 def test_import_does_not_import_torch() -> None:

@@ -103,6 +103,7 @@ def test_list(capsys: Any) -> None:
 @pytest.mark.parametrize("args, named", [
     (["no-such-model"], "no-such-model"),
     (["seed-cnn", "--fit", "lots"], "lots"),
+    (["seed-cnn", "--verify", "--verify-budget", "heaps"], "heaps"),
     (["seed-cnn", "--optimizer", "lion"], "lion"),
     (["seed-cnn", "--checkpoint", "nothing"], "nothing"),
     (["missing/config.json"], "config.json"),
@@ -126,3 +127,70 @@ def test_bad_config_json(tmp_path: Path, capsys: Any) -> None:
     assert_one_line_error(cli(capsys, str(bad)), "config.json")
     bad.write_text(json.dumps({"hidden_size": 3}))
     assert_one_line_error(cli(capsys, str(bad)), "config.json")
+
+
+def test_verify_prints_measured_beside_estimated(capsys: Any) -> None:
+    data = cli_data(capsys, "seed-cnn", "--batch", "4", "--device", "cpu", "--verify")
+    v = data["verification"]
+    assert v["difference_bytes"] == 0 and v["measured_bytes"] == data["peak_bytes"]
+    torch.manual_seed(0)
+    from modelsize.estimation.zoo import SeedCNN
+
+    adamw = functools.partial(torch.optim.AdamW, foreach=False)
+    assert v["measured_bytes"] == measure(SeedCNN(), (torch.zeros(4, 1, 28, 28),),
+                                          optimizer=adamw)
+    proc = cli(capsys, "seed-cnn", "--batch", "4", "--verify", "--no-suggest")
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[3]
+    assert line.startswith("verified on CPU, through the same program's CPU estimate")
+    assert "difference 0 bytes" in line
+
+
+def test_the_first_lines_say_device_and_optimizer_and_whence(capsys: Any) -> None:
+    lines = cli(capsys, "seed-cnn", "--no-suggest").stdout.splitlines()
+    assert lines[0].startswith("seed-cnn: ")
+    assert lines[0].endswith("estimated for cuda (the CLI's default): not validated on a GPU "
+                             "(--verify measures the same program on CPU)")
+    assert lines[1].startswith("training step with adamw (the CLI's default), batch 64")
+    lines = cli(capsys, "seed-cnn", "--device", "cpu", "--optimizer", "sgd",
+                "--no-suggest").stdout.splitlines()
+    assert lines[0].endswith("estimated for cpu (given)")
+    assert lines[1].startswith("training step with sgd (given), batch 64")
+    data = cli_data(capsys, "seed-cnn", "--device", "cpu")
+    assert data["setup"]["sources"] == {"device": "given", "optimizer": "cli-default"}
+
+
+def test_an_image_factory_is_not_titled_with_a_sequence(capsys: Any) -> None:
+    proc = cli(capsys, "tests.estimation.test_cli:conv_factory", "--input", "8x3x32x32", "--infer",
+               "--device", "cpu", "--no-suggest")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1] == "inference (one forward, no_grad), batch 8"
+    tokens = cli_data(capsys, "tests.estimation.factories:mlp_with_inputs", "--device", "cpu")
+    assert tokens["seq"] == 0
+
+
+def test_optimize_frozen(capsys: Any) -> None:
+    common = ("tests.estimation.test_cli:frozen_factory", "--input", "4x32", "--device", "cpu",
+              "--optimizer", "adagrad")
+    default = cli_data(capsys, *common)
+    every = cli_data(capsys, *common, "--optimize-frozen")
+    assert not default["setup"]["optimize_frozen"] and every["setup"]["optimize_frozen"]
+    frozen = 32 * 64 + 64  # the frozen first Linear: one Adagrad sum each, and a 4-byte step
+    state = every["categories"]["optimizer_state"] - default["categories"]["optimizer_state"]
+    assert state == frozen * 4 + 2 * 4
+
+
+def conv_factory() -> torch.nn.Module:
+    """An image model, for ``--input 8x3x32x32``."""
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 30 * 30, 2))
+
+
+def frozen_factory() -> torch.nn.Module:
+    """A frozen first layer and a trainable head, for ``--input 4x32``."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    model[0].requires_grad_(False)
+    return model

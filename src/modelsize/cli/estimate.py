@@ -11,6 +11,10 @@ from modelsize.errors import UsageError
 from modelsize.estimation.optimizers import Implementation, OptimizerName
 
 _DTYPES = ("float32", "bfloat16", "float16")
+#: The command estimates for a GPU by default (users ask about GPUs); ``modelsize.estimate``
+#: defaults to the CPU, where estimates are validated. The report says which one was used.
+DEFAULT_DEVICE = "cuda"
+DEFAULT_OPTIMIZER = "adamw"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", action="append", default=None, metavar="SHAPE",
                         help="input shape for a factory model, e.g. 8x3x224x224 or "
                         "int64:8x128; repeat for several positional inputs")
-    parser.add_argument("--optimizer", default="adamw",
+    parser.add_argument("--optimizer", default=None,
                         help=f"one of {', '.join(o.value for o in OptimizerName)} "
-                        "(default adamw)")
+                        f"(default {DEFAULT_OPTIMIZER})")
+    parser.add_argument("--optimize-frozen", action="store_true",
+                        help="build the optimizer on every parameter, frozen ones included "
+                        "(default: only those that require grad, as fine-tuning code does)")
     parser.add_argument("--impl", default="default",
                         choices=[i.value for i in Implementation],
                         help="optimizer implementation (default: PyTorch's for the device)")
@@ -48,9 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", action="append", default=None, metavar="MODULES",
                         help="activation checkpointing on these modules: a class name or a "
                         "glob over module names (comma-separated, repeatable)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
-                        help="the device to estimate for (default cuda; cpu is validated "
-                        "to the byte against the CPU profiler)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help=f"the device to estimate for (default {DEFAULT_DEVICE}, not yet "
+                        "validated on a GPU; cpu is validated to the byte against the CPU "
+                        "allocator)")
+    parser.add_argument("--verify", action="store_true",
+                        help="also run the program for real on CPU under the allocator's "
+                        "profiler and print the measured peak beside the estimate (at a "
+                        "smaller batch when the full one does not fit --verify-budget)")
+    parser.add_argument("--verify-budget", default=None, metavar="SIZE",
+                        help="memory the --verify run may use, e.g. 8GiB (default: half of "
+                        "the available memory)")
     parser.add_argument("--fit", default=None, metavar="BUDGET",
                         help="find the largest batch that fits, e.g. 80GiB")
     parser.add_argument("--fit-dim", choices=["batch", "seq"], default="batch",
@@ -111,28 +126,37 @@ def run(args: argparse.Namespace) -> int:
                          "module:factory); see modelsize estimate --list")
     require_torch()
     from modelsize.estimation.optimizers import parse_name
+    from modelsize.estimation.result import Source
     from modelsize.estimation.targets import (
         Options,
         fit_target,
         resolve,
         suggestions_for,
         trace_target,
+        verify_target,
     )
 
-    parse_name(args.optimizer)
+    optimizer = args.optimizer or DEFAULT_OPTIMIZER
+    device = args.device or DEFAULT_DEVICE
+    parse_name(optimizer)
+    verify_budget = _size(args.verify_budget, "--verify-budget") if args.verify_budget else None
     target = resolve(args.model, args.dtype, args.input)
     batch = args.batch or target.batch
     seq = args.seq or target.seq
     checkpoint = tuple(p.strip() for group in (args.checkpoint or ()) for p in group.split(",")
                        if p.strip())
-    options = Options(args.mode, args.optimizer, args.impl, args.amp, args.device,
-                      args.accumulate, checkpoint)
+    sources = (("device", Source.GIVEN if args.device else Source.CLI_DEFAULT),
+               ("optimizer", Source.GIVEN if args.optimizer else Source.CLI_DEFAULT))
+    options = Options(args.mode, optimizer, args.impl, args.amp, device, args.accumulate,
+                      checkpoint, args.optimize_frozen, sources)
     progress = Progress(target.name, sys.stderr.isatty())
     try:
         est = trace_target(target, batch, seq, options, progress)
+        if args.verify:
+            est = verify_target(target, est, batch, seq, options, verify_budget)
         fit_result = None
         if args.fit:
-            fit_result = fit_target(target, batch, seq, options, _budget(args.fit),
+            fit_result = fit_target(target, batch, seq, options, _size(args.fit, "--fit"),
                                     args.fit_dim, progress)
         want = args.suggest if args.suggest is not None else not args.json
         suggestions = suggestions_for(target, est, batch, seq, options, progress) if want else []
@@ -153,13 +177,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(text: str) -> int:
+def _size(text: str, option: str) -> int:
     from modelsize.report.units import parse_size
 
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise UsageError(f"--fit: {exc}") from None
+        raise UsageError(f"{option}: {exc}") from None
 
 
 def _print_list() -> int:

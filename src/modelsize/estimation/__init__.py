@@ -8,7 +8,8 @@ Modules: ``tracker`` (the counting fake-tensor mode), ``trace`` (the program: fo
 backward, optimizer step), ``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
 rounding and workspaces), ``result`` (the :class:`Estimate`), ``zoo`` (built-in models),
 ``fit`` (largest batch under a budget), ``targets`` (what the CLI traces: built-in
-models, ``config.json`` files, factories).
+models, ``config.json`` files, factories), ``verify`` (the same program run for real on CPU
+under the allocator's profiler).
 
 Importing this package does not import torch: :func:`estimate` does, when called.
 """
@@ -26,6 +27,8 @@ from modelsize.estimation.result import (
     MemoryCategory,
     PhaseSpan,
     Setup,
+    Source,
+    Verification,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ __all__ = [
     "MemoryCategory",
     "PhaseSpan",
     "Setup",
+    "Source",
+    "Verification",
     "estimate",
 ]
 
@@ -56,14 +61,17 @@ def estimate(
     inputs: Any,
     *,
     mode: str = "train",
-    optimizer: str | Callable[..., torch.optim.Optimizer] = "adam",
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
     amp: str | torch.dtype | None = None,
-    device: str = "cpu",
+    device: str | None = None,
     implementation: str | None = None,
     accumulate: int = 1,
     checkpoint: Sequence[str] = (),
     steps: int | None = None,
+    optimize_frozen: bool = False,
+    verify: bool = False,
+    verify_budget: int | None = None,
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> Estimate:
@@ -81,14 +89,30 @@ def estimate(
     ``loss(output)``, by default ``output.loss`` or else ``.sum()`` of the first floating
     point tensor of the output; the output is released before the backward.
 
-    ``optimizer``: ``sgd``, ``momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, or a
-    callable taking the parameters (``torch.optim.AdamW``, a ``functools.partial``...).
+    ``optimizer`` (default ``adamw``): ``sgd``, ``momentum``, ``adam``, ``adamw``, ``adagrad``,
+    ``rmsprop``, or a callable taking the parameters (``torch.optim.AdamW``, a
+    ``functools.partial``...). It is built on the parameters that require grad, as
+    fine-tuning code does (``AdamW(p for p in model.parameters() if p.requires_grad)``);
+    ``optimize_frozen=True`` builds it on all of them (``AdamW(model.parameters())``), which
+    costs state for frozen parameters with optimizers that make it up front (Adagrad).
     ``implementation``: ``for-loop``, ``foreach``, ``fused`` or None for PyTorch's default on
     ``device``. ``amp``: ``"bf16"``/``"fp16"`` autocast around the forward and the loss.
     ``checkpoint``: module names (glob patterns) or class names whose forward runs under
-    non-reentrant activation checkpointing. ``device``: ``"cpu"`` (validated to the byte
-    against the CPU profiler) or ``"cuda"`` (adds the caching allocator's rounding, the cuBLAS
-    workspace and the CUDA context as named terms; not validated on a GPU).
+    non-reentrant activation checkpointing. ``device`` (default ``cpu``): ``"cpu"``
+    (validated to the byte against the CPU profiler) or ``"cuda"`` (adds the caching
+    allocator's rounding, the cuBLAS workspace and the CUDA context as named terms; not
+    validated on a GPU). ``Estimate.setup.sources`` says which settings were defaults.
+
+    Values the model reads from tensors (``if labels.max() >= vocab:``, ``x[mask]``) are
+    computed from the real input tensors, when they are real; a value that depends on the
+    weights or on random numbers stops the trace with an :class:`EstimateError` naming the
+    line of the model that reads it.
+
+    ``verify=True`` also runs the program for real on CPU (on a copy of the model) under the
+    allocator's profiler and stores the measured peak beside the CPU estimate of the same
+    program in ``Estimate.verification``: at full size when that estimate fits
+    ``verify_budget`` bytes (default: half of the available memory), else at the largest
+    smaller batch (first dimension of the inputs) that fits, estimated again at that batch.
     """
     require_torch()
     from modelsize.estimation import core
@@ -96,5 +120,6 @@ def estimate(
     return core.estimate(
         model, inputs, mode=mode, optimizer=optimizer, loss=loss, amp=amp, device=device,
         implementation=implementation, accumulate=accumulate, checkpoint=checkpoint,
-        steps=steps, name=name, progress=progress,
+        steps=steps, optimize_frozen=optimize_frozen, verify=verify,
+        verify_budget=verify_budget, name=name, progress=progress,
     )

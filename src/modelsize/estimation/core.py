@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from modelsize.errors import EstimateError, ModelSizeError, UsageError
 from modelsize.estimation.device import device_estimate
-from modelsize.estimation.optimizers import OptimizerSpec, describe, parse_implementation
-from modelsize.estimation.result import Estimate, MemoryCategory, PhaseSpan, Setup
-from modelsize.estimation.trace import Program, Trace, run_trace
+from modelsize.estimation.optimizers import (
+    Implementation,
+    OptimizerSpec,
+    default_implementation,
+    describe,
+    parse_implementation,
+)
+from modelsize.estimation.result import (
+    Estimate,
+    MemoryCategory,
+    PhaseSpan,
+    Setup,
+    Source,
+    Verification,
+)
+from modelsize.estimation.trace import Program, Trace, run_trace, user_code
 from modelsize.estimation.tracker import Allocation, Origin
+from modelsize.estimation.verify import RandomState, resize_batch, verify
 
 _AMP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
         "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
@@ -36,44 +53,121 @@ def estimate(
     inputs: Any,
     *,
     mode: str = "train",
-    optimizer: OptimizerSpec = "adam",
+    optimizer: OptimizerSpec | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
     amp: str | torch.dtype | None = None,
-    device: str = "cpu",
+    device: str | None = None,
     implementation: str | None = None,
     accumulate: int = 1,
     checkpoint: Sequence[str] = (),
     steps: int | None = None,
+    optimize_frozen: bool = False,
+    verify: bool = False,
+    verify_budget: int | None = None,
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> Estimate:
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"device must be 'cpu' or 'cuda', not {device!r}")
-    if isinstance(checkpoint, str):
-        checkpoint = (checkpoint,)
-    described = _describe_inputs(inputs)
-    program = Program(
-        mode=mode,
-        optimizer=optimizer,
-        implementation=parse_implementation(implementation),
-        loss=loss,
-        amp=parse_amp(amp),
-        device=device,
-        steps=steps if steps is not None else (2 if mode == "train" else 1),
-        accumulate=accumulate,
-        checkpoint=tuple(checkpoint),
+    sources = {"device": Source.DEFAULT if device is None else Source.GIVEN,
+               "optimizer": Source.DEFAULT if optimizer is None else Source.GIVEN}
+    settings = Settings(
+        mode=mode, optimizer=DEFAULT_OPTIMIZER if optimizer is None else optimizer, loss=loss,
+        amp=amp, device=DEFAULT_DEVICE if device is None else device,
+        implementation=implementation, accumulate=accumulate,
+        checkpoint=(checkpoint,) if isinstance(checkpoint, str) else tuple(checkpoint),
+        steps=steps, optimize_frozen=optimize_frozen,
     )
+    program = settings.program()
+    described = _describe_inputs(inputs)
+    start = RandomState.capture()  # model code may draw from NumPy or random: put them back
+    label = name or type(model).__name__
     try:
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        where = user_code(traceback.extract_tb(exc.__traceback__))
+        raise EstimateError(f"tracing {label} failed: the model needs tensor values "
+                            f"({exc.func}) at {where}, which the trace does not have") from exc
     except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EstimateError(f"tracing {name or type(model).__name__} failed: {first}") from exc
-    return summarize(trace, program, name or type(model).__name__, described)
+        raise EstimateError(f"tracing {label} failed: {first}") from exc
+    finally:
+        start.restore()
+    est = summarize(trace, program, label, described, sources)
+    if verify:
+        batch, resize = resize_batch(inputs)
+        known = est.peak_bytes if settings.device == "cpu" else None
+        est = replace(est, verification=verification(
+            model, inputs, settings, estimated=known, batch=batch, resize=resize,
+            budget=verify_budget, start=start))
+    return est
+
+
+DEFAULT_DEVICE = "cpu"
+DEFAULT_OPTIMIZER = "adamw"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The arguments of :func:`estimate` that define the program, defaults resolved."""
+
+    mode: str
+    optimizer: OptimizerSpec
+    loss: Callable[[Any], torch.Tensor] | None
+    amp: str | torch.dtype | None
+    device: str
+    implementation: str | None
+    accumulate: int
+    checkpoint: tuple[str, ...]
+    steps: int | None
+    optimize_frozen: bool
+
+    def program(self) -> Program:
+        """The validated :class:`Program`."""
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        return Program(
+            mode=self.mode,
+            optimizer=self.optimizer,
+            implementation=parse_implementation(self.implementation),
+            loss=self.loss,
+            amp=parse_amp(self.amp),
+            device=self.device,
+            steps=self.steps if self.steps is not None else (2 if self.mode == "train" else 1),
+            accumulate=self.accumulate,
+            checkpoint=self.checkpoint,
+            optimize_frozen=self.optimize_frozen,
+        )
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that make :func:`estimate` trace this program again."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def verification(model: nn.Module, inputs: Any, settings: Settings, *,
+                 estimated: int | None = None, batch: int | None = None,
+                 resize: Callable[[int], Any] | None = None, budget: int | None = None,
+                 start: RandomState | None = None) -> Verification:
+    """Run the program of ``settings`` for real on CPU and compare it with its CPU estimate.
+
+    An estimate for CUDA is compared through the same program traced for CPU, with the
+    optimizer implementation CUDA would use; ``estimated`` is that CPU estimate's peak for
+    ``inputs`` when already known (see :func:`modelsize.estimation.verify.verify`).
+    """
+    program = settings.program()
+    impl = program.implementation
+    if impl is Implementation.DEFAULT:
+        impl = default_implementation(settings.device)
+    cpu = replace(settings, device="cpu", implementation=str(impl))
+
+    def estimate_at(inp: Any) -> int:
+        return estimate(model, inp, **cpu.kwargs()).peak_bytes
+
+    return verify(model, inputs, cpu.program(), estimate_at, estimated=estimated, batch=batch,
+                  resize=resize, budget=budget, start=start)
 
 
 def classify(rec: Allocation) -> MemoryCategory:
@@ -94,7 +188,8 @@ def classify(rec: Allocation) -> MemoryCategory:
 
 
 def summarize(trace: Trace, program: Program, name: str,
-              inputs: tuple[tuple[str, tuple[int, ...], str], ...]) -> Estimate:
+              inputs: tuple[tuple[str, tuple[int, ...], str], ...],
+              sources: dict[str, Source] | None = None) -> Estimate:
     """Turn a finished trace into an :class:`Estimate`."""
     mode = trace.mode
     peak, tick = mode.peak_bytes, mode.peak_tick
@@ -127,6 +222,8 @@ def summarize(trace: Trace, program: Program, name: str,
         checkpoint=tuple(program.checkpoint),
         steps=program.steps,
         inputs=inputs,
+        optimize_frozen=program.optimize_frozen and train,
+        sources=dict(sources or {}),
     )
     modules = {(k or "<model>"): v for k, v in
                sorted(trace.module_activations.items(), key=lambda kv: -kv[1])}

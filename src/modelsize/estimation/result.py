@@ -86,9 +86,28 @@ class DeviceEstimate:
         }
 
 
+class Source(str, Enum):
+    """Where a setting of an estimate came from (the report prints it beside the setting)."""
+
+    GIVEN = "given"
+    """The caller chose it."""
+    DEFAULT = "default"
+    """The default of :func:`modelsize.estimate`."""
+    CLI_DEFAULT = "cli-default"
+    """The default of the ``modelsize estimate`` command, which estimates for a GPU."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Setup:
-    """What was estimated."""
+    """What was estimated.
+
+    ``optimize_frozen``: the optimizer was built on every parameter, frozen ones included
+    (by default only on those that require grad, as fine-tuning code does). ``sources``
+    says where ``device`` and ``optimizer`` came from.
+    """
 
     model: str
     mode: str
@@ -100,6 +119,8 @@ class Setup:
     checkpoint: tuple[str, ...]
     steps: int
     inputs: tuple[tuple[str, tuple[int, ...], str], ...]
+    optimize_frozen: bool = False
+    sources: dict[str, Source] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -114,7 +135,42 @@ class Setup:
             "checkpoint": list(self.checkpoint),
             "steps": self.steps,
             "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in self.inputs],
+            "optimize_frozen": self.optimize_frozen,
+            "sources": {k: str(v) for k, v in self.sources.items()},
         }
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The estimated program run for real on CPU, its peak read from the allocator's events.
+
+    ``estimated_bytes`` is the CPU estimate of exactly the program that ran: at ``batch``
+    when the run was reduced to fit ``budget_bytes`` (``requested_batch`` was asked for),
+    and on CPU whatever the estimate's device. ``measured_bytes`` is None when nothing ran;
+    ``reason`` then says why (or, for a reduced run, why it was reduced).
+    """
+
+    measured_bytes: int | None
+    estimated_bytes: int
+    batch: int | None
+    requested_batch: int | None
+    budget_bytes: int
+    seconds: float
+    reason: str = ""
+
+    @property
+    def difference(self) -> int | None:
+        """``measured - estimated`` in bytes (None when nothing ran)."""
+        if self.measured_bytes is None:
+            return None
+        return self.measured_bytes - self.estimated_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"measured_bytes": self.measured_bytes, "estimated_bytes": self.estimated_bytes,
+                "difference_bytes": self.difference, "batch": self.batch,
+                "requested_batch": self.requested_batch, "budget_bytes": self.budget_bytes,
+                "seconds": round(self.seconds, 3), "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -123,7 +179,8 @@ class Estimate:
 
     ``categories`` add up to ``peak_bytes``. ``scratch_bytes`` (kernel buffers no tensor owns)
     is part of ``temporaries``. ``timeline`` holds ``(op index, live bytes)`` pairs,
-    downsampled, always including the peak.
+    downsampled, always including the peak. ``verification`` is the measured real run when
+    one was asked for (``verify=True``, ``--verify``).
     """
 
     setup: Setup
@@ -141,6 +198,7 @@ class Estimate:
     trace_seconds: float
     device_estimate: DeviceEstimate
     notes: tuple[str, ...] = field(default=())
+    verification: Verification | None = None
 
     def __post_init__(self) -> None:
         from modelsize.errors import AccountingError
@@ -169,6 +227,7 @@ class Estimate:
             "trace_seconds": round(self.trace_seconds, 3),
             "device_estimate": self.device_estimate.to_dict(),
             "notes": list(self.notes),
+            "verification": self.verification.to_dict() if self.verification else None,
         }
 
 

@@ -5,15 +5,37 @@ runs. Two kinds of models fill the gap on CPU:
 
 * **analytic**, where the rule is simple and device-independent: the CPU BLAS path of ``mm``,
   ``addmm``, ``bmm`` and ``baddbmm`` clones an operand whose strides BLAS cannot take (an
-  expanded or sliced gradient, say) into a contiguous temporary;
-* **probed**, where the kernel belongs to oneDNN and its buffers depend on the instruction set,
-  the shapes and the thread count (reordered inputs and weights, blocked outputs converted
-  back to dense, primitive scratch pads, the LSTM workspace that PyTorch's meta kernel reports
-  as 0 bytes). For those ops the tracker runs the real kernel once per distinct signature on
-  zero-filled inputs under the CPU profiler and reads the allocator's own events. Signatures
-  too large to run are scaled down along the batch dimension and extrapolated linearly, event
-  by event (checked on a third size; when that check fails the op is left unmodelled and
-  listed in the estimate's notes).
+  expanded or sliced gradient, say) into a contiguous temporary; the CTC loss backward keeps a
+  ``log_beta`` table the size of the forward's ``log_alpha``;
+* **probed**, where the kernel's buffers depend on the instruction set, the shapes, the layout
+  and the thread count. For those ops the tracker runs the real kernel once per distinct
+  signature on zero-filled inputs under the CPU profiler and reads the allocator's own
+  events. Signatures too large to run are scaled down along the batch dimension and
+  extrapolated linearly, event by event (checked on a third size; when that check fails, or
+  when even the smallest batch would need more than :data:`PROBE_LIMIT` bytes, the op is left
+  unmodelled and named in the estimate's notes with a bound on what is missing).
+
+The probed kernels, each found by comparing a real run with its fake twin, allocation by
+allocation, on common models (transformers' BERT, GPT-2, Llama, T5, ViT, Whisper, Wav2Vec2,
+SegFormer, ResNet; ``torch.nn`` transformers, recurrent nets and U-Net parts):
+
+* oneDNN convolutions and LSTMs: reordered inputs and weights, primitive scratch pads, the LSTM
+  workspace that PyTorch's meta kernel reports as 0 bytes;
+* the fused inference fast paths of ``nn.TransformerEncoderLayer`` and
+  ``nn.MultiheadAttention`` (``_transformer_encoder_layer_fwd``,
+  ``_native_multi_head_attention``): their meta kernels return the output alone, while the
+  CPU kernels run the whole layer inside (QKV projection, the attention matrix, the
+  feed-forward activations): 10x the output at 4 x 128 tokens;
+* the CPU flash attention behind ``scaled_dot_product_attention`` (per-thread blocks; its
+  backward adds a float32 accumulator the size of ``grad_query``) and ``_safe_softmax``, the
+  softmax of its math path (a boolean mask as large as the scores);
+* ``native_batch_norm_backward`` (a temporary the size of the input);
+  ``native_layer_norm_backward`` (per-thread partial sums);
+* 2-d nearest/bilinear upsampling, whose vectorized kernel converts the input and the output
+  to channels-last and back when the output is small;
+* kernels that copy an input they cannot read in place, probed only when an input is not
+  contiguous: softmax and log-softmax (forward and backward), layer norm, ``gelu_backward``,
+  ``embedding`` and ``embedding_dense_backward``, upsampling backward.
 
 Each model returns the bytes the kernel holds beyond its outputs at its high-water mark; a
 probed op can also correct the size of an output the meta kernel gets wrong.
@@ -22,6 +44,7 @@ probed op can also correct the size of an output the meta kernel gets wrong.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +55,8 @@ import torch
 
 #: Probes run real kernels; above this many bytes of real memory they scale the batch down.
 PROBE_BUDGET = 64 * 2**20
+#: ... and above this many, even at the smallest batch they can run, they do not run at all.
+PROBE_LIMIT = 1024 * 2**20
 
 
 @dataclass
@@ -42,16 +67,31 @@ class KernelCost:
     output_nbytes: tuple[int | None, ...] = ()
 
 
-BatchDims = Callable[[Sequence[Any]], dict[int, int]]
+Key = int | str  # a positional argument's index, or a keyword argument's name
+BatchDims = Callable[[Sequence[Any], dict[str, Any]], dict[Key, int]]
+Bound = Callable[[Sequence[Any], dict[str, Any]], int]
 Prepare = Callable[[list[Any]], None]
 
 
 @dataclass
 class Probe:
-    """How to run one op for real: where its batch dimension is, and any setup it needs."""
+    """How to run one op for real.
+
+    ``batch_dims`` says which dimension of which argument is the batch (for an int-list
+    argument, which element; for an int argument, 0), ``prepare`` sets up real inputs the
+    zero-filled ones cannot stand for, ``when`` limits probing to the calls that can allocate
+    (the others cost nothing), and ``bound`` is an upper bound of the scratch (checked against
+    the probes in the tests), used to decide whether a real run fits and, when none does, for
+    the note that says how much may be missing. ``reads_values`` marks the calls whose
+    allocations depend on tensor values, which zero-filled inputs cannot stand for: those are
+    not run, only noted.
+    """
 
     batch_dims: BatchDims
     prepare: Prepare | None = None
+    when: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
+    bound: Bound | None = None
+    reads_values: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
 
 
 @dataclass
@@ -113,9 +153,10 @@ class ScratchModels:
         if fix is not None:
             return KernelCost(0, fix(args))
         probe = self.probed.get(func)
-        if probe is None:
+        if probe is None or (probe.when is not None and not probe.when(args, kwargs)):
             return None
-        key = (func, torch.is_grad_enabled(), *(_signature(a) for a in args),
+        key = (func, torch.is_grad_enabled(), _aliasing(args, kwargs),
+               *(_signature(a) for a in args),
                *sorted((k, _signature(v)) for k, v in kwargs.items()))
         if key not in self.cache:
             self.cache[key] = self._probe(func, args, kwargs, out, probe)
@@ -123,30 +164,48 @@ class ScratchModels:
 
     def _probe(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
                probe: Probe) -> KernelCost | None:
+        bound = probe.bound(args, kwargs) if probe.bound is not None else None
         if torch.autograd.profiler._is_profiler_enabled:
-            _note(self.notes, f"{func}: scratch not probed (a profiler is already running)")
+            self._missing(func, "a profiler is already running", bound)
             return None
-        nbytes = sum(_span(a) for a in args if isinstance(a, torch.Tensor))
-        nbytes += sum(_span(t) for t in _out_tensors(out))
-        dims = probe.batch_dims(args)
-        batches = {args[i].shape[d] for i, d in dims.items()}
+        if probe.reads_values is not None and probe.reads_values(args, kwargs):
+            self._missing(func, "its allocations depend on tensor values", bound)
+            return None
+        nbytes = sum(_span(t) for t in _distinct(args, kwargs))
+        nbytes += sum(_span(t) for t in _out_tensors(out)) + (bound or 0)
+        dims = probe.batch_dims(args, kwargs)
+        batches = {_size_at(_arg(args, kwargs, k), d) for k, d in dims.items()}
         batch = batches.pop() if len(batches) == 1 else None
         try:
-            if nbytes <= PROBE_BUDGET or (batch is not None and batch <= 3):
+            if nbytes <= PROBE_BUDGET or (
+                batch is not None and batch <= 3 and nbytes <= PROBE_LIMIT
+            ):
                 self.probes_run += 1
                 events, sizes = _run(func, args, kwargs, {}, probe.prepare)
                 return _cost(events, sizes, out)
             if batch is None:
-                _note(self.notes, f"{func}: scratch not probed (too large to run, no batch dim)")
+                self._missing(func, "too large to run, no batch dim", bound)
+                return None
+            if batch <= 3 or nbytes * 3 // batch > PROBE_LIMIT:
+                self._missing(func, f"a real run needs {nbytes * min(batch, 3) // batch} bytes",
+                              bound)
                 return None
             self.probes_run += 3
-            runs = [_run(func, args, kwargs, {i: (d, n) for i, d in dims.items()}, probe.prepare)
+            runs = [_run(func, args, kwargs, {k: (d, n) for k, d in dims.items()}, probe.prepare)
                     for n in (1, 2, 3)]
         except (RuntimeError, ValueError, IndexError) as exc:
-            _note(self.notes, f"{func}: scratch probe failed ({str(exc).splitlines()[0][:120]})")
+            self._missing(func, f"probe failed: {str(exc).splitlines()[0][:120]}", bound)
             return None
-        return _extrapolate(func, runs, batch, out, self.notes)
+        cost = _extrapolate(runs, batch, out)
+        if isinstance(cost, str):
+            self._missing(func, cost, bound, verb="modelled")
+            return None
+        return cost
 
+    def _missing(self, func: Any, why: str, bound: int | None, verb: str = "probed") -> None:
+        """Name an op whose scratch is not counted, with a bound on it when there is one."""
+        tail = f"; up to {bound} bytes of it are not counted" if bound else ""
+        _note(self.notes, f"{func}: scratch not {verb} ({why}){tail}")
 
 
 #: Ops whose ``Scalar`` overloads wrap the number in a tensor inside the kernel (measured).
@@ -224,7 +283,10 @@ def _strides_like(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
 
 
 def _real(a: Any, resize: tuple[int, int] | None = None) -> Any:
-    """A zero-filled real CPU tensor with ``a``'s layout (``resize``: (dim, new size))."""
+    """A zero-filled real CPU tensor with ``a``'s layout (``resize``: (dim, new size)).
+
+    An int list or an int that stands for a size gets the new size at the ``resize`` element.
+    """
     if isinstance(a, torch.Tensor):
         shape, stride, offset = list(a.shape), list(a.stride()), a.storage_offset()
         if resize is not None:
@@ -233,9 +295,51 @@ def _real(a: Any, resize: tuple[int, int] | None = None) -> Any:
         span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
         base = torch.zeros(span + offset, dtype=a.dtype, device="cpu")
         return base.as_strided(shape, stride, offset)
+    if resize is not None and isinstance(a, int):
+        return resize[1]
+    if resize is not None and isinstance(a, (list, tuple)):
+        items = list(a)
+        items[resize[0]] = resize[1]
+        return type(a)(items)
     if isinstance(a, (list, tuple)):
         return type(a)(_real(x) for x in a)
     return a
+
+
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], key: Key) -> Any:
+    if isinstance(key, str):
+        return kwargs.get(key)
+    return args[key] if key < len(args) else None
+
+
+def _size_at(a: Any, d: int) -> int:
+    if isinstance(a, torch.Tensor):
+        return int(a.shape[d])
+    if isinstance(a, (list, tuple)):
+        return int(a[d])
+    return int(a)
+
+
+def _flat(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for a in (*args, *(kwargs[k] for k in sorted(kwargs))):
+        out.extend(a if isinstance(a, (list, tuple)) else (a,))
+    return out
+
+
+def _distinct(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in _flat(args, kwargs):
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _aliasing(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """Which tensor arguments are the same tensor: kernels branch on it (MHA's ``q is k``)."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(_flat(args, kwargs))
+                 if isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -258,13 +362,24 @@ def _quiet_stderr() -> Iterator[None]:
 
 def _run(
     func: Any, args: Sequence[Any], kwargs: dict[str, Any],
-    resize: dict[int, tuple[int, int]], prepare: Prepare | None,
+    resize: dict[Key, tuple[int, int]], prepare: Prepare | None,
 ) -> tuple[list[int], list[int]]:
     """Run ``func`` for real; return the allocator's events and the real outputs' sizes."""
     from torch.profiler import ProfilerActivity, profile
 
-    real_args = [_real(a, resize.get(i)) for i, a in enumerate(args)]
-    real_kwargs = {k: _real(v) for k, v in kwargs.items()}
+    made: dict[tuple[int, Any], Any] = {}  # one real tensor per fake one: kernels test q is k
+
+    def real(a: Any, size: tuple[int, int] | None) -> Any:
+        if isinstance(a, torch.Tensor):
+            if (id(a), size) not in made:
+                made[id(a), size] = _real(a, size)
+            return made[id(a), size]
+        if isinstance(a, (list, tuple)) and size is None:
+            return type(a)(real(x, None) for x in a)
+        return _real(a, size)
+
+    real_args = [real(a, resize.get(i)) for i, a in enumerate(args)]
+    real_kwargs = {k: real(v, resize.get(k)) for k, v in kwargs.items()}
     # Grad mode stays the caller's: some kernels (the oneDNN LSTM) only keep a workspace when
     # it is on. The real arguments do not require grad, so no graph is recorded.
     if prepare is not None:
@@ -292,16 +407,15 @@ def _cost(events: Sequence[int], sizes: Sequence[int], out: Any) -> KernelCost |
     return KernelCost(scratch, tuple(fixes))
 
 
-def _extrapolate(func: Any, runs: list[tuple[list[int], list[int]]], batch: int, out: Any,
-                 notes: list[str]) -> KernelCost | None:
+def _extrapolate(runs: list[tuple[list[int], list[int]]], batch: int,
+                 out: Any) -> KernelCost | str | None:
+    """The cost at ``batch`` from runs at batch 1, 2 and 3, or why there is none."""
     (e1, s1), (e2, s2), (e3, s3) = runs
     if not (len(e1) == len(e2) == len(e3) and len(s1) == len(s2) == len(s3)):
-        _note(notes, f"{func}: scratch not modelled (its allocations change with the batch size)")
-        return None
+        return "its allocations change with the batch size"
     for a, b, c in (*zip(e1, e2, e3, strict=True), *zip(s1, s2, s3, strict=True)):
         if c - b != b - a:
-            _note(notes, f"{func}: scratch not modelled (not linear in the batch size)")
-            return None
+            return "not linear in the batch size"
     events = [a + (b - a) * (batch - 1) for a, b in zip(e1, e2, strict=True)]
     sizes = [a + (b - a) * (batch - 1) for a, b in zip(s1, s2, strict=True)]
     return _cost(events, sizes, out)
@@ -310,20 +424,20 @@ def _extrapolate(func: Any, runs: list[tuple[list[int], list[int]]], batch: int,
 # -- probed ops -------------------------------------------------------------------------------
 
 
-def _conv_dims(args: Sequence[Any]) -> dict[int, int]:
+def _conv_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
     return {0: 0}
 
 
-def _conv_backward_dims(args: Sequence[Any]) -> dict[int, int]:
+def _conv_backward_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
     return {0: 0, 1: 0}
 
 
-def _rnn_dims(args: Sequence[Any]) -> dict[int, int]:
+def _rnn_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
     seq_dim = 0 if args[14] else 1  # batch_first
     return {0: seq_dim, 5: 0, 6: 0}
 
 
-def _rnn_backward_dims(args: Sequence[Any]) -> dict[int, int]:
+def _rnn_backward_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
     seq_dim = 0 if args[21] else 1
     dims = {0: seq_dim, 5: 0, 6: 0, 7: seq_dim, 8: 0, 9: 0, 10: seq_dim, 11: 0, 12: 0}
     return {i: d for i, d in dims.items() if isinstance(args[i], torch.Tensor)}
@@ -337,6 +451,195 @@ def _rnn_backward_prepare(real: list[Any]) -> None:
             real[14], real[15], real[16], real[17], real[19], real[21], real[18],
         )
     real[7], real[8], real[9], real[22] = fwd
+
+
+def _leading(*keys: Key) -> BatchDims:
+    """Dimension 0 of the listed tensor arguments that have one of the first one's size.
+
+    A mask that broadcasts over the batch (size 1) is left as it is.
+    """
+
+    def dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+        out: dict[Key, int] = {}
+        size = None
+        for k in keys:
+            t = _arg(args, kwargs, k)
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                size = t.shape[0] if size is None else size
+                if t.shape[0] == size:
+                    out[k] = 0
+        return out
+
+    return dims
+
+
+def _attention_dims(mask_at: int, type_at: int, *keys: Key) -> BatchDims:
+    """The fused MHA kernels: the inputs, and the mask when it has a batch dimension.
+
+    ``mask_type`` 1 is a key padding mask ``(B, S)``, 2 a merged ``(B, H, L, S)`` one; 0 (an
+    ``(L, S)`` attention mask) has none.
+    """
+    inputs = _leading(*keys)
+
+    def dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+        out = inputs(args, kwargs)
+        if _arg(args, kwargs, type_at) in (1, 2) and isinstance(_arg(args, kwargs, mask_at),
+                                                                torch.Tensor):
+            out[mask_at] = 0
+        return out
+
+    return dims
+
+
+def _sdpa_dims(*keys: Key) -> BatchDims:
+    """Flash attention: ``(B, H, L, D)`` inputs, and a 4-d mask with the batch's size."""
+    inputs = _leading(*keys)
+
+    def dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+        out = inputs(args, kwargs)
+        mask, first = kwargs.get("attn_mask"), _arg(args, kwargs, keys[0])
+        if (isinstance(mask, torch.Tensor) and mask.dim() == 4
+                and mask.shape[0] == first.shape[0]):
+            out["attn_mask"] = 0
+        return out
+
+    return dims
+
+
+def _all_leading(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+    """Dimension 0 of every tensor argument with the first one's size (ops on activations)."""
+    keys: list[Key] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    keys += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return _leading(*keys)(args, kwargs)
+
+
+def _any_non_contiguous(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and not t.is_contiguous() for t in _flat(args, kwargs))
+
+
+def _non_contiguous(*keys: Key) -> Callable[[Sequence[Any], dict[str, Any]], bool]:
+    """Probe only when one of these arguments is not contiguous (the kernel copies it)."""
+
+    def when(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        return any(isinstance(t, torch.Tensor) and not t.is_contiguous()
+                   for t in (_arg(args, kwargs, k) for k in keys))
+
+    return when
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _mha_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Projections, the per-head copies, the scores and the weights, twice over."""
+    q, k = args[0], args[1]
+    (b, n, _), s, e, h = q.shape, k.shape[1], int(args[3]), int(args[4])
+    return q.element_size() * (2 * b * h * n * s + 12 * b * max(n, s) * e)
+
+
+def _encoder_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The attention block's bound plus the feed-forward activations, twice over."""
+    x, e, h, hidden = args[0], int(args[1]), int(args[2]), int(args[14].shape[0])
+    b, n = x.shape[0], x.shape[1]
+    return x.element_size() * (2 * b * h * n * n + 12 * b * n * e + 2 * b * n * hidden)
+
+
+def _flash_blocks(d: int) -> int:
+    """Twice the float32 blocks each thread works on (at most 256 queries x 512 keys)."""
+    return 8 * torch.get_num_threads() * (256 * 512 + 256 * (d + 2)) * 2
+
+
+def _flash_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    q = args[0]
+    return _flash_blocks(q.shape[-1]) + 4 * q.numel()
+
+
+def _flash_backward_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    q, k = args[1], args[2]
+    return _flash_blocks(q.shape[-1]) + 4 * (q.numel() + 2 * k.numel())
+
+
+def _safe_softmax_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    x = args[0]
+    return x.numel() * (x.element_size() + 2) + 64
+
+
+def _loss_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """An elementwise loss buffer, a second one for the reduction, and a few scalars."""
+    return 3 * _nbytes(args[0]) + 64
+
+
+def _twice_first(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    return 2 * _nbytes(args[0]) + 4096 * torch.get_num_threads()
+
+
+def _twice_all(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    return 2 * sum(_nbytes(t) for t in _flat(args, kwargs)) + 4096 * torch.get_num_threads()
+
+
+def _upsample_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The channels-last input and output, and per-thread index and weight tables."""
+    x, size = args[0], [int(n) for n in args[1]]
+    out = x.shape[0] * x.shape[1] * math.prod(size) * x.element_size()
+    return _nbytes(x) + out + 64 * sum(size) * torch.get_num_threads()
+
+
+def _upsample_backward_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+    return {0: 0, 2: 0}  # the gradient, and the batch in ``input_size``
+
+
+def _no_batch(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+    return {}  # flattened indices: scaling the bags down is not a resize of one dimension
+
+
+def _embedding_bag_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Two ``offset2bag`` tables (one entry per index, plus one) and per-bag counts."""
+    return 16 * (args[1].numel() + 1) + 16 * args[2].numel() + 4096
+
+
+def _embedding_bag_backward_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Sorted indices, their order and counts; for ``max``, copies of the gradient."""
+    return 64 * (args[1].numel() + 1) + 4 * _nbytes(args[0])
+
+
+def _weight_norm_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Per-thread float64 partial norms along the kept dimension (forward and backward)."""
+    backward = len(args) >= 4
+    v = args[1] if backward else args[0]
+    dim = int(_arg(args, kwargs, 4 if backward else 2) or kwargs.get("dim", 0))
+    return 32 * (torch.get_num_threads() + 1) * int(v.shape[dim]) + 64
+
+
+def _euclidean_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Both inputs widened by two columns (norms and ones), their norms, twice over."""
+    return 2 * sum(_nbytes(t) * (t.shape[-1] + 3) // max(t.shape[-1], 1) for t in args[:2])
+
+
+def _batch_norm_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Per-channel statistics in float64, per thread."""
+    x = args[0]
+    return 16 * (x.shape[1] if x.dim() > 1 else 1) * (torch.get_num_threads() + 2)
+
+
+def _group_norm_backward_dims(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Key, int]:
+    return {0: 0, 1: 0, 2: 0, 3: 0, 5: 0}  # the int ``N`` is the batch too
+
+
+def _group_norm_backward_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Per-sample, per-channel float64 partial sums, twice."""
+    return 32 * int(args[5]) * int(args[6]) + 4096 * torch.get_num_threads()
+
+
+def _layer_norm_backward_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Copies of both inputs, and per-thread float64 partial sums of the weight grads."""
+    width = math.prod(int(n) for n in args[2])
+    return 2 * (_nbytes(args[0]) + _nbytes(args[1])) + 32 * width * torch.get_num_threads()
+
+
+def _embedding_backward_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """A copy of the gradient, sorted indices and their order, per-row counts."""
+    return _nbytes(args[0]) + 4 * _nbytes(args[1]) + 8 * int(args[2])
 
 
 # -- analytic models ------------------------------------------------------------------------
@@ -377,14 +680,9 @@ def _baddbmm(args: Sequence[Any]) -> int:
     return _bmm(args[1:3])
 
 
-def _batch_norm_outputs(args: Sequence[Any]) -> tuple[int | None, ...]:
-    """In eval mode the meta kernel returns empty ``save_mean``/``save_invstd``; the CPU
-    kernel returns one accumulator-typed value per channel each (freed by its caller)."""
-    x, training = args[0], args[5]
-    if training or x.dim() < 2:
-        return ()
-    acc = 8 if x.dtype == torch.float64 else 4
-    return (None, x.shape[1] * acc, x.shape[1] * acc)
+def _ctc_backward(args: Sequence[Any]) -> int:
+    """``log_beta``, shaped like the forward's ``log_alpha`` (measured: exactly its size)."""
+    return _nbytes(args[6])
 
 
 def table(device_type: str) -> ScratchModels:
@@ -399,13 +697,76 @@ def table(device_type: str) -> ScratchModels:
         aten.addmm.default: _addmm,
         aten.bmm.default: _bmm,
         aten.baddbmm.default: _baddbmm,
+        aten._ctc_loss_backward.default: _ctc_backward,
+        aten._ctc_loss_backward.Tensor: _ctc_backward,
     }
-    models.outputs = {aten.native_batch_norm.default: _batch_norm_outputs}
     models.probed = {
         aten.convolution.default: Probe(_conv_dims),
         aten.convolution_backward.default: Probe(_conv_backward_dims),
         aten.mkldnn_rnn_layer.default: Probe(_rnn_dims),
         aten.mkldnn_rnn_layer_backward.default: Probe(_rnn_backward_dims, _rnn_backward_prepare),
+        aten._transformer_encoder_layer_fwd.default: Probe(
+            _attention_dims(18, 19, 0), bound=_encoder_bound),
+        aten._native_multi_head_attention.default: Probe(
+            _attention_dims(9, 12, 0, 1, 2), bound=_mha_bound),
+        aten._scaled_dot_product_flash_attention_for_cpu.default: Probe(
+            _sdpa_dims(0, 1, 2), bound=_flash_bound),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: Probe(
+            _sdpa_dims(0, 1, 2, 3, 4, 5), bound=_flash_backward_bound),
+        aten._safe_softmax.default: Probe(_leading(0), bound=_safe_softmax_bound),
+        aten.native_batch_norm.default: Probe(_leading(0), bound=_batch_norm_bound),
+        aten.native_batch_norm_backward.default: Probe(_leading(0, 1), bound=_twice_all),
+        aten.native_group_norm_backward.default: Probe(
+            _group_norm_backward_dims, bound=_group_norm_backward_bound),
+        aten.native_layer_norm_backward.default: Probe(
+            _leading(0, 1, 3, 4), bound=_layer_norm_backward_bound),
+        aten.native_layer_norm.default: Probe(
+            _leading(0), when=_non_contiguous(0), bound=_twice_first),
+        aten.gelu_backward.default: Probe(
+            _leading(0, 1), when=_non_contiguous(0, 1), bound=_twice_all),
+        aten.embedding.default: Probe(_leading(1), when=_non_contiguous(1), bound=_twice_all),
+        aten.embedding_dense_backward.default: Probe(
+            _leading(0, 1), when=lambda a, k: _non_contiguous(0, 1)(a, k) or bool(a[4]),
+            bound=_embedding_backward_bound),
     }
+    models.probed[aten._weight_norm_interface.default] = Probe(
+        _no_batch, bound=_weight_norm_bound)
+    models.probed[aten._weight_norm_interface_backward.default] = Probe(
+        _no_batch, bound=_weight_norm_bound)
+    models.probed[aten._euclidean_dist.default] = Probe(_leading(0, 1), bound=_euclidean_bound)
+    for op in (aten._embedding_bag, aten._embedding_bag_forward_only):
+        models.probed[op.default] = Probe(_no_batch, bound=_embedding_bag_bound)
+    models.probed[aten._embedding_bag_backward.default] = Probe(
+        _no_batch, bound=_embedding_bag_backward_bound,
+        reads_values=lambda a, k: a[8] == 2)  # max: the scratch follows ``maximum_indices``
+    # Reduced losses return a 0-dim tensor on the storage of the elementwise loss (an
+    # input-sized output the meta kernel reports as one element), some after a second buffer.
+    for op in (aten.mse_loss, aten.smooth_l1_loss, aten.huber_loss, aten.binary_cross_entropy,
+               aten.binary_cross_entropy_with_logits, aten.soft_margin_loss):
+        models.probed[op.default] = Probe(_all_leading, bound=_loss_bound)
+    # Kernels that copy a non-contiguous input (a transposed view, an expanded gradient).
+    for op in (aten.max_pool2d_with_indices, aten.max_pool3d_with_indices, aten.avg_pool2d,
+               aten.avg_pool3d, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d,
+               aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
+               aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward,
+               aten.avg_pool2d_backward, aten.avg_pool3d_backward,
+               aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
+               aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward,
+               aten.pixel_shuffle, aten.pixel_unshuffle):
+        models.probed[op.default] = Probe(_all_leading, when=_any_non_contiguous,
+                                          bound=_twice_all)
+    for op in (aten._softmax, aten._log_softmax):
+        models.probed[op.default] = Probe(
+            _leading(0), when=_non_contiguous(0), bound=_twice_first)
+    for op in (aten._softmax_backward_data, aten._log_softmax_backward_data):
+        models.probed[op.default] = Probe(
+            _leading(0, 1), when=_non_contiguous(0, 1), bound=_twice_all)
+    for op in (aten.upsample_nearest2d, aten._upsample_nearest_exact2d,
+               aten.upsample_bilinear2d, aten.upsample_bicubic2d):
+        models.probed[op.default] = Probe(_leading(0), bound=_upsample_bound)
+    for op in (aten.upsample_nearest2d_backward, aten._upsample_nearest_exact2d_backward,
+               aten.upsample_bilinear2d_backward, aten.upsample_bicubic2d_backward):
+        models.probed[op.default] = Probe(
+            _upsample_backward_dims, when=_non_contiguous(0), bound=_twice_first)
     return models
 

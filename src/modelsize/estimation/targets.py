@@ -13,10 +13,13 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import EstimateError, UsageError, printable
-from modelsize.estimation.result import Estimate, FitResult, Suggestion
+from modelsize.estimation.result import Estimate, FitResult, Source, Suggestion
+
+if TYPE_CHECKING:
+    from modelsize.estimation.core import Settings
 
 
 @dataclass
@@ -109,7 +112,9 @@ def _factory_target(spec: str, inputs: list[str] | None) -> Target:
 
     first = shapes[0][1] if shapes else _first_shape(given_inputs)
     batch = first[0] if first else 1
-    seq = first[1] if len(first) > 1 else 0
+    # Only token ids have a sequence dimension we can name; 8x3x32x32 is a batch of images.
+    tokens = _first_dtype(shapes, given_inputs) in _INTEGER
+    seq = first[1] if len(first) > 1 and tokens else 0
     is_fp32 = all(p.dtype == torch.float32 for p in made.parameters())
     return Target(spec, f"{type(made).__name__} from {spec}", made, make, batch, seq,
                   _repeated_block(made), is_fp32)
@@ -147,6 +152,21 @@ def _resized(shape: tuple[int, ...], batch: int, seq: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+_INTEGER = ("int64", "int32", "int16", "int8", "uint8")
+
+
+def _first_dtype(shapes: list[tuple[str, tuple[int, ...]]] | None, inputs: Any) -> str:
+    import torch
+
+    if shapes:
+        return shapes[0][0]
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    if isinstance(values, torch.Tensor):
+        values = (values,)
+    first = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    return str(first.dtype).replace("torch.", "") if first is not None else ""
+
+
 def _first_shape(inputs: Any) -> tuple[int, ...]:
     import torch
 
@@ -172,6 +192,10 @@ def _resize_inputs(inputs: Any, batch: int, seq: int) -> Any:
             shape[0] = batch
         if len(shape) > 1 and len(first) > 1 and shape[1] == first[1] and seq:
             shape[1] = seq
+        if tuple(shape) == tuple(v.shape):
+            return v  # the factory's own tensors, values and all (the trace may read them)
+        if not v.is_meta and all(n <= m for n, m in zip(shape, v.shape, strict=True)):
+            return v[tuple(slice(0, n) for n in shape)].clone()
         return torch.empty(shape, dtype=v.dtype, device="meta")
 
     if isinstance(inputs, dict):
@@ -209,6 +233,18 @@ class Options:
     device: str
     accumulate: int
     checkpoint: tuple[str, ...]
+    optimize_frozen: bool = False
+    sources: tuple[tuple[str, Source], ...] = ()
+    """Where ``device`` and ``optimizer`` came from (the CLI's defaults differ from the API's)."""
+
+    def settings(self) -> Settings:
+        """The same options as :func:`modelsize.estimation.estimate` takes them."""
+        from modelsize.estimation.core import Settings
+
+        return Settings(mode=self.mode, optimizer=self.optimizer, loss=None, amp=self.amp,
+                        device=self.device, implementation=self.implementation,
+                        accumulate=self.accumulate, checkpoint=self.checkpoint, steps=None,
+                        optimize_frozen=self.optimize_frozen)
 
 
 def trace_target(target: Target, batch: int, seq: int, options: Options,
@@ -218,12 +254,23 @@ def trace_target(target: Target, batch: int, seq: int, options: Options,
 
     train = options.mode == "train"
     inputs = target.make_inputs(batch, seq, train)
-    return estimate(
-        target.model, inputs, mode=options.mode, optimizer=options.optimizer,
-        implementation=options.implementation, amp=options.amp, device=options.device,
-        accumulate=options.accumulate, checkpoint=options.checkpoint, name=target.name,
-        progress=progress,
-    )
+    est = estimate(target.model, inputs, **options.settings().kwargs(), name=target.name,
+                   progress=progress)
+    if options.sources:
+        est = replace(est, setup=replace(est.setup, sources=dict(options.sources)))
+    return est
+
+
+def verify_target(target: Target, est: Estimate, batch: int, seq: int, options: Options,
+                  budget: int | None = None) -> Estimate:
+    """``est`` with the program run for real on CPU (at a smaller batch if it must be)."""
+    from modelsize.estimation.core import verification
+
+    train = options.mode == "train"
+    done = verification(target.model, target.make_inputs(batch, seq, train), options.settings(),
+                        batch=batch, resize=lambda n: target.make_inputs(n, seq, train),
+                        budget=budget)
+    return replace(est, verification=done)
 
 
 

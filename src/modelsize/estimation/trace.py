@@ -15,25 +15,44 @@ The program, for ``mode="train"`` (each line is a phase)::
         zero_grad      optimizer.zero_grad(set_to_none=True)
 
 and for ``mode="infer"``: one ``forward`` in eval mode under ``torch.no_grad()``.
+
+The optimizer is built on the parameters that require grad (``Program.optimize_frozen``: on
+all of them). Values the model reads from tensors are computed from real twins of its real
+inputs (:class:`RealValues`); :mod:`modelsize.estimation.verify` runs this same program for
+real, with the helpers here (:func:`caller`, :func:`checkpointed`, :func:`training_flags`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
+import os
+import sysconfig
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimation.optimizers import Implementation, OptimizerSpec, make_factory
 from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin
 
+_ATEN = torch.ops.aten
 LossFn = Callable[[Any], torch.Tensor]
 ProgressFn = Callable[[str, int], None]
 
@@ -52,6 +71,8 @@ class Program:
     accumulate: int = 1
     checkpoint: Sequence[str] = ()
     scratch: bool = True
+    optimize_frozen: bool = False
+    """Build the optimizer on every parameter, not only those that require grad."""
 
 
 @dataclass
@@ -138,7 +159,8 @@ def _module_names(mode: CountingFakeMode, model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _training_flags(model: nn.Module, training: bool) -> Iterator[None]:
+def training_flags(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model.train(training)`` for the block; every module's own flag back afterwards."""
     saved = [(m, m.training) for m in model.modules()]
     try:
         model.train(training)
@@ -149,12 +171,14 @@ def _training_flags(model: nn.Module, training: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _checkpointed(model: nn.Module, patterns: Sequence[str]) -> Iterator[list[str]]:
+def checkpointed(model: nn.Module, patterns: Sequence[str],
+                 real: bool = False) -> Iterator[list[str]]:
     """Wrap the ``forward`` of the modules matching ``patterns`` in non-reentrant checkpoint.
 
     Checkpoint keeps a copy of the CPU RNG state (``torch.get_rng_state()``, a real tensor)
-    until the region's backward is done. The wrapper stands a fake tensor of the same size in
-    for it, held by the recomputation closure so that it lives exactly as long.
+    until the region's backward is done. Unless ``real`` (a real run, which keeps the real
+    state), the wrapper stands a fake tensor of the same size in for it, held by the
+    recomputation closure so that it lives exactly as long.
     """
     import torch.utils.checkpoint as cp
 
@@ -171,6 +195,8 @@ def _checkpointed(model: nn.Module, patterns: Sequence[str]) -> Iterator[list[st
             orig = m.forward
 
             def wrapped(*args: Any, __orig: Any = orig, **kwargs: Any) -> Any:
+                if real:
+                    return cp.checkpoint(__orig, *args, use_reentrant=False, **kwargs)
                 rng_state = torch.empty(rng_nbytes, dtype=torch.uint8)
 
                 def run(*a: Any, __state: Any = rng_state, **k: Any) -> Any:
@@ -250,20 +276,25 @@ def run_trace(
             fakes[id(b)] = copier.copy(b)
             mode.track(fakes[id(b)], Origin.BUFFER)
         state[name] = fakes[id(b)]
-    args, kwargs = _fake_inputs(inputs, copier, fakes, mode)
+    values = RealValues()
+    args, kwargs = _fake_inputs(inputs, copier, fakes, mode, values)
     del fakes
     train = program.mode == "train"
     n_params = sum(p.numel() for p in unique_params)
     n_train = sum(p.numel() for p in unique_params if p.requires_grad)
+    optimized = [p for p in unique_params if program.optimize_frozen or p.requires_grad]
+    if train and not any(p.requires_grad for p in unique_params):
+        raise EstimateError("the loss does not require grad: no parameter is trainable")
     loss_fn = program.loss or default_loss
     start = time.perf_counter()
     module_acts: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_training_flags(model, train))
+        stack.enter_context(training_flags(model, train))
         stack.enter_context(_swapped_state(model, state))
-        stack.enter_context(_checkpointed(model, program.checkpoint if train else ()))
+        stack.enter_context(checkpointed(model, program.checkpoint if train else ()))
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(mode)
+        stack.enter_context(values)
         scalars = _SavedScalars(mode)
         if train and device.type == "cpu":
             stack.enter_context(scalars)
@@ -271,7 +302,7 @@ def run_trace(
             from modelsize.estimation.cuda_kernels import CudaKernelChoices
 
             stack.enter_context(CudaKernelChoices())
-        call = _caller(model, args, kwargs, program.amp)
+        call = caller(model, args, kwargs, program.amp)
         label = ["forward"]
         if progress is not None:
             mode.progress = lambda tick: progress(label[0], tick)
@@ -287,7 +318,7 @@ def run_trace(
             mode.end_phase()
         else:
             factory = make_factory(program.optimizer, program.implementation, device.type)
-            optimizer = factory(unique_params)
+            optimizer = factory(optimized)
             for leaf in unique_params:
                 if leaf.requires_grad:
                     leaf.register_post_accumulate_grad_hook(_grad_marker(mode))
@@ -328,8 +359,9 @@ def _forward_loss(call: Callable[[], Any], loss_fn: LossFn) -> torch.Tensor:
     return loss
 
 
-def _caller(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            amp: torch.dtype | None) -> Callable[[], Any]:
+def caller(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+           amp: torch.dtype | None) -> Callable[[], Any]:
+    """``model(*args, **kwargs)`` as a thunk, under CPU autocast to ``amp`` when given."""
     def call() -> Any:
         # The trace runs CPU kernels whatever the target device, so CPU autocast it is.
         ctx = (torch.autocast("cpu", dtype=amp) if amp is not None
@@ -341,13 +373,15 @@ def _caller(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _fake_inputs(inputs: tuple[Any, ...] | Mapping[str, Any], copier: _FakeCopier,
-                 memo: dict[int, torch.Tensor],
-                 mode: CountingFakeMode) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                 memo: dict[int, torch.Tensor], mode: CountingFakeMode,
+                 values: RealValues) -> tuple[tuple[Any, ...], dict[str, Any]]:
     def conv(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             if id(v) not in memo:
                 memo[id(v)] = copier.copy(v.detach())
                 mode.track(memo[id(v)], Origin.INPUT)
+                if not isinstance(v, FakeTensor):
+                    values.add(memo[id(v)], v)
             return memo[id(v)]
         if isinstance(v, (tuple, list)):
             return type(v)(conv(x) for x in v)
@@ -392,6 +426,293 @@ class _SavedScalars(TorchFunctionMode):
         for rec in self.pending:
             self.mode.release(rec)
         self.pending.clear()
+
+
+class ValueReadError(RuntimeError):
+    """The model read a tensor's value that the trace cannot know (one line, user's code named)."""
+
+
+#: Ops that make a tensor from nothing but their arguments, with values a real run would give.
+_VALUE_FACTORIES = frozenset({
+    _ATEN.arange, _ATEN.full, _ATEN.zeros, _ATEN.ones, _ATEN.scalar_tensor, _ATEN.linspace,
+    _ATEN.eye, _ATEN.lift_fresh, _ATEN.lift_fresh_copy, _ATEN.zeros_like, _ATEN.ones_like,
+    _ATEN.full_like,
+})
+#: A real twin is computed for an op only while its outputs stay under this many bytes.
+VALUE_LIMIT = 16 * 2**20
+
+
+class RealValues(TorchDispatchMode):
+    """The values of the tensors that derive only from the caller's real inputs.
+
+    Fake tensors have shapes, not values, so ``if labels.max() >= vocab_size:`` (a
+    ``_local_scalar_dense``) or ``labels.masked_select(mask)`` (an output shape that depends
+    on the data) cannot run on them. This mode sits above the counting mode and keeps a real
+    twin of every fake tensor computed only from real inputs and constants (``arange``,
+    ``full``...): each such op runs a second time, for real, on the twins. Reads are answered
+    from the twins, and data-dependent shapes come from the real result. Twins are real
+    memory, so an op whose outputs exceed :data:`VALUE_LIMIT` gets none, nor do random ops
+    (the caller's RNG is left alone). The counting mode never sees the twins.
+
+    A value the twins cannot give raises :class:`ValueReadError` naming the model's line.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.random: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.real_inputs = 0
+        self._writes: dict[Any, tuple[int, ...]] = {}
+        self._storages: set[int] = set()  # fake storages some twin belongs to
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Give ``fake`` the value ``real`` (a private copy: twins may be written in place)."""
+        if real.device.type != "meta" and real.nbytes <= VALUE_LIMIT:
+            self._set(fake, real.detach().to("cpu", copy=True))
+            self.real_inputs += 1
+
+    def _set(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        self.values[fake] = real
+        self._storages.add(fake.untyped_storage()._cdata)
+
+    def value_of(self, t: Any) -> torch.Tensor | None:
+        """The real value behind ``t``, or None."""
+        if isinstance(t, FakeTensor):
+            return self.values.get(t)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            return t  # a real constant the program made outside the fake mode
+        return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _ATEN._local_scalar_dense.default:
+            real = self.value_of(args[0])
+            if real is not None:
+                with _disable_current_modes():
+                    return real.item()
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            return self._data_dependent(func, args, kwargs)
+        self._follow(func, args, kwargs, out)
+        return out
+
+    # -- twins ------------------------------------------------------------------------------
+
+    def _real_args(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """``args`` and ``kwargs`` with every tensor replaced by its twin, or None."""
+        for x in args:  # fast path: most ops take an activation or a weight first
+            if isinstance(x, FakeTensor) and x not in self.values:
+                return None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        real: list[Any] = []
+        tensors = 0
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                v = self.value_of(x)
+                if v is None:
+                    return None
+                tensors += 1
+                real.append(v)
+            else:
+                real.append(x)
+        if not tensors and func.overloadpacket not in _VALUE_FACTORIES:
+            return None
+        return tree_unflatten(real, spec)
+
+    def _run_real(self, func: Any, real: tuple[Any, Any]) -> Any:
+        args, kwargs = real
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        with _disable_current_modes(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+            return func(*args, **kwargs)
+
+    def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        real = self._real_args(func, args, kwargs)
+        fakes = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
+        if real is not None and sum(t.untyped_storage().nbytes() for t in fakes) > VALUE_LIMIT:
+            real = None
+        if real is None:
+            written = self._written(func, args, kwargs)
+            for t in written:
+                self._forget(t)
+            if self._random(func, args, kwargs):
+                for t in (*fakes, *written):
+                    self.random[t] = True
+            return
+        real_out = self._run_real(func, real)
+        for f, r in zip(tree_leaves(out), tree_leaves(real_out), strict=False):
+            if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor):
+                self._set(f, r)
+
+    def _random(self, func: Any, args: Any, kwargs: Any) -> bool:
+        """Whether the op's outputs are random numbers, or computed from them and real values."""
+        if not self.random and torch.Tag.nondeterministic_seeded not in func.tags:
+            return False
+        fakes = [x for x in tree_leaves((args, kwargs)) if isinstance(x, FakeTensor)]
+        if torch.Tag.nondeterministic_seeded not in func.tags and not any(
+                x in self.random for x in fakes):
+            return False
+        return all(x in self.random or x in self.values for x in fakes)
+
+    def _written(self, func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+        idx = self._writes.get(func)
+        if idx is None:
+            idx = tuple(i for i, a in enumerate(func._schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write)
+            self._writes[func] = idx
+        if not idx or not self._storages:
+            return []
+        names = [a.name for a in func._schema.arguments]
+        out: list[torch.Tensor] = []
+        for i in idx:
+            v = args[i] if i < len(args) else kwargs.get(names[i])
+            out += [t for t in tree_leaves(v) if isinstance(t, FakeTensor)]
+        return out
+
+    def _forget(self, t: torch.Tensor) -> None:
+        """``t`` was written with values we do not have: it and its aliases lose their twins."""
+        key = t.untyped_storage()._cdata
+        if key not in self._storages:
+            return
+        for k in list(self.values.keys()):
+            if k.untyped_storage()._cdata == key:
+                del self.values[k]
+
+    # -- data-dependent ops -----------------------------------------------------------------
+
+    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
+        real = self._real_args(func, args, kwargs)
+        if real is not None:
+            real_out = self._run_real(func, real)
+            return tree_map(self._fake_of, real_out)
+        if func in _INDEX_OPS and self._masks_known(args[1]):
+            return func(args[0], self._mask_indices(args[1]), *args[2:], **kwargs)
+        sibling = _int_list_overload(func)
+        if sibling is not None:
+            op, positions = sibling
+            lists = [self.value_of(args[i]) if i < len(args) else None for i in positions]
+            if all(v is not None and v.dim() == 1 for v in lists):
+                new = list(args)
+                for i, v in zip(positions, lists, strict=True):
+                    assert v is not None
+                    with _disable_current_modes():
+                        new[i] = v.tolist()
+                if torch.Tag.dynamic_output_shape in op.tags:
+                    return self._via_meta(op, new, kwargs)
+                return op(*new, **kwargs)
+        raise ValueReadError(self._message(func, args))
+
+    def _via_meta(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Outputs shaped by ``func``'s meta kernel (the fake mode refuses any op tagged
+        with a dynamic output shape, even one whose shape its arguments now fix)."""
+        def meta(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            return x
+
+        with _disable_current_modes():
+            out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        return tree_map(self._fake_of, out)
+
+    def _fake_of(self, r: Any) -> Any:
+        """A fake tensor (counted) shaped like ``r``; a real ``r`` becomes its twin."""
+        if not isinstance(r, torch.Tensor):
+            return r
+        fake = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="cpu")
+        if r.device.type == "cpu":
+            self._set(fake, r)
+        return fake
+
+    def _masks_known(self, indices: Sequence[Any]) -> bool:
+        masks = [i for i in indices if isinstance(i, torch.Tensor)
+                 and i.dtype in (torch.bool, torch.uint8)]
+        return bool(masks) and all(self.value_of(m) is not None for m in masks)
+
+    def _mask_indices(self, indices: Sequence[Any]) -> list[Any]:
+        """Boolean masks replaced by the long indices ATen makes of them (``nonzero``)."""
+        out: list[Any] = []
+        for i in indices:
+            if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                real = self.value_of(i)
+                assert real is not None
+                nz = self._fake_of(self._run_real(_ATEN.nonzero.default, ((real,), {})))
+                out += list(nz.unbind(1))
+            else:
+                out.append(i)
+        return out
+
+    def _message(self, func: Any, args: Any) -> str:
+        where = user_code()
+        what = ("reads a tensor's value" if func is _ATEN._local_scalar_dense.default
+                else f"calls {func.overloadpacket.__name__}, whose output shape depends on "
+                "tensor values,")
+        if any(isinstance(a, FakeTensor) and a in self.random for a in args):
+            why = ("that value is random (a random draw decides, as in LayerDrop), so no "
+                   "trace knows it; make it deterministic for the estimate (with LayerDrop "
+                   "off every layer runs: the largest peak)")
+        elif self.real_inputs:
+            why = ("that value depends on the weights or activations, which a trace does not "
+                   "compute (only values derived from the real inputs are); make the branch "
+                   "independent of tensor values, or estimate each branch separately")
+        else:
+            why = ("the inputs are meta or fake tensors, so no value is known; pass real "
+                   "input tensors (modelsize.estimate(model, inputs) with your data) and "
+                   "modelsize computes values derived from them")
+        return f"the model {what} at {where}: {why}"
+
+
+_INDEX_OPS = frozenset({_ATEN.index.Tensor, _ATEN.index_put.default, _ATEN.index_put_.default,
+                        _ATEN._unsafe_index_put.default})
+
+
+@functools.cache
+def _int_list_overload(func: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """The overload of ``func`` that takes ``int[]`` where ``func`` takes a Tensor of values.
+
+    ``_ctc_loss.Tensor`` has no fake implementation; ``_ctc_loss.default``, which takes the
+    lengths as lists, has one, and the real kernel makes the same lists of the tensors.
+    """
+    packet = func.overloadpacket
+    ours = func._schema.arguments
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        theirs = other._schema.arguments
+        if other is func or len(theirs) != len(ours):
+            continue
+        positions = []
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            if a.name != b.name:
+                break
+            if str(a.type) == str(b.type):
+                continue
+            if str(a.type) == "Tensor" and str(b.type) == "List[int]":
+                positions.append(i)
+                continue
+            break
+        else:
+            if positions:
+                return other, tuple(positions)
+    return None
+
+
+def user_code(frames: Sequence[traceback.FrameSummary] | None = None) -> str:
+    """``file:line (`code`)`` of the innermost frame outside torch, modelsize and Python."""
+    if frames is None:
+        frames = traceback.extract_stack()
+    skip = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parents[1]) + os.sep)
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+    for f in reversed(frames):
+        if f.filename.startswith(skip) or f.filename.startswith("<"):
+            continue
+        if f.filename.startswith(stdlib) and "-packages" + os.sep not in f.filename:
+            continue
+        code = f" (`{f.line.strip()}`)" if f.line else ""
+        return f"{f.filename}:{f.lineno}{code}"
+    return "an unknown line"
 
 
 def _release(mode: CountingFakeMode, rec: Allocation) -> Callable[..., None]:

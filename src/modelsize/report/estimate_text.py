@@ -6,7 +6,13 @@ import re
 from collections.abc import Sequence
 
 from modelsize.errors import printable
-from modelsize.estimation.result import Estimate, FitResult, MemoryCategory, Suggestion
+from modelsize.estimation.result import (
+    Estimate,
+    FitResult,
+    MemoryCategory,
+    Source,
+    Suggestion,
+)
 from modelsize.report.table import table
 from modelsize.report.units import human_mem, percent
 
@@ -21,11 +27,35 @@ _PHASE_WORDS = {
 
 
 
+_SOURCE_WORDS = {
+    Source.GIVEN: "given",
+    Source.DEFAULT: "the default",
+    Source.CLI_DEFAULT: "the CLI's default",
+}
+
+
 def _shape(est: Estimate, batch: int | None, seq: int | None) -> str:
     if batch is None:
         shapes = [("x".join(str(d) for d in s) or "scalar") for _, s, _ in est.setup.inputs]
         return "inputs " + ", ".join(shapes)
     return f"batch {batch}" + (f" x seq {seq}" if seq else "")
+
+
+def _source(est: Estimate, setting: str) -> str:
+    src = est.setup.sources.get(setting)
+    return f" ({_SOURCE_WORDS[Source(src)]})" if src else ""
+
+
+def _title(est: Estimate, description: str) -> str:
+    """The first line: the model, and the device with where it came from and how sure."""
+    s = est.setup
+    params = f"{est.parameter_count / 1e6:,.1f}M parameters"
+    head = (f"{printable(s.model)}: {printable(description)}" if description
+            else f"{printable(s.model)} ({params})")
+    device = f"estimated for {s.device}{_source(est, 'device')}"
+    if s.device == "cuda":
+        device += ": not validated on a GPU (--verify measures the same program on CPU)"
+    return f"{head}; {device}"
 
 
 def _what(est: Estimate) -> str:
@@ -37,9 +67,46 @@ def _what(est: Estimate) -> str:
         impl = f" ({impl})" if impl else ""
         acc = f", {s.accumulate} micro-batches" if s.accumulate > 1 else ""
         ckpt = f", checkpointing {', '.join(s.checkpoint)}" if s.checkpoint else ""
-        what = f"training step with {s.optimizer}{impl}{acc}{ckpt}"
+        what = (f"training step with {s.optimizer}{impl}{_source(est, 'optimizer')}"
+                f"{_frozen(est)}{acc}{ckpt}")
     amp = f", {s.amp} autocast" if s.amp else ""
     return what + amp
+
+
+def _frozen(est: Estimate) -> str:
+    frozen = est.parameter_count - est.trainable_count
+    if not frozen:
+        return ""
+    if est.setup.optimize_frozen:
+        return (f" over all {_count(est.parameter_count)} parameters, the {_count(frozen)} "
+                "frozen ones included")
+    return (f" over the {_count(est.trainable_count)} trainable parameters (the "
+            f"{_count(frozen)} frozen ones get no optimizer state)")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:,.1f}M" if n >= 100_000 else f"{n:,}"
+
+
+def render_verification(est: Estimate) -> str:
+    """One line: what the real run measured beside what was estimated for it."""
+    v = est.verification
+    if v is None:
+        return ""
+    if v.measured_bytes is None:
+        return f"not verified: {printable(v.reason, 300)}"
+    where = "on CPU"
+    if est.setup.device != "cpu":
+        where = "on CPU, through the same program's CPU estimate (the CUDA terms need a GPU)"
+    size = ""
+    if v.batch is not None:
+        size = f" at batch {v.batch} ({printable(v.reason, 200)})"
+    diff = v.difference or 0
+    share = f" ({100.0 * diff / v.measured_bytes:+.3f}%)" if diff and v.measured_bytes else ""
+    difference = f"{diff:+,} bytes{share}" if diff else "0 bytes"
+    return (f"verified {where}{size}: measured {v.measured_bytes:,} bytes (the allocator's "
+            f"peak), estimated {v.estimated_bytes:,}, difference {difference}; "
+            f"{v.seconds:.1f} s")
 
 
 def module_groups(modules: dict[str, int]) -> list[tuple[str, int]]:
@@ -58,15 +125,14 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
     """The human report: peak, what it is made of, what dominates, what would shrink it."""
     s = est.setup
     peak = est.peak_bytes
-    params = f"{est.parameter_count / 1e6:,.1f}M parameters"
-    lines = [f"{printable(s.model)}: {printable(description) or params}" if description
-             else f"{printable(s.model)} ({params})"]
-    lines.append(f"{_what(est)}, {_shape(est, batch, seq)}, estimated for {s.device}")
+    lines = [_title(est, description), f"{_what(est)}, {_shape(est, batch, seq)}"]
     where = _PHASE_WORDS.get(est.phase.name, est.phase.name)
     step = f" of step {est.phase.step}" if s.mode == "train" else ""
     lines.append(f"peak {human_mem(peak)} ({peak:,} bytes) in {where}{step}, "
                  f"op {est.phase.start}..{est.phase.end} of {est.op_count:,}; "
                  f"traced in {est.trace_seconds:.1f} s")
+    if est.verification is not None:
+        lines.append(render_verification(est))
     lines.append("")
     rows = [["at the peak", "bytes", "size", "share"]]
     for cat in MemoryCategory:
