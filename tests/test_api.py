@@ -11,11 +11,13 @@ from modelsize.categories import Category
 
 def test_public_names() -> None:
     assert sorted(modelsize.__all__) == sorted([
-        "AccountingError", "Category", "CorruptFileError", "Estimate", "EstimateError",
+        "AccountingError", "Category", "CheckResult", "CorruptFileError", "Estimate",
+        "EstimateError",
         "FileInfo", "Finding", "FindingKind", "InputError", "Inventory",
         "MissingDependencyError", "ModelSizeError", "PathNotFoundError", "Region", "Report",
         "SlimReport", "StorageRecord", "TensorRecord", "UnknownFormatError", "UsageError",
-        "VerificationError", "__version__", "estimate", "inspect", "slim",
+        "VerificationError", "Violation", "__version__", "check", "estimate", "inspect",
+        "slim",
     ])
 
 
@@ -23,9 +25,10 @@ def test_public_functions_stay_functions() -> None:
     # Importing the subpackages that implement them must never rebind the public names.
     code = (
         "import modelsize, modelsize.estimation, modelsize.slimming, modelsize.cli.slim;"
-        "from modelsize import estimate, slim, inspect;"
+        "import modelsize.checking, modelsize.cli.check;"
+        "from modelsize import estimate, slim, inspect, check;"
         "import types; assert all(isinstance(f, types.FunctionType) for f in "
-        "(estimate, slim, inspect, modelsize.estimate, modelsize.slim)); "
+        "(estimate, slim, inspect, check, modelsize.estimate, modelsize.slim, modelsize.check)); "
         "modelsize.Estimate; modelsize.SlimReport; assert callable(modelsize.estimate)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -5,6 +5,7 @@ Public API::
     modelsize.inspect(path) -> Report          every byte of a saved model, by category
     modelsize.estimate(model, inputs, ...)     exact memory of inference / a training step
     modelsize.slim(path, out, ...) -> SlimReport   a smaller copy, streamed and verified
+    modelsize.check(path, ...) -> CheckResult  the rules a file breaks (size, findings), for CI
 
 The functions are not the subpackages that implement them (``modelsize.estimation``,
 ``modelsize.slimming``): importing a subpackage never rebinds ``modelsize.estimate``.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from modelsize.categories import Category
+from modelsize.checking import CheckResult, Violation, check
 from modelsize.errors import (
     AccountingError,
     CorruptFileError,
@@ -70,6 +72,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AccountingError",
     "Category",
+    "CheckResult",
     "CorruptFileError",
     "Estimate",
     "EstimateError",
@@ -89,7 +92,9 @@ __all__ = [
     "UnknownFormatError",
     "UsageError",
     "VerificationError",
+    "Violation",
     "__version__",
+    "check",
     "estimate",
     "inspect",
     "slim",

@@ -23,6 +23,7 @@ VERBS: dict[str, str] = {
     "inspect": "account for every byte of a saved model file",
     "slim": "write a smaller copy: drop what inference does not need, cast, convert",
     "diff": "two checkpoints side by side, by category and by tensor",
+    "check": "fail (exit 1) when a model file breaks the rules: size, optimizer state... (CI)",
     "estimate": "exact memory a PyTorch model needs (inference, training)",
     "demo": "build example checkpoints on the spot, explain them and slim them",
 }
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Inspecting builds many small acyclic objects: the cycle collector would only rescan them
     # (7 ms at 1,000 tensors, seconds at 20,000). Restored on the way out for in-process callers.
     gc_was_enabled = gc.isenabled()
-    if args.verb in ("inspect", "slim", "diff"):
+    if args.verb in ("inspect", "slim", "diff", "check"):
         gc.disable()
     try:
         return int(_verb(args.verb).run(args))
