@@ -12,6 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="first checkpoint")
     p.add_argument("b", help="second checkpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--html", metavar="FILE", default=None,
+                   help="also write a self-contained HTML report (works offline)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,4 +26,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         sys.stdout.write(render_diff(result))
+    if args.html:
+        from modelsize.report import html
+
+        html.write(args.html, html.render_diff(result))
     return 0

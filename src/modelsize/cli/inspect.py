@@ -15,6 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-cost", action="store_true",
                    help="also measure the RAM and time of the usual ways to load it "
                    "(runs the real framework in a subprocess)")
+    p.add_argument("--html", metavar="FILE", default=None,
+                   help="also write a self-contained HTML report with a treemap (works offline)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,4 +41,8 @@ def run(args: argparse.Namespace) -> int:
             from modelsize.report.loadcost_text import render_load_cost
 
             sys.stdout.write("\n" + render_load_cost(cost))
+    if args.html:
+        from modelsize.report import html
+
+        html.write(args.html, html.render_inspect(report))
     return 0
