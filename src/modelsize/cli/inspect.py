@@ -22,8 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize inspect``."""
     from modelsize.inspection import inspect
+    from modelsize.remote import is_remote
     from modelsize.report.text import render_inspect
 
+    if is_remote(args.path):
+        return _remote(args)
     report = inspect(args.path)
     cost = None
     if args.load_cost:
@@ -45,4 +48,24 @@ def run(args: argparse.Namespace) -> int:
         from modelsize.report import html
 
         html.write(args.html, html.render_inspect(report))
+    return 0
+
+
+def _remote(args: argparse.Namespace) -> int:
+    """``modelsize inspect URL``: headers fetched by range requests, nothing else."""
+    from modelsize.errors import UsageError
+    from modelsize.remote import inspect_remote
+
+    if args.load_cost:
+        raise UsageError("--load-cost needs the file on this disk: download it first")
+    remote = inspect_remote(args.path)
+    if args.json:
+        print(json.dumps(remote.to_dict(top=args.top)))
+    else:
+        sys.stdout.write(remote.text(top=10 if args.top is None else args.top))
+    if args.html:
+        from modelsize.report import html
+
+        html.write(args.html, html.render_inspect(remote.report).replace(remote.local,
+                                                                          remote.url))
     return 0

@@ -1,0 +1,449 @@
+"""Inspect files that are not on this disk: HTTP(S) range requests, ``hf://``, fsspec URLs.
+
+A checkpoint's accounting needs its headers, never its tensors. For a remote file modelsize
+fetches only the byte ranges its reader needs, per format:
+
+* safetensors: the 8-byte length and the JSON header;
+* PyTorch zip (``torch.save``): the end-of-central-directory records, the central directory,
+  every member's local header (to place its data exactly) and the members that are not tensor
+  payloads (the pickle, ``version``, ``byteorder``...);
+* NumPy ``.npy``: the magic, the version and the header;
+
+and writes them at their offsets into a *sparse* local file of the remote file's size, which
+the ordinary reader then reads. Holes are never read as data: the duplicate search (the one
+place ``inspect`` reads tensor bytes) is switched off, and the report says so. The
+:class:`RangeSource` counts every byte fetched; reads go through a block cache of bounded size.
+
+``hf://org/repo`` lists the repo's files through the hub's API (``$HF_ENDPOINT``, default
+``https://huggingface.co``) and inspects its weight files (``*.safetensors`` with their index,
+else ``pytorch_model*.bin``); ``hf://org/repo/path/file`` one file. ``s3://``, ``gs://`` and
+any other protocol go through fsspec when the user has it and the filesystem installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelsize import __version__
+from modelsize.errors import InputError, MissingDependencyError, printable
+
+#: Block size of the read cache (a read is rounded out to blocks) and its capacity.
+BLOCK = 16 * 1024
+CACHE_BLOCKS = 1024
+#: The most any one region (a header, a central directory, a pickle) may take.
+MAX_REGION = 256 * 2**20
+TIMEOUT = 30.0
+_SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """True for ``http(s)://``, ``hf://`` and other ``scheme://`` paths (not ``file://``)."""
+    text = os.fspath(path)
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    return bool(scheme) and scheme != "file" and scheme.isalnum()
+
+
+class RemoteError(InputError):
+    """A remote file that cannot be inspected (one line, exit 2)."""
+
+
+@dataclass
+class Stats:
+    """What reading a remote checkpoint cost."""
+
+    url: str
+    size: int = 0
+    fetched: int = 0
+    requests: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"url": self.url, "bytes": self.size, "fetched_bytes": self.fetched,
+                "requests": self.requests}
+
+
+class RangeSource:
+    """Random access to a remote file through range requests, with a bounded block cache."""
+
+    def __init__(self, url: str, stats: Stats | None = None) -> None:
+        self.url = url
+        self.stats = stats or Stats(url)
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._fs: Any = None
+        self._lock = threading.Lock()
+        self.size = self._open()
+        self.stats.size += self.size
+
+    # -- transport ---------------------------------------------------------------------------
+    def _open(self) -> int:
+        scheme = self.url.split("://", 1)[0].lower()
+        if scheme in ("http", "https"):
+            return self._http(0, 1)[1]
+        try:
+            import fsspec
+        except ImportError as exc:
+            raise MissingDependencyError("fsspec", f"reading {scheme}:// paths",
+                                         extra="remote") from exc
+        try:
+            self._fs, self._fs_path = fsspec.core.url_to_fs(self.url)
+            return int(self._fs.size(self._fs_path))
+        except (ImportError, ValueError) as exc:
+            raise MissingDependencyError(f"the fsspec filesystem for {scheme}://",
+                                         f"reading {scheme}:// paths", extra="remote") from exc
+        except (OSError, KeyError) as exc:
+            raise RemoteError(f"{printable(self.url)}: {printable(str(exc))}") from None
+
+    def _http(self, start: int, stop: int) -> tuple[bytes, int]:
+        """Bytes ``[start, stop)`` and the file's total size, in one range request."""
+        req = urllib.request.Request(self.url, headers={
+            "Range": f"bytes={start}-{stop - 1}", "User-Agent": f"modelsize/{__version__}",
+            "Accept-Encoding": "identity"})
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+                with self._lock:
+                    self.stats.requests += 1
+                if resp.status != 206:
+                    raise RemoteError(
+                        f"{printable(self.url)}: the server ignores range requests (HTTP "
+                        f"{resp.status} instead of 206), so inspecting it would mean "
+                        "downloading all of it: download it, then run modelsize on the file")
+                total = _total(resp.headers.get("Content-Range", ""))
+                data = resp.read(stop - start + 1)
+        except urllib.error.HTTPError as exc:
+            with self._lock:
+                self.stats.requests += 1
+            if exc.code == 416 and start == 0:
+                return b"", 0  # an empty file
+            raise RemoteError(f"{printable(self.url)}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise RemoteError(f"{printable(self.url)}: cannot fetch: {printable(str(reason))}"
+                              ) from None
+        if total is None:
+            raise RemoteError(f"{printable(self.url)}: the server's range reply has no total "
+                              "size (Content-Range)")
+        if len(data) != min(stop, total) - start:
+            raise RemoteError(f"{printable(self.url)}: the server sent {len(data)} bytes for "
+                              f"range {start}-{stop - 1}")
+        with self._lock:
+            self.stats.fetched += len(data)
+        return data, total
+
+    def fetch(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` in one request, past the cache (scattered small reads)."""
+        if self._fs is None:
+            return self._http(start, stop)[0]
+        with self._fs.open(self._fs_path, "rb", block_size=0) as fh:
+            fh.seek(start)
+            data = bytes(fh.read(stop - start))
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.fetched += len(data)
+        return data
+
+    # -- reads -------------------------------------------------------------------------------
+    def read(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` (clipped to the file), from the cache or fetched."""
+        stop = min(stop, self.size)
+        if start >= stop:
+            return b""
+        if stop - start > MAX_REGION:
+            raise RemoteError(f"{printable(self.url)}: a header region of {stop - start} bytes "
+                              f"is above the {MAX_REGION}-byte limit")
+        first, last = start // BLOCK, (stop - 1) // BLOCK
+        missing = [b for b in range(first, last + 1) if b not in self._cache]
+        # fetch each run of missing blocks in one request
+        i = 0
+        while i < len(missing):
+            j = i
+            while j + 1 < len(missing) and missing[j + 1] == missing[j] + 1:
+                j += 1
+            lo, hi = missing[i] * BLOCK, min((missing[j] + 1) * BLOCK, self.size)
+            data = self.fetch(lo, hi)
+            for k, b in enumerate(range(missing[i], missing[j] + 1)):
+                self._cache[b] = data[k * BLOCK:(k + 1) * BLOCK]
+            i = j + 1
+        out = b"".join(self._cache[b] for b in range(first, last + 1))
+        for b in range(first, last + 1):
+            self._cache.move_to_end(b)
+        while len(self._cache) > CACHE_BLOCKS:
+            self._cache.popitem(last=False)
+        return out[start - first * BLOCK: stop - first * BLOCK]
+
+
+def _total(content_range: str) -> int | None:
+    # "bytes 0-0/12345"
+    if "/" not in content_range:
+        return None
+    total = content_range.rsplit("/", 1)[1].strip()
+    return int(total) if total.isdigit() else None
+
+
+# -- what each format needs -------------------------------------------------------------------
+
+def _regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
+    """The ``(offset, bytes)`` regions the reader of this file will read."""
+    head = src.read(0, min(src.size, 4096))
+    yield 0, head
+    if head[:4] == b"PK\x03\x04":
+        yield from _zip_regions(src)
+    elif head[:6] == b"\x93NUMPY":
+        major = head[6]
+        if major == 1:
+            (n,) = struct.unpack_from("<H", head, 8)
+            yield 0, src.read(0, 10 + n)
+        else:
+            (n,) = struct.unpack_from("<I", head, 8)
+            yield 0, src.read(0, 12 + n)
+    elif len(head) >= 9 and head[8:9] == b"{":
+        (n,) = struct.unpack_from("<Q", head, 0)
+        if n > _SAFETENSORS_MAX_HEADER:
+            raise RemoteError(f"{printable(src.url)}: safetensors header length {n} is above "
+                              "the format's limit")
+        yield 0, src.read(0, 8 + n)
+    else:
+        raise RemoteError(
+            f"{printable(src.url)}: remote inspection reads safetensors, PyTorch zip "
+            "checkpoints and .npy files by their headers; download this one and inspect the file")
+
+
+_EOCD = b"PK\x05\x06"
+_EOCD64_LOCATOR = b"PK\x06\x07"
+
+
+def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
+    size = src.size
+    tail_start = max(0, size - (65536 + 22 + 20))
+    tail = src.read(tail_start, size)
+    at = tail.rfind(_EOCD)
+    if at < 0:
+        raise RemoteError(f"{printable(src.url)}: a zip file without its end record")
+    yield tail_start, tail
+    cd_size, cd_offset = struct.unpack_from("<II", tail, at + 12)
+    loc = at - 20
+    if loc >= 0 and tail[loc:loc + 4] == _EOCD64_LOCATOR:
+        (eocd64,) = struct.unpack_from("<Q", tail, loc + 8)
+        rec = src.read(eocd64, eocd64 + 56)
+        yield eocd64, rec
+        cd_size, cd_offset = struct.unpack_from("<QQ", rec, 40)
+    cd = src.read(cd_offset, cd_offset + cd_size)
+    yield cd_offset, cd
+    pos = 0
+    members: list[tuple[str, int, int]] = []
+    while pos + 46 <= len(cd) and cd[pos:pos + 4] == b"PK\x01\x02":
+        csize, usize = struct.unpack_from("<II", cd, pos + 20)
+        n_name, n_extra, n_comment = struct.unpack_from("<HHH", cd, pos + 28)
+        (offset,) = struct.unpack_from("<I", cd, pos + 42)
+        name = cd[pos + 46:pos + 46 + n_name].decode("utf-8", "replace")
+        extra = cd[pos + 46 + n_name:pos + 46 + n_name + n_extra]
+        if 0xFFFFFFFF in (csize, usize, offset):
+            csize, offset = _zip64(extra, usize, csize, offset)
+        members.append((name, offset, csize))
+        pos += 46 + n_name + n_extra + n_comment
+    # Local headers: name and extra field (PyTorch pads data to 64 bytes there) as in the
+    # central directory plus slack; fetched exactly, a few at a time (latency, not bytes).
+    slack = 128
+    wanted = [(name, offset, csize, 30 + len(name.encode()) + slack)
+              for name, offset, csize in members]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        heads = list(pool.map(lambda w: src.fetch(w[1], min(w[1] + w[3], src.size)), wanted))
+    for (name, offset, csize, _n), header in zip(wanted, heads, strict=True):
+        if header[:4] != b"PK\x03\x04" or len(header) < 30:
+            yield offset, header
+            continue  # the reader reports the broken member
+        n_name, n_extra = struct.unpack_from("<HH", header, 26)
+        data_at = offset + 30 + n_name + n_extra
+        if data_at - offset > len(header):
+            header = src.fetch(offset, data_at)
+        yield offset, header[:data_at - offset]
+        if not _is_payload(name):
+            yield data_at, src.read(data_at, data_at + csize)
+
+
+def _zip64(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            if usize == 0xFFFFFFFF and vals:
+                vals.pop(0)
+            if csize == 0xFFFFFFFF and vals:
+                csize = vals.pop(0)
+            if offset == 0xFFFFFFFF and vals:
+                offset = vals.pop(0)
+        pos += 4 + n
+    return csize, offset
+
+
+def _is_payload(name: str) -> bool:
+    """A tensor storage of a torch zip (``archive/data/12``): its bytes are never read."""
+    parts = name.split("/")
+    return len(parts) >= 3 and parts[-2] == "data" and parts[-1].isdigit()
+
+
+# -- sparse mirrors ---------------------------------------------------------------------------
+
+def mirror(url: str, dest: Path, stats: Stats) -> None:
+    """Write the header regions of ``url`` into the sparse file ``dest`` of the same size."""
+    src = RangeSource(url, stats)
+    with open(dest, "wb") as fh:
+        fh.truncate(src.size)
+        for offset, data in _regions(src):
+            fh.seek(offset)
+            fh.write(data)
+
+
+@dataclass
+class Remote:
+    """A remote checkpoint mirrored sparsely into ``local``."""
+
+    url: str
+    local: Path
+    stats: Stats
+    files: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def mirrored(url: str) -> Iterator[Remote]:
+    """Mirror the header regions of a remote checkpoint into a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="modelsize-remote-") as tmp:
+        root = Path(tmp)
+        stats = Stats(url)
+        if url.lower().startswith("hf://"):
+            yield _hf(url, root, stats)
+            return
+        name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
+        local = root / name
+        mirror(url, local, stats)
+        yield Remote(url, local, stats, [url])
+
+
+def _safe_name(name: str) -> str:
+    name = urllib.parse.unquote(name)
+    keep = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
+    return keep[:200] or "model"
+
+
+def hf_endpoint() -> str:
+    """The hub's base URL (``$HF_ENDPOINT`` as huggingface_hub reads it)."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def _hf(url: str, root: Path, stats: Stats) -> Remote:
+    rest = url[len("hf://"):].strip("/")
+    parts = rest.split("/")
+    if len(parts) < 2 or not all(parts[:2]):
+        raise RemoteError(f"{printable(url)}: expected hf://ORG/REPO or hf://ORG/REPO/FILE")
+    repo, revision = "/".join(parts[:2]), "main"
+    if "@" in repo:
+        repo, revision = repo.split("@", 1)
+    base = f"{hf_endpoint()}/{repo}/resolve/{urllib.parse.quote(revision)}/"
+    files = ["/".join(parts[2:])] if len(parts) > 2 else _hf_weight_files(url, repo, stats)
+    for f in files:
+        dest = root / _safe_name(f)
+        if f.endswith(".json"):
+            dest.write_bytes(_get(base + f, stats, limit=MAX_REGION))
+        else:
+            mirror(base + urllib.parse.quote(f), dest, stats)
+    local = root / _safe_name(files[0]) if len(files) == 1 else root
+    return Remote(url, local, stats, [base + f for f in files])
+
+
+def _get(url: str, stats: Stats, limit: int) -> bytes:
+    req = urllib.request.Request(url, headers={"User-Agent": f"modelsize/{__version__}"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            data = resp.read(limit + 1)
+    except urllib.error.HTTPError as exc:
+        raise RemoteError(f"{printable(url)}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
+    stats.requests += 1
+    stats.fetched += len(data)
+    if len(data) > limit:
+        raise RemoteError(f"{printable(url)}: more than {limit} bytes")
+    return data
+
+
+def _hf_weight_files(url: str, repo: str, stats: Stats) -> list[str]:
+    raw = _get(f"{hf_endpoint()}/api/models/{repo}", stats, limit=16 * 2**20)
+    try:
+        names = [s["rfilename"] for s in json.loads(raw).get("siblings", [])]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise RemoteError(f"{printable(url)}: the hub's listing of {repo} is not JSON with "
+                          "siblings") from None
+    top = [n for n in names if "/" not in n]
+    for pattern in (".safetensors", ".bin", ".pt", ".pth", ".gguf"):
+        chosen = sorted(n for n in top if n.endswith(pattern))
+        if pattern == ".bin":
+            chosen = [n for n in chosen if n.startswith("pytorch_model")]
+        if chosen:
+            index = [n for n in top if n.endswith(pattern + ".index.json")]
+            return index + chosen
+    raise RemoteError(f"{printable(url)}: no weight file (*.safetensors, pytorch_model*.bin) "
+                      f"at the top of {repo}; name one: hf://{repo}/FILE")
+
+
+def check_zip(path: Path) -> None:
+    """Raise if the mirrored zip's central directory does not parse (a truncated mirror)."""
+    with zipfile.ZipFile(path):
+        pass
+
+
+@dataclass(frozen=True)
+class RemoteReport:
+    """The report of a remote checkpoint, with what reading it fetched."""
+
+    url: str
+    report: Any  # modelsize.inspection.Report
+    stats: Stats
+    local: str  # the sparse mirror's path while it existed (replaced by the URL in output)
+
+    def text(self, top: int = 10) -> str:
+        """The text report, the URL in place of the mirror's path, and the bytes fetched."""
+        from modelsize.report.text import render_inspect
+
+        out = render_inspect(self.report, top=top).replace(self.local, self.url)
+        s = self.stats
+        return out + (f"\nRead remotely: {s.fetched:,} bytes fetched in {s.requests} requests "
+                      f"for a {s.size:,}-byte checkpoint ({100 * s.fetched / max(s.size, 1):.4f}%"
+                      "); duplicate tensors not searched (that reads tensor data).\n")
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        """The inspect JSON with ``path`` the URL and a ``remote`` object."""
+        data = json.loads(json.dumps(self.report.to_dict(top=top)).replace(
+            json.dumps(self.local)[1:-1], json.dumps(self.url)[1:-1]))
+        data["path"] = self.url
+        data["remote"] = self.stats.to_dict()
+        return data
+
+
+def inspect_remote(url: str) -> RemoteReport:
+    """:func:`modelsize.inspect` for a URL: only header regions are fetched."""
+    from modelsize.inspection import inspect
+    from modelsize.inventory import READ_DATA
+
+    with mirrored(url) as remote:
+        token = READ_DATA.set(False)
+        try:
+            report = inspect(remote.local)
+        finally:
+            READ_DATA.reset(token)
+        return RemoteReport(url, report, remote.stats, str(remote.local))
