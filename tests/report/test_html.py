@@ -151,3 +151,14 @@ def test_pages_render_in_a_headless_browser(tmp_path: Path) -> None:
         shots.screenshot(page, png)
         # a drawn page has the category colours, text and the treemap/timeline: many colours
         assert shots.png_colors(png) > 20, page.name
+
+
+def test_notebook_reprs(demo: Path, tmp_path: Path) -> None:
+    slimmed = modelsize.slim(demo / "train.pt", tmp_path / "s.pt")
+    text = repr(slimmed)
+    assert text.startswith("<SlimReport ") and "verified" in text and len(text) < 400
+    _check(f"<div>{slimmed._repr_html_()}</div>")
+    report = modelsize.inspect(demo / "train.pt")
+    if hasattr(report, "_repr_html_"):
+        assert repr(report).startswith("<Report ") and len(repr(report)) < 400
+        _check(f"<div>{report._repr_html_()}</div>")

@@ -109,6 +109,18 @@ class SlimReport:
         """The tensors whose dtype changed."""
         return [k for k in self.kept if k.dtype != k.source_dtype]
 
+    def __repr__(self) -> str:
+        out = self.output_bytes
+        size = f"{self.source_bytes:,} -> {out:,} bytes" if out is not None else "?"
+        state = "dry run" if self.dry_run else ("verified" if self.verified else "not verified")
+        return (f"<SlimReport {self.source.path} -> {self.target} ({self.output_format}): "
+                f"{size}, {len(self.kept)} kept, {len(self.dropped)} dropped, {state}>")
+
+    def _repr_html_(self) -> str:
+        from modelsize.report.html import card_slim
+
+        return card_slim(self)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the schema in the README)."""
         after = self.output.bytes_by_category if self.output is not None else None
