@@ -7,11 +7,19 @@ matched too when that leaves no ambiguity, so a DeepSpeed checkpoint compares wi
 dict exported from it; so are names inside a training checkpoint's container
 (``model_state_dict.fc1.weight``) and the same key in a weights-only file (``fc1.weight``).
 A matched tensor whose dtype, shape or category differs is *changed*; values are never read.
+
+Two files of different formats rarely share names: a SavedModel says
+``variables/3/.ATTRIBUTES/VARIABLE_VALUE`` where its TFLite export says
+``functional_1/fc1_1/MatMul``. Between formats, the weights and buffers left unmatched are
+then matched by layout, and only where that leaves no ambiguity: first by dtype and shape,
+then by the shape's dimensions in any order (a converter transposes kernels: HWIO becomes
+OHWI) whatever the dtype (a quantized export stores int8). A layout shared by two tensors of
+one side matches nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +78,8 @@ class Diff:
     changed: tuple[TensorChange, ...]
     unchanged: int
     renamed: int = 0
+    by_layout: int = 0
+    """Pairs matched by layout, not by name (files of different formats)."""
 
     def category_delta(self) -> dict[Category, tuple[int, int]]:
         """``{category: (bytes in A, bytes in B)}`` for every category, in display order."""
@@ -98,7 +108,8 @@ class Diff:
             },
             "tensors": {"unchanged": self.unchanged, "changed": len(self.changed),
                         "added": len(self.added), "removed": len(self.removed),
-                        "matched_by_stripped_name": self.renamed},
+                        "matched_by_stripped_name": self.renamed,
+                        "matched_by_layout": self.by_layout},
             "added": [t.to_dict() for t in self.added],
             "removed": [t.to_dict() for t in self.removed],
             "changed": [c.to_dict() for c in self.changed],
@@ -149,10 +160,47 @@ def compare(a: Inventory, b: Inventory) -> Diff:
         taken_b = {id(ub[k]) for k in matched}
         only_a = [t for t in only_a if id(t) not in taken_a]
         only_b = [t for t in only_b if id(t) not in taken_b]
+    by_layout = 0
+    if only_a and only_b and a.format != b.format:
+        for x, y in _match_by_layout(only_a, only_b):
+            pairs.append((x.name, x, y))
+            by_layout += 1
+        taken = {id(t) for _, x, y in pairs for t in (x, y)}
+        only_a = [t for t in only_a if id(t) not in taken]
+        only_b = [t for t in only_b if id(t) not in taken]
     changes = [TensorChange(name, x, y) for name, x, y in pairs]
     changed = tuple(c for c in changes if c.changes)
     return Diff(a, b, tuple(only_b), tuple(only_a), changed, len(changes) - len(changed),
-                renamed)
+                renamed, by_layout)
+
+
+#: Keys tensors of two formats are matched by, in turn: the same layout, then the same
+#: dimensions in any order and any dtype (transposed, quantized or cast by a converter).
+_LAYOUT_KEYS: tuple[Callable[[TensorRecord], tuple[Any, ...]], ...] = (
+    lambda t: (t.dtype, t.shape),
+    lambda t: tuple(sorted(t.shape)),
+)
+_MATCHABLE = frozenset({Category.WEIGHTS, Category.BUFFERS})
+
+
+def _match_by_layout(a: list[TensorRecord], b: list[TensorRecord],
+                     ) -> list[tuple[TensorRecord, TensorRecord]]:
+    """Pairs of weights or buffers whose layout is unique on both sides (see the module
+    docstring); scalars and one-element tensors are never matched."""
+    left = [t for t in a if t.category in _MATCHABLE and t.numel > 1]
+    right = [t for t in b if t.category in _MATCHABLE and t.numel > 1]
+    pairs: list[tuple[TensorRecord, TensorRecord]] = []
+    for key in _LAYOUT_KEYS:
+        groups: dict[tuple[Any, ...], tuple[list[TensorRecord], list[TensorRecord]]] = {}
+        for side, tensors in enumerate((left, right)):
+            for t in tensors:
+                groups.setdefault(key(t), ([], []))[side].append(t)
+        found = [(x[0], y[0]) for x, y in groups.values() if len(x) == 1 and len(y) == 1]
+        pairs += found
+        taken = {id(t) for pair in found for t in pair}
+        left = [t for t in left if id(t) not in taken]
+        right = [t for t in right if id(t) not in taken]
+    return pairs
 
 
 def diff(a: str | Path | Inventory, b: str | Path | Inventory) -> Diff:

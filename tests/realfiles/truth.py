@@ -9,7 +9,8 @@ copies of them) are given to it. A framework is one of ``torch``
 (``onnx.load``, then ``onnx.checker`` and an onnxruntime session), ``safetensors``
 (``load_file``), ``keras-h5`` (h5py), ``keras`` (``keras.models.load_model``: the TF venv),
 ``tensorflow`` (``tf.train.load_checkpoint`` and the SavedModel's own object graph: the TF
-venv), ``numpy`` (``np.load``), ``npz`` (``np.load``) or ``pickle`` (``pickle.load`` whose
+venv), ``tflite`` (``tf.lite.Interpreter`` and TensorFlow's flatbuffer schema: the TF venv),
+``numpy`` (``np.load``), ``npz`` (``np.load``) or ``pickle`` (``pickle.load`` whose
 classes outside NumPy and the standard library are inert stand-ins: NumPy rebuilds every
 array, nothing else runs).
 
@@ -356,11 +357,55 @@ def tensorflow_truth(path: str) -> dict[str, Any]:
     return {"tensors": records, "storage_bytes": None, "variables": variables}
 
 
+def tflite_truth(path: str) -> dict[str, Any]:
+    """A TFLite model: every constant tensor (one whose buffer holds bytes, as TensorFlow's
+    own flatbuffer schema reads it) with the interpreter's name, dtype and shape; tensors of
+    subgraph ``s > 0`` named ``<subgraph name>/<name>``, a repeated name suffixed ``#2``..."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    with open(path, "rb") as f:
+        data = f.read()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(data, 0))
+    buffers = [bytes(b.data) if b.data is not None and len(b.data) else
+               data[b.offset:b.offset + b.size] if (b.offset or 0) > 1 else b""
+               for b in model.buffers]
+    interpreter = tf.lite.Interpreter(model_path=path)
+    records, seen, quant_bytes = [], {}, 0
+    for s, subgraph in enumerate(model.subgraphs):
+        details = {d["index"]: d for d in interpreter.get_tensor_details(subgraph_index=s)}
+        prefix = "" if s == 0 else f"{(subgraph.name or b'').decode() or f'subgraph{s}'}/"
+        for i, t in enumerate(subgraph.tensors):
+            raw = buffers[t.buffer]
+            if not raw:
+                continue
+            d = details[i]
+            dtype = np.dtype(d["dtype"])
+            name = prefix + d["name"]
+            seen[name] = seen.get(name, 0) + 1
+            if seen[name] > 1:
+                name = f"{name}#{seen[name]}"
+            q = t.quantization
+            arrays = ((q.scale, 4), (q.zeroPoint, 8), (q.min, 4), (q.max, 4)) if q else ()
+            for values, item in arrays:
+                if values is not None:  # each vector: its length prefix and its items
+                    quant_bytes += 4 + len(values) * item
+            records.append(_record(name, dtype.name, d["shape"],
+                                   int(np.prod(d["shape"])) * dtype.itemsize,
+                                   f"buffer {t.buffer}", _digest(raw),
+                                   scales=len(d["quantization_parameters"]["scales"])))
+    used = {int(r["storage"].split()[1]) for r in records}
+    return {"tensors": records, "storage_bytes": sum(len(buffers[b]) for b in used),
+            "quant_bytes": quant_bytes,
+            "metadata": {m.name.decode(): len(buffers[m.buffer]) for m in model.metadata or []}}
+
+
 TRUTHS = {
     "torch": torch_truth, "torchscript": torchscript_truth, "onnx": onnx_truth,
     "safetensors": safetensors_truth, "numpy": numpy_truth, "npz": npz_truth,
     "pickle": pickle_truth, "keras-h5": h5_truth, "keras": keras_truth,
-    "tensorflow": tensorflow_truth,
+    "tensorflow": tensorflow_truth, "tflite": tflite_truth,
 }
 
 

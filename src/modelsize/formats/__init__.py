@@ -139,6 +139,8 @@ def _build_registry() -> Registry:
                   lambda s: s.kind == "dir" and (s.path / "trainer_state.json").is_file()),
             Entry("deepspeed", "deepspeed", "DeepSpeedReader"),
             Entry("gguf", "gguf", "GgufReader", _starts(b"GGUF")),
+            Entry("tflite", "tflite", "TfliteReader",
+                  lambda s: s.kind == "file" and s.head[4:8] == b"TFL3"),
             Entry("onnx", "onnx", "OnnxReader", lambda s: s.suffix == ".onnx"),
             Entry("t7", "t7", "T7Reader"),
             Entry("tensorflow", "tensorflow", "TensorflowReader"),

@@ -83,6 +83,9 @@ def render_diff(d: Diff) -> str:
                   "only in B"]
     if d.renamed:
         lines.append(f"  ({d.renamed} matched after dropping file labels or 'module.' prefixes)")
+    if d.by_layout:
+        lines.append(f"  ({d.by_layout} matched by layout across formats: same dtype and shape, "
+                     "or the same dimensions in another order)")
     lines += _tensor_rows("Only in A (removed)", d.removed)
     lines += _tensor_rows("Only in B (added)", d.added)
     lines += _change_rows(d.changed)
