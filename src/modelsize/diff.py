@@ -90,6 +90,16 @@ class Diff:
         """No tensor added, removed or changed (values may still differ)."""
         return not (self.added or self.removed or self.changed)
 
+    def __repr__(self) -> str:
+        return (f"<Diff {self.a.path} ({self.a.file_bytes:,} bytes) vs {self.b.path} "
+                f"({self.b.file_bytes:,} bytes): {len(self.added)} added, {len(self.removed)} "
+                f"removed, {len(self.changed)} changed, {self.unchanged} unchanged>")
+
+    def _repr_html_(self) -> str:
+        from modelsize.report.html import card_diff
+
+        return card_diff(self)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form of the comparison."""
 

@@ -158,6 +158,11 @@ def test_notebook_reprs(demo: Path, tmp_path: Path) -> None:
     text = repr(slimmed)
     assert text.startswith("<SlimReport ") and "verified" in text and len(text) < 400
     _check(f"<div>{slimmed._repr_html_()}</div>")
+    from modelsize.diff import diff
+
+    d = diff(demo / "train.pt", demo / "train.slim.pt")
+    assert repr(d).startswith("<Diff ") and "removed" in repr(d) and len(repr(d)) < 400
+    _check(f"<div>{d._repr_html_()}</div>")
     report = modelsize.inspect(demo / "train.pt")
     if hasattr(report, "_repr_html_"):
         assert repr(report).startswith("<Report ") and len(repr(report)) < 400
