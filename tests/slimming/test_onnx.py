@@ -250,7 +250,8 @@ def test_if_subgraph_reads_outer_initializer(tmp_path: Path) -> None:
     report = _slim(src, out)
     model = onnx.load(str(out))
     graph = model.graph
-    assert {t.name for t in graph.initializer} == {"W", "B", "zero"}
+    # B_out (4 floats) keeps its bytes: an Identity node would be larger than the copy.
+    assert {t.name for t in graph.initializer} == {"W", "B", "B_out", "zero"}
     node_if = next(n for n in graph.node if n.op_type == "If")
     then, other = (next(a.g for a in node_if.attribute if a.name == f"{b}_branch")
                    for b in ("then", "else"))
@@ -259,14 +260,14 @@ def test_if_subgraph_reads_outer_initializer(tmp_path: Path) -> None:
     assert [t.name for t in other.initializer] == ["Be"]
     assert list(other.node[1].input) == ["e1", "B"]
     identities = [(list(n.input), list(n.output)) for n in graph.node if n.op_type == "Identity"]
-    assert identities == [(["B"], ["B_out"]), (["W"], ["C"])]
+    assert identities == [(["W"], ["C"])]
     assert [o.name for o in graph.output] == ["Y", "Z2", "B_out"]  # the interface is kept
     for x in (_f32(_rng(1), 1, 4), -np.abs(_f32(_rng(2), 1, 4))):  # both branches
         _same(_run(src, {"X": x}), _run(out, {"X": x}))
     assert {k.name: k.alias_of for k in report.kept if k.alias_of} == {
         "W": "Y.then_branch/Wt", "C": "Y.then_branch/Wt", "B_dup": "B", "B_out": "B"}
     names = {t.name for t in report.output.tensors} if report.output else set()
-    assert names == {"W", "B", "zero", "Y.else_branch/Be"}
+    assert names == {"W", "B", "B_out", "zero", "Y.else_branch/Be"}
 
 
 def test_loop_body_copy_merged_into_outer(tmp_path: Path) -> None:
@@ -333,7 +334,8 @@ def test_subgraph_initializer_shadowing_an_outer_name(tmp_path: Path) -> None:
     assert any("kept their own bytes" in n for n in report.notes)
     for x in (_f32(_rng(1), 1, 4), -np.abs(_f32(_rng(2), 1, 4))):
         _same(_run(src, {"X": x}), _run(out, {"X": x}))
-    proc = run_cli("slim", str(src), "--cast", "float16", "-o", str(tmp_path / "c.onnx"))
+    proc = run_cli("slim", str(src), "--no-graph", "--cast", "float16", "-o",
+                   str(tmp_path / "c.onnx"))
     assert_one_line_error(proc, src)
     assert "shadowing" in proc.stderr
 
@@ -378,7 +380,8 @@ def test_cast_keeps_model_runnable(tmp_path: Path, dtype: str) -> None:
     code = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
     graph = onnx.load(str(out)).graph
     assert {t.name: t.data_type for t in graph.initializer} == {
-        f"W_{dtype}": code, f"B_{dtype}": code, f"zero_{dtype}": code}
+        f"W_{dtype}": code, f"B_{dtype}": code, f"zero_{dtype}": code,
+        f"B_out_{dtype}": code}
     casts = [(list(n.input), list(n.output)) for n in graph.node if n.op_type == "Cast"]
     assert casts[0] == ([f"W_{dtype}"], ["W"])  # at the top of the graph
     assert (["W"], ["C"]) in [(list(n.input), list(n.output)) for n in graph.node
@@ -545,7 +548,8 @@ def test_typed_fields_become_raw_data(tmp_path: Path) -> None:
     for a, b in zip(before.initializer, after.initializer, strict=True):
         assert a.name == b.name
         if a.data_type != TensorProto.STRING:
-            assert b.HasField("raw_data")
+            # raw_data, unless the typed fields are smaller (int64 varints): copied as they are
+            assert b.HasField("raw_data") or b == a
         np.testing.assert_array_equal(numpy_helper.to_array(a), numpy_helper.to_array(b))
     sa, sb = before.sparse_initializer[0], after.sparse_initializer[0]
     for x, y in ((sa.values, sb.values), (sa.indices, sb.indices)):

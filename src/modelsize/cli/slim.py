@@ -15,7 +15,7 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Define the ``slim`` sub-command's arguments (choices come from the registries)."""
     from modelsize.slimming.cast import CASTABLE
-    from modelsize.slimming.plan import drop_choices
+    from modelsize.slimming.plan import QUANTIZE_CHOICES, drop_choices
     from modelsize.slimming.writers import CONVERSIONS
 
     p.add_argument("path", metavar="IN", help="a model file, a checkpoint directory or prefix")
@@ -28,13 +28,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="store identical tensors once (aliases where the format has them)")
     p.add_argument("--cast", choices=[c for c in CASTABLE if c != "float64"], default=None,
                    help="narrow every wider floating tensor to this dtype")
-    p.add_argument("--to", choices=["same", *CONVERSIONS], default="same",
+    p.add_argument("--to", choices=["same", *CONVERSIONS, "tflite"], default="same",
                    help="output format (default: the input's)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                   help="ONNX: int8 (weight-only, per channel, DequantizeLinear), float16 "
+                   "(float16 weights behind Cast), dynamic (onnxruntime's dynamic int8)")
+    p.add_argument("--freeze", action="store_true",
+                   help="freeze variables into constants (graph formats with variables)")
+    p.add_argument("--no-graph", dest="graph", action="store_false",
+                   help="ONNX: no graph passes, only initializer-level changes")
+    p.add_argument("--tolerance", type=float, default=None, metavar="REL",
+                   help="graph passes: largest relative output difference accepted "
+                   "(default 1e-5 exact, 1e-2 float16, 0.1 int8, 0.2 dynamic)")
     p.add_argument("--keep", action="append", default=[], metavar="GLOB",
                    help="keep entries matching GLOB whatever their category (e.g. epoch); "
                    "keeps the checkpoint's top-level layout; repeatable")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan and the predicted size, write nothing")
+                   help="print the plan (ONNX: the passes that would apply and what each "
+                   "saves) and the predicted size, write nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
 
@@ -95,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
             report = slim(
                 args.path, args.out, drop=args.drop, dedupe=args.dedupe, cast=args.cast,
                 to=args.to, keep=args.keep, dry_run=args.dry_run, force=args.force,
-                progress=bar,
+                progress=bar, graph=args.graph, quantize=args.quantize, freeze=args.freeze,
+                tolerance=args.tolerance,
             )
     finally:
         bar.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 from modelsize.categories import Category
 from modelsize.errors import printable
@@ -64,8 +65,11 @@ def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
             + (f": {worst.max_abs_error:.3g} absolute, {worst.max_rel_error:.3g} relative "
                f"({printable(worst.name, 60)})" if worst.max_rel_error is not None else "")
         )
+    lines += _graph_lines(report)
     if report.dry_run:
         lines.append("Dry run: nothing was written.")
+    elif getattr(report, "comparison", None) is not None:
+        pass
     elif report.verified:
         lines.append(f"Verified: {printable(str(report.target))} read back by modelsize holds "
                      f"every kept tensor with the same name, dtype, shape and bytes (CRC-32).")
@@ -73,3 +77,29 @@ def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
         lines += textwrap.wrap(f"note: {printable(note, 600)}", width, initial_indent="  ",
                                subsequent_indent="      ")
     return "\n".join(lines) + "\n"
+
+
+def _graph_lines(report: SlimReport) -> list[str]:
+    """The graph passes (applied, skipped, what each saved) and the outputs compared."""
+    results: tuple[Any, ...] = getattr(report, "passes", ())
+    if not results:
+        return []
+    lines = ["", "Graph passes" + (" that would apply:" if report.dry_run else ":")]
+    rows = [["pass", "changes", "saves", ""]]
+    for r in results:
+        rows.append([r.name.value, str(r.changes) if r.changes else "",
+                     human_bytes(r.saved_bytes) if r.applied else "",
+                     "applied" if r.applied and not report.dry_run else
+                     ("would apply" if r.applied else r.note)])
+    lines += table(rows, "lrrl")
+    cmp = getattr(report, "comparison", None)
+    if cmp is not None:
+        lines.append(f"Verified: onnxruntime ran {printable(str(report.source.path))} and the "
+                     f"output on the same seeded inputs; largest relative difference "
+                     f"{cmp.max_rel:.3g} (tolerance {cmp.tolerance:g}, {cmp.kind}):")
+        for o in cmp.outputs[:8]:
+            lines.append(f"  {printable(o.name, 60)}: max abs {o.max_abs:.3g}, "
+                         f"max rel {o.max_rel:.3g}")
+        if len(cmp.outputs) > 8:
+            lines.append(f"  ... {len(cmp.outputs) - 8} more outputs (--json lists them all)")
+    return lines

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from modelsize import formats
-from modelsize.errors import UsageError, printable
+from modelsize.errors import MissingDependencyError, UsageError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming import writers
 from modelsize.slimming.output import Output, write_verified
@@ -72,6 +72,10 @@ def slim(
     dry_run: bool = False,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    graph: bool = False,
+    quantize: str | None = None,
+    freeze: bool = False,
+    tolerance: float | None = None,
 ) -> SlimReport:
     """Write a smaller copy of the checkpoint at ``path`` and verify it.
 
@@ -87,12 +91,26 @@ def slim(
     read back by modelsize's own reader and checked tensor by tensor (name, dtype, shape,
     CRC-32 of its bytes) before it gets its name. ``dry_run`` plans without writing.
     ``progress(bytes written, bytes planned)`` is called as data streams.
+
+    ``graph`` runs the exact graph passes on ONNX input (constant and BatchNorm folding, dead
+    code, duplicate and unused initializers; ``modelsize slim`` turns it on), ``quantize``
+    (``int8``, ``float16``, ``dynamic``) adds an approximate one; the original and the output
+    are then run on the same seeded inputs, and an output further than ``tolerance``
+    (relative, default by pass) is not written (:mod:`modelsize.slimming.graph`).
     """
     options = SlimOptions(
         drop=parse_drop(drop) if drop is not None else None, dedupe=dedupe, cast=cast, to=to,
-        keep=tuple(keep),
+        keep=tuple(keep), graph=graph, quantize=quantize, freeze=freeze, tolerance=tolerance,
     )
     inv = formats.read(path)
+    if _graph_slim(inv, options):
+        from modelsize.slimming.graph.onnx_slim import slim_onnx
+
+        return slim_onnx(inv, out, options, dry_run=dry_run, force=force)
+    if options.quantize is not None or options.freeze:
+        flag = "--quantize" if options.quantize is not None else "--freeze"
+        raise UsageError(f"{printable(str(inv.path))}: {flag} does not apply to "
+                         f"{inv.format} input")
     writer = writers.for_input(inv.format, options.to)
     plan = plan_slim(inv, options)
     if not plan.stored and not plan.aliases:
@@ -123,6 +141,27 @@ def slim(
     base = target if job.directory else target.parent
     files = tuple((base / name, (base / name).stat().st_size) for name in job.files)
     return _report(plan, writer.name, target, job.predicted_bytes, written, out_inv, files)
+
+
+def _graph_slim(inv: Inventory, options: SlimOptions) -> bool:
+    """Whether the graph passes slim this input (ONNX kept as ONNX, the ``onnx`` package
+    installed; without it, the wire-level writer does what it can unless a quantization
+    needs the passes)."""
+    if inv.format != "onnx" or options.to != "same":
+        return False
+    if options.quantize is None and (not options.graph or options.keep
+                                     or options.drop is not None
+                                     or options.cast not in (None, "float16")):
+        return False
+    try:
+        import onnx  # noqa: F401  (an optional dependency: only its presence matters here)
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        if options.quantize is None:
+            return False
+        raise MissingDependencyError("onnx and onnxruntime", "--quantize on ONNX models",
+                                     "onnx") from exc
+    return True
 
 
 def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,

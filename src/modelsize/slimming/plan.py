@@ -34,6 +34,8 @@ from modelsize.slimming.source import NoDataError, TensorSource
 
 #: What ``--drop`` accepts besides categories: tensors tagged as an EMA copy of the model.
 EMA = "ema"
+#: What ``--quantize`` accepts (each format applies those it can).
+QUANTIZE_CHOICES = ("int8", "float16", "dynamic")
 #: What a slim with no ``--drop``, ``--dedupe`` or ``--cast`` drops.
 DEFAULT_DROP: frozenset[str] = frozenset(
     {c.value for c in NOT_NEEDED_FOR_INFERENCE} | {Category.OTHER.value}
@@ -72,10 +74,24 @@ class SlimOptions:
     cast: str | None = None
     to: str = "same"
     keep: tuple[str, ...] = ()
+    #: Graph passes (ONNX: folding, dead code, ...); on by default from the CLI.
+    graph: bool = False
+    #: ``int8``, ``float16`` or ``dynamic``: a quantization the input format applies.
+    quantize: str | None = None
+    #: Freeze variables into constants (graph formats that have variables).
+    freeze: bool = False
+    #: Largest relative output difference accepted by the graph verification (``None``: the
+    #: bound documented for the passes applied).
+    tolerance: float | None = None
 
     def __post_init__(self) -> None:
         if self.cast is not None and self.cast not in CASTABLE:
             raise UsageError(f"--cast {self.cast!r}: expected one of {', '.join(CASTABLE[1:])}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise UsageError(f"--quantize {self.quantize!r}: expected one of "
+                             f"{', '.join(QUANTIZE_CHOICES)}")
+        if self.tolerance is not None and not self.tolerance >= 0:
+            raise UsageError(f"--tolerance {self.tolerance!r}: expected a number >= 0")
 
     @property
     def dropped(self) -> frozenset[str]:

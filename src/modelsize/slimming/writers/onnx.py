@@ -6,8 +6,7 @@ data is streamed into ``raw_data`` (or into the external data file) a chunk at a
 lengths protobuf puts before each nested message are computed from the plan before a byte is
 written, so the output's size is known exactly (:mod:`._protowire`).
 
-What changes, at the initializer level only (graph passes such as constant folding are not
-slim's business):
+What changes, at the initializer level only:
 
 * **unused initializers** (no node input, graph output or subgraph reads them, as the reader
   categorises them: ``unused_storage``) are removed, with their graph input and value_info
@@ -24,6 +23,12 @@ slim's business):
   node still reads the original type; a ``Constant`` is cast the same way, its output renamed
   and the ``Cast`` right after it. The graph input of an overridable initializer is renamed
   and retyped with it.
+
+A change never makes the file larger: a graph-output copy too small to pay for its
+``Identity`` node keeps its own bytes, and an uncast tensor's typed fields (``int64_data`` of
+small values: a byte or two an element where ``raw_data`` takes eight) are copied as they are
+when smaller than ``raw_data`` would be. The graph passes (folding, dead code: the
+:mod:`modelsize.slimming.graph` package) are not this writer's business.
 
 Inline tensors stay inline. Tensors in external data files go to one file beside the output,
 ``OUT.data`` (``model.slim.onnx.data``), offsets rewritten, tensors of 1 MiB and more aligned
@@ -172,7 +177,7 @@ class _Rewrite:
         self.training_reads = set().union(*(
             g.uses() - self.defines(g) for g in structure.graphs.values()
             if g.kind == GraphKind.TRAINING)) | structure.bindings
-        self.counts = {"merged": 0, "copies": 0, "cast": 0, "unused": 0}
+        self.counts = {"merged": 0, "copies": 0, "cast": 0, "unused": 0, "small": 0}
         #: Names of subgraph initializers that an enclosing graph also defines: runtimes
         #: disagree on which value they read, so slim neither renames nor casts them.
         self.shadowed = {name for g in structure.graphs.values() for name in g.initializers
@@ -181,6 +186,8 @@ class _Rewrite:
         self.holder_of: dict[str, TensorSite] = {}
         #: ``location`` of external tensors in the output.
         self.location = ""
+        #: Writes whose typed data fields are copied (their CRC is computed, not streamed).
+        self.verbatim: list[_Write] = []
 
     # -- names and scopes ----------------------------------------------------------------
     def defines(self, g: GraphSite) -> set[str]:
@@ -310,6 +317,13 @@ class _Rewrite:
                 self.holder_of[t.name] = hsite
                 continue
             mode = how[j]
+            if mode == "identity" and site.kind != TensorKind.NODE_TENSOR \
+                    and output_nbytes(original) <= len(_identity_node(hsite.bare,
+                                                                      site.bare)) + 4:
+                # An Identity node would cost more bytes than the copy it replaces.
+                mode = None
+                self.counts["small"] += 1
+                self.counts["copies"] -= 1
             if mode is None:
                 self._write(site, original, original.name if j == 0 else None)
                 self.counts["copies"] += 1
@@ -472,6 +486,9 @@ class _Rewrite:
             notes.append(f"onnx: {c['copies']} duplicate(s) kept their own bytes: the copy kept "
                          "is out of their graph's reach (a sibling subgraph, a sparse or "
                          "attribute tensor)")
+        if c["small"]:
+            notes.append(f"onnx: {c['small']} small duplicate(s) kept their own bytes: the "
+                         "Identity node replacing them would be larger")
         if c["unused"]:
             notes.append(f"onnx: {c['unused']} initializer(s) no node reads were removed")
         if c["cast"]:
@@ -655,12 +672,19 @@ class _Rewrite:
         return parts
 
     def tensor(self, start: int, end: int) -> Parts:
-        """A ``TensorProto`` with its data streamed (``raw_data`` or the external file)."""
+        """A ``TensorProto`` with its data streamed (``raw_data`` or the external file), or
+        its typed data fields copied when they are not larger than ``raw_data`` would be."""
         w = self.writes[start]
         parts = Parts()
         placed = False
+        verbatim = self._keeps_typed(w, start, end)
+        if verbatim:
+            self.verbatim.append(w)
         for f in iter_fields(self.buf, start, end):
-            if f.number in _DATA_FIELDS:
+            if f.number in _DATA_FIELDS and verbatim:
+                parts.add(Copy(f.start, f.end))
+                placed = True
+            elif f.number in _DATA_FIELDS:
                 if not placed:
                     parts.extend(self.data(w))
                     placed = True
@@ -673,6 +697,17 @@ class _Rewrite:
         if not placed:
             parts.extend(self.data(w))
         return parts
+
+    def _keeps_typed(self, w: _Write, start: int, end: int) -> bool:
+        """Whether an inline, uncast tensor keeps its typed fields (``int64_data`` of small
+        values is a byte an element, ``raw_data`` eight)."""
+        if w.external or w.dtype != self.input_dtype(w.site):
+            return False
+        fields = [f for f in iter_fields(self.buf, start, end) if f.number in _DATA_FIELDS]
+        if not fields or any(f.number in (9, 13, 14) for f in fields):
+            return False
+        typed = sum(f.end - f.start for f in fields)
+        return typed < len(key(9, LEN) + varint(w.nbytes)) + w.nbytes
 
     def data(self, w: _Write) -> list[Part]:
         """The data fields of a rewritten tensor: ``raw_data``, or where it is externally."""
@@ -726,6 +761,7 @@ class OnnxJob:
     data_name: str | None
     extents: list[_Extent]
     names: dict[str, str]
+    verbatim: list[_Write] = field(default_factory=list)
 
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:
         """The model file, then the external data file."""
@@ -734,6 +770,9 @@ class OnnxJob:
         try:
             sink = _OnnxSink(out.open(self.main), fd, meter, written)
             self.parts.write(sink)
+            for w in self.verbatim:
+                for _ in sink.tensor(w):
+                    pass
             if self.data_name is not None:
                 sink.out = out.open(self.data_name)
                 pos = 0
@@ -805,7 +844,7 @@ class OnnxWriter:
             last = extents[-1]
             data_bytes = last.offset + last.write.nbytes
         return OnnxJob(files, target.name, False, parts.size + data_bytes, path, parts,
-                       data_name if extents else None, extents, rw.output_names)
+                       data_name if extents else None, extents, rw.output_names, rw.verbatim)
 
 
 def _layout(writes: Iterable[_Write]) -> list[_Extent]:

@@ -1,0 +1,241 @@
+"""Graph slimming side by side: modelsize's graph passes vs onnxslim vs onnxsim.
+
+    .venv/bin/python benchmarks/slim_graphs.py [--repeats N] [--image 224]
+
+ResNet-50 (random weights, BatchNorm statistics drawn at random so folding matters; built in
+code below, the torchvision architecture, so no weights are downloaded) is exported twice:
+by the TorchScript exporter with its own folding off (BatchNormalization nodes in the file,
+as a training-friendly export leaves them) and by the default dynamo exporter. Each tool slims
+each export in a fresh process; reported: size before/after (all files), wall time (median of
+``--repeats``), peak RSS of that process, and the largest absolute and relative difference of
+the output from the original's on the same seeded input (onnxruntime). modelsize's time
+includes its own verification (both models run once). A peer that is not installed is
+skipped (``pip install onnxslim onnxsim``). Results go to benchmarks/RESULTS.md
+(section ``slim_graphs_onnx``); other frameworks add their own ``*_cases`` and section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_section
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+
+# One process per run: the tool's work, then its peak RSS on the last line.
+_RUNNER = r"""
+import json, sys, time
+tool, src, dst = sys.argv[1:4]
+t0 = time.perf_counter()
+if tool.startswith("modelsize"):
+    from modelsize.cli import main
+    extra = tool.split(":")[1:]
+    args = ["slim", src, "-o", dst, "--force"] + (["--quantize", extra[0]] if extra else [])
+    import contextlib, io
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(args)
+    assert rc in (0, None), rc
+elif tool == "onnxslim":
+    import onnxslim
+    onnxslim.slim(src, dst)
+elif tool == "onnxsim":
+    import onnx, onnxsim
+    model, ok = onnxsim.simplify(onnx.load(src))
+    assert ok
+    onnx.save(model, dst)
+dt = time.perf_counter() - t0
+# VmHWM: this process's peak (ru_maxrss would carry the parent's peak across fork + exec).
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"seconds": dt, "rss": hwm}))
+"""
+
+
+def _bottleneck(torch: Any) -> Any:
+    nn = torch.nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin: int, width: int, stride: int) -> None:
+            super().__init__()
+            cout = width * 4
+            self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(width)
+            self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+            self.down = None
+            if stride != 1 or cin != cout:
+                self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+        def forward(self, x: Any) -> Any:
+            y = torch.relu(self.bn1(self.conv1(x)))
+            y = torch.relu(self.bn2(self.conv2(y)))
+            y = self.bn3(self.conv3(y))
+            return torch.relu(y + (x if self.down is None else self.down(x)))
+
+    return Bottleneck
+
+
+def resnet50() -> Any:
+    """torchvision's ResNet-50 architecture (layers 3-4-6-3, 25.6 M parameters)."""
+    import torch
+
+    nn = torch.nn
+    block = _bottleneck(torch)
+    layers: list[Any] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                         nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for width, n, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(n):
+            layers.append(block(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000)]
+    torch.manual_seed(0)
+    model = nn.Sequential(*layers)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.0)
+                m.bias.uniform_(-0.1, 0.1)
+    return model.eval()
+
+
+def onnx_cases(tmp: Path, image: int) -> dict[str, Path]:
+    """The ONNX inputs: ResNet-50 from both exporters."""
+    import warnings
+
+    import torch
+
+    model = resnet50()
+    x = torch.randn(1, 3, image, image)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = tmp / "resnet50_torchscript.onnx"
+        torch.onnx.export(model, (x,), str(p), dynamo=False, do_constant_folding=False,
+                          input_names=["x"])
+        out["ResNet-50, TorchScript exporter, no folding"] = p
+        try:
+            import onnxscript  # noqa: F401 (the dynamo exporter needs it)
+
+            p = tmp / "resnet50_dynamo.onnx"
+            torch.onnx.export(model, (x,), str(p), dynamo=True, input_names=["x"])
+            out["ResNet-50, dynamo exporter (default)"] = p
+        except ImportError:
+            pass
+    return out
+
+
+def _files_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.iterdir()
+               if p.name == path.name or p.name.startswith(path.name + "."))
+
+
+def _max_diff(a: Path, b: Path) -> tuple[float, float]:
+    import numpy as np
+
+    from modelsize.slimming.graph.verify_onnx import compare
+
+    cmp = compare(a, b, "exact", tolerance=float("inf"))
+    worst = max(cmp.outputs, key=lambda o: o.max_rel)
+    return worst.max_abs, worst.max_rel if np.isfinite(worst.max_rel) else float("inf")
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+TOOLS: dict[str, Callable[[], bool]] = {
+    "modelsize": lambda: True,
+    "modelsize:int8": lambda: True,
+    "modelsize:float16": lambda: True,
+    "onnxslim": lambda: _installed("onnxslim"),
+    "onnxsim": lambda: _installed("onnxsim"),
+}
+
+
+def run_tool(tool: str, src: Path, dst: Path, repeats: int) -> dict[str, Any]:
+    """Slim ``src`` with ``tool`` ``repeats`` times in fresh processes."""
+    times, rss = [], []
+    for _ in range(repeats):
+        for p in dst.parent.glob(dst.name + "*"):
+            p.unlink()
+        proc = subprocess.run([PY, "-c", _RUNNER, tool, str(src), str(dst)],
+                              capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        times.append(doc["seconds"])
+        rss.append(doc["rss"] * 1024)
+    abs_, rel = _max_diff(src, dst)
+    return {"seconds": statistics.median(times), "rss": max(rss), "bytes": _files_bytes(dst),
+            "max_abs": abs_, "max_rel": rel}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def main() -> None:
+    """Run every case with every installed tool; write the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--image", type=int, default=224)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="slim-graphs-") as t:
+        tmp = Path(t)
+        for case, src in onnx_cases(tmp, args.image).items():
+            before = _files_bytes(src)
+            for tool, available in TOOLS.items():
+                if not available():
+                    rows.append(f"| {case} | {tool} | {_mb(before)} | not installed | | | |")
+                    continue
+                out = tmp / "out" / f"{src.stem}.{tool.replace(':', '_')}.onnx"
+                out.parent.mkdir(exist_ok=True)
+                r = run_tool(tool, src, out, args.repeats)
+                print(case, tool, r, file=sys.stderr)
+                if "error" in r:
+                    rows.append(f"| {case} | {tool} | {_mb(before)} | failed: {r['error']} "
+                                "| | | |")
+                    continue
+                rows.append(
+                    f"| {case} | {tool} | {_mb(before)} | {_mb(r['bytes'])} "
+                    f"({100 * (r['bytes'] - before) / before:+.1f}%) | {r['seconds']:.2f} s "
+                    f"| {r['rss'] / 2**20:.0f} MiB | {r['max_abs']:.2g} / {r['max_rel']:.2g} |")
+    load = os.getloadavg()[0]
+    md = "\n".join([
+        "## Graph slimming: modelsize vs onnxslim vs onnxsim (`benchmarks/slim_graphs.py`)",
+        "",
+        f"`{Path(PY).name} benchmarks/slim_graphs.py --repeats {args.repeats} --image "
+        f"{args.image}`; time is the median of {args.repeats} runs in fresh processes, RSS the "
+        f"peak of that process; load average {load:.2f} on a shared 2-core machine. "
+        "Difference: largest |slimmed - original| over the output, and that divided by the "
+        "output's largest magnitude, onnxruntime, one seeded input. modelsize's time includes "
+        "its verification run; `:int8` and `:float16` are `--quantize int8|float16`.",
+        "",
+        "| model | tool | before | after | time | peak RSS | max abs / rel diff |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ])
+    write_section("slim_graphs_onnx", md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

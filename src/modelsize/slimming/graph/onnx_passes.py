@@ -1,0 +1,876 @@
+"""Graph passes on an ONNX ``ModelProto``, each measured and kept only when it helps.
+
+Every pass works on a copy of the model; the copy replaces the model only when the pass
+changed something and the model's bytes (the protobuf plus its external data) did not grow.
+Constant folding also decides node by node: a node is folded only when its result needs no
+more bytes than the constants it alone reads (folding that materialises a broadcast is how
+other simplifiers made models several times larger).
+
+The exact passes (:data:`EXACT`) compute the same function up to float rounding:
+
+* ``identity``: ``y = Identity(x)`` removed, readers of ``y`` read ``x``;
+* ``fold-batchnorm``: an inference ``BatchNormalization`` whose input is the only use of a
+  ``Conv`` or ``Gemm`` output with constant weights is folded into their weights and bias;
+* ``constant-folding``: a node whose inputs are all constants becomes an initializer
+  (evaluated by ``onnx.reference`` under the model's own opsets);
+* ``dead-nodes``: nodes no output, node or subgraph reads;
+* ``unused-initializers``: initializers nothing reads (with their graph input and value_info);
+* ``duplicate-initializers``: initializers with the same dtype, shape and bytes stored once,
+  readers renamed (no ``Identity`` node: it would cost bytes for small tensors).
+
+The approximate ones run only when asked: ``cast-float16`` (float32 initializers stored as
+float16 behind a ``Cast`` back to float32, so inputs, outputs and every node keep float32),
+``quantize-int8`` (weight-only, per-output-channel symmetric int8 behind a
+``DequantizeLinear``) and ``quantize-dynamic`` (onnxruntime's ``quantize_dynamic``, int8
+weights and dynamically quantized activations).
+
+Tensors stored as external data are handled by their location: a pass that needs their values
+(folding, casting) reads them through ``onnx.numpy_helper``; the others never read them.
+Passes rewrite the top-level graph; names read inside subgraphs are respected everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+#: Ops never folded: nondeterministic, or with effects the graph relies on.
+_NO_FOLD = frozenset({
+    "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+    "Bernoulli", "Dropout", "If", "Loop", "Scan", "SequenceConstruct", "Optional",
+})
+#: A Cast or DequantizeLinear node costs about this many bytes; smaller savings are skipped.
+_NODE_COST = 96
+#: Tensors this small stay inline in an external-data output.
+EXTERNAL_MIN = 1024
+
+
+class PassName(str, Enum):
+    """Every graph pass, by the name the report uses."""
+
+    IDENTITY = "identity"
+    FOLD_BATCHNORM = "fold-batchnorm"
+    CONSTANT_FOLDING = "constant-folding"
+    DEAD_NODES = "dead-nodes"
+    UNUSED_INITIALIZERS = "unused-initializers"
+    DUPLICATE_INITIALIZERS = "duplicate-initializers"
+    CAST_FLOAT16 = "cast-float16"
+    QUANTIZE_INT8 = "quantize-int8"
+    QUANTIZE_DYNAMIC = "quantize-dynamic"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Passes that only delete nodes or initializers (run in place: nothing to measure against).
+_ONLY_REMOVE = frozenset({PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS})
+#: The passes that apply with no option, in order.
+EXACT: tuple[PassName, ...] = (
+    PassName.IDENTITY, PassName.FOLD_BATCHNORM, PassName.CONSTANT_FOLDING,
+    PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS, PassName.DUPLICATE_INITIALIZERS,
+)
+#: Approximate passes: they change values.
+APPROXIMATE = frozenset({PassName.CAST_FLOAT16, PassName.QUANTIZE_INT8,
+                         PassName.QUANTIZE_DYNAMIC})
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one pass did: how many changes, the model's bytes before and after, and whether
+    it was kept (``applied``) or skipped (nothing to do, or the model would have grown)."""
+
+    name: PassName
+    changes: int
+    bytes_before: int
+    bytes_after: int
+    applied: bool
+    note: str = ""
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the pass saves (0 when skipped)."""
+        return self.bytes_before - self.bytes_after if self.applied else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name.value, "changes": self.changes,
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+                "applied": self.applied, "saved_bytes": self.saved_bytes, "note": self.note}
+
+
+# -- sizes and names ---------------------------------------------------------------------
+def external_info(t: onnx.TensorProto) -> dict[str, str] | None:
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return {e.key: e.value for e in t.external_data}
+
+
+def _vlen(n: int) -> int:
+    """Bytes of ``n`` as a protobuf varint."""
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """The model's serialized bytes plus the external data its tensors point at (each range
+    counted once). Exact, without serializing the weights: the top-level initializers'
+    ``raw_data`` is set aside while protobuf sizes the rest, then added back with the length
+    prefixes it needs (protobuf's ``ByteSize`` would copy every weight to size it)."""
+    ranges = set()
+    for t in all_tensors(model.graph):
+        ext = external_info(t)
+        if ext is not None:
+            ranges.add((ext.get("location", ""), int(ext.get("offset", 0) or 0),
+                        int(ext.get("length", 0) or 0)))
+    external = sum(n for _, _, n in ranges)
+    stash: list[tuple[onnx.TensorProto, bytes]] = []
+    try:
+        for t in model.graph.initializer:
+            if t.HasField("raw_data"):
+                data = t.raw_data
+                if len(data) >= 4096:
+                    stash.append((t, data))
+                    t.ClearField("raw_data")
+        if not stash:
+            return model.ByteSize() + external
+        grow = 0
+        for t, data in stash:
+            bare = t.ByteSize()
+            full = bare + 1 + _vlen(len(data)) + len(data)
+            grow += full + _vlen(full) - bare - _vlen(bare)
+        graph_bare = model.graph.ByteSize()
+        graph_full = graph_bare + grow
+        total = model.ByteSize() - _vlen(graph_bare) - graph_bare
+        return total + _vlen(graph_full) + graph_full + external
+    finally:
+        for t, data in stash:
+            t.raw_data = data
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs in a node's attributes (``If`` branches, ``Loop``/``Scan`` bodies)."""
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            yield a.g
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            yield from a.graphs
+
+
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every graph nested in it."""
+    yield graph
+    for node in graph.node:
+        for sub in subgraphs(node):
+            yield from all_graphs(sub)
+
+
+def all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    for g in all_graphs(graph):
+        yield from g.initializer
+        for node in g.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    yield a.t
+
+
+def _uses(graph: onnx.GraphProto) -> Counter[str]:
+    """How many times each name is read: node inputs in every graph, graph outputs."""
+    counts: Counter[str] = Counter()
+    for g in all_graphs(graph):
+        for node in g.node:
+            counts.update(i for i in node.input if i)
+        counts.update(o.name for o in g.output)
+    return counts
+
+
+def _sub_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names read inside subgraphs of ``graph``'s nodes (captured from the outer scope)."""
+    names: set[str] = set()
+    for node in graph.node:
+        for sub in subgraphs(node):
+            for g in all_graphs(sub):
+                for n in g.node:
+                    names.update(n.input)
+                names.update(o.name for o in g.output)
+    return names
+
+
+def _sub_defines(graph: onnx.GraphProto) -> set[str]:
+    names: set[str] = set()
+    for node in graph.node:
+        for sub in subgraphs(node):
+            for g in all_graphs(sub):
+                names.update(i.name for i in g.initializer)
+                names.update(i.name for i in g.input)
+                for n in g.node:
+                    names.update(n.output)
+    return names
+
+
+def _rename_reads(graph: onnx.GraphProto, renames: dict[str, str]) -> None:
+    """Every node input (subgraphs included) named in ``renames`` reads the new name."""
+    if not renames:
+        return
+    for g in all_graphs(graph):
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                if name in renames:
+                    node.input[i] = renames[name]
+
+
+class _Fresh:
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.taken = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+        for g in all_graphs(graph):
+            for n in g.node:
+                self.taken.update(n.input)
+                self.taken.update(n.output)
+
+    def __call__(self, base: str) -> str:
+        name, n = base, 1
+        while name in self.taken:
+            n += 1
+            name = f"{base}_{n}"
+        self.taken.add(name)
+        return name
+
+
+class Values:
+    """Initializer values by name, external data read from ``base_dir``."""
+
+    def __init__(self, model: onnx.ModelProto, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self.graph = model.graph
+
+    def initializers(self) -> dict[str, onnx.TensorProto]:
+        """The top-level initializers that no graph input makes overridable."""
+        inputs = {i.name for i in self.graph.input}
+        return {t.name: t for t in self.graph.initializer if t.name not in inputs}
+
+    def array(self, t: onnx.TensorProto) -> np.ndarray:
+        """A tensor's values (external data read from disk)."""
+        return numpy_helper.to_array(t, str(self.base_dir))
+
+
+def _constants(graph: onnx.GraphProto, values: Values) -> dict[str, onnx.TensorProto]:
+    """Constant values by name: overridable-free initializers and ``Constant`` nodes' values."""
+    out = dict(values.initializers())
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            t = _constant_value(node)
+            if t is not None:
+                out[node.output[0]] = t
+    return out
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The value of a ``Constant`` node as a tensor (``value``, ``value_int(s)``,
+    ``value_float(s)``); ``None`` for strings and sparse values."""
+    for a in node.attribute:
+        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+            return a.t
+        arrays = {"value_int": np.int64(a.i), "value_ints": np.array(a.ints, np.int64),
+                  "value_float": np.float32(a.f),
+                  "value_floats": np.array(a.floats, np.float32)}
+        if a.name in arrays:
+            return numpy_helper.from_array(np.asarray(arrays[a.name]), node.output[0])
+    return None
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element types of the graph's values, from onnx's shape inference where it works."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # too large to serialize, or a graph inference rejects
+        inferred = model
+    g = inferred.graph
+    return {v.name: v.type.tensor_type.elem_type
+            for v in [*g.input, *g.value_info, *g.output]
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+
+
+def _tensor_nbytes(t: onnx.TensorProto) -> int:
+    ext = external_info(t)
+    if ext is not None:
+        return int(ext.get("length", 0) or 0)
+    return t.ByteSize()
+
+
+# -- exact passes ------------------------------------------------------------------------
+def remove_identity(model: onnx.ModelProto, values: Values) -> int:
+    """``y = Identity(x)``: readers of ``y`` read ``x`` (not when ``y`` is a graph output or
+    read inside a subgraph, where renaming could meet a shadowing name)."""
+    g = model.graph
+    outputs = {o.name for o in g.output}
+    sub = _sub_reads(g)
+    renames: dict[str, str] = {}
+    keep = []
+    for node in g.node:
+        if (node.op_type == "Identity" and node.domain in ("", "ai.onnx")
+                and len(node.input) == 1 and len(node.output) == 1
+                and node.output[0] not in outputs and node.output[0] not in sub):
+            src = node.input[0]
+            renames[node.output[0]] = renames.get(src, src)
+            continue
+        keep.append(node)
+    if not renames:
+        return 0
+    for k, v in list(renames.items()):
+        while v in renames:
+            v = renames[v]
+        renames[k] = v
+    del g.node[:]
+    g.node.extend(keep)
+    _rename_reads(g, renames)
+    return len(renames)
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _set_float_attr(node: onnx.NodeProto, name: str, value: float) -> None:
+    for a in node.attribute:
+        if a.name == name:
+            a.f = value
+            return
+    node.attribute.append(onnx.helper.make_attribute(name, value))
+
+
+def fold_batchnorm(model: onnx.ModelProto, values: Values) -> int:
+    """Fold inference ``BatchNormalization`` into the ``Conv`` or ``Gemm`` before it."""
+    g = model.graph
+    consts = _constants(g, values)
+    uses = _uses(g)
+    outputs = {o.name for o in g.output}
+    producer = {o: n for n in g.node for o in n.output}
+    fresh = _Fresh(g)
+    removed: set[int] = set()
+    new_inits: list[onnx.TensorProto] = []
+    replaced: set[str | None] = set()
+    folded = 0
+    for bn in g.node:
+        if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx"):
+            continue
+        if _attr(bn, "training_mode", 0) or len(bn.input) != 5 \
+                or any(o for o in bn.output[1:]):
+            continue
+        x = bn.input[0]
+        prev = producer.get(x)
+        if prev is None or prev.op_type not in ("Conv", "Gemm") or prev.domain not in (
+                "", "ai.onnx") or uses[x] != 1 or x in outputs or len(prev.output) != 1:
+            continue
+        if not all(n in consts for n in bn.input[1:]) or len(prev.input) < 2 \
+                or prev.input[1] not in consts:
+            continue
+        bias_name = prev.input[2] if len(prev.input) > 2 and prev.input[2] else None
+        if bias_name is not None and bias_name not in consts:
+            continue
+        w_t = consts[prev.input[1]]
+        w_raw = values.array(w_t)
+        dtype = w_raw.dtype
+        w = w_raw.astype(np.float64)
+        scale, b, mean, var = (values.array(consts[n]).astype(np.float64) for n in bn.input[1:])
+        s = scale / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
+        if not np.issubdtype(dtype, np.floating):
+            continue
+        if prev.op_type == "Conv":
+            if w.ndim < 3 or w.shape[0] != s.shape[0]:
+                continue
+            new_w = w * s.reshape((-1,) + (1,) * (w.ndim - 1))
+            old_b = values.array(consts[bias_name]).astype(np.float64) if bias_name else 0.0
+            new_b = (old_b - mean) * s + b
+        else:
+            # alpha scales A @ B; the per-column factor commutes with it.
+            beta = float(_attr(prev, "beta", 1.0))
+            trans_b = int(_attr(prev, "transB", 0))
+            if w.ndim != 2 or w.shape[0 if trans_b else 1] != s.shape[0] or beta == 0.0:
+                continue
+            new_w = w * (s[:, None] if trans_b else s[None, :])
+            old_c = values.array(consts[bias_name]).astype(np.float64) if bias_name else 0.0
+            new_b = ((beta * old_c - mean) * s + b) / beta
+        inits = values.initializers()
+        # Tensors only this node reads are replaced under their own names.
+        w_name = prev.input[1] if prev.input[1] in inits and uses[prev.input[1]] == 1 \
+            and prev.input[1] not in replaced else fresh(f"{prev.input[1]}_bnfold")
+        b_name = bias_name if bias_name in inits and uses[bias_name] == 1 \
+            and bias_name not in replaced and bias_name != w_name \
+            else fresh(f"{bn.output[0]}_bias")
+        replaced.update((w_name, b_name))
+        new_inits.append(numpy_helper.from_array(new_w.astype(dtype), w_name))
+        new_inits.append(numpy_helper.from_array(np.asarray(new_b, dtype=dtype), b_name))
+        inputs = [prev.input[0], w_name, b_name]
+        del prev.input[:]
+        prev.input.extend(inputs)
+        prev.output[0] = bn.output[0]
+        removed.add(id(bn))
+        folded += 1
+    if folded:
+        keep = [n for n in g.node if id(n) not in removed]
+        del g.node[:]
+        g.node.extend(keep)
+        fresh_names = {t.name for t in new_inits}
+        kept = [t for t in g.initializer if t.name not in fresh_names]
+        del g.initializer[:]
+        g.initializer.extend([*kept, *new_inits])
+    return folded
+
+
+def _evaluate(model: onnx.ModelProto, node: onnx.NodeProto,
+              inputs: dict[str, np.ndarray]) -> list[np.ndarray] | None:
+    """Run one node under the model's opsets with onnx's reference evaluator."""
+    from onnx.reference import ReferenceEvaluator
+
+    graph = onnx.helper.make_graph(
+        [node], "fold",
+        [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(a.dtype),
+                                            a.shape) for n, a in inputs.items()],
+        [onnx.helper.make_empty_tensor_value_info(o) for o in node.output])
+    tiny = onnx.helper.make_model(graph, opset_imports=list(model.opset_import),
+                                  ir_version=model.ir_version)
+    try:
+        return list(ReferenceEvaluator(tiny).run(None, inputs))
+    except Exception:  # an op the reference evaluator lacks or rejects: leave the node
+        return None
+
+
+def _predicted_nbytes(model: onnx.ModelProto, node: onnx.NodeProto,
+                      inputs: dict[str, np.ndarray]) -> int | None:
+    """Bytes of a node's outputs from onnx's shape inference (small integer inputs given as
+    values, so shapes read from them propagate); ``None`` when a shape stays unknown."""
+    small = {n: a for n, a in inputs.items() if a.dtype.kind in "iu" and a.size <= 64}
+    graph = onnx.helper.make_graph(
+        [node], "predict",
+        [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(a.dtype),
+                                            a.shape) for n, a in inputs.items()
+         if n not in small],
+        [onnx.helper.make_empty_tensor_value_info(o) for o in node.output if o],
+        [numpy_helper.from_array(a, n) for n, a in small.items()])
+    tiny = onnx.helper.make_model(graph, opset_imports=list(model.opset_import),
+                                  ir_version=model.ir_version)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(tiny, strict_mode=True, data_prop=True)
+    except Exception:  # an op shape inference does not know
+        return None
+    total = 0
+    for out in inferred.graph.output:
+        tt = out.type.tensor_type
+        dims = tt.shape.dim if tt.HasField("shape") else None
+        if not tt.elem_type or dims is None or any(not d.HasField("dim_value") for d in dims):
+            return None
+        try:
+            item = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+        except (KeyError, TypeError):
+            return None
+        total += int(np.prod([d.dim_value for d in dims], dtype=np.int64)) * item
+    return total
+
+
+def fold_constants(model: onnx.ModelProto, values: Values) -> int:
+    """Nodes whose inputs are all constants become initializers, when that costs no bytes."""
+    g = model.graph
+    consts = _constants(g, values)
+    uses = _uses(g)
+    outputs = {o.name for o in g.output}
+    sub = _sub_reads(g)
+    keep: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+    folded = 0
+    types: dict[str, int] | None = None
+    for node in g.node:
+        if (node.op_type == "CastLike" and len(node.input) == 2 and node.input[0] in consts
+                and node.input[1] not in consts and node.domain in ("", "ai.onnx")):
+            # CastLike(constant, x) is a Cast to x's type, which shape inference knows.
+            types = _elem_types(model) if types is None else types
+            to = types.get(node.input[1])
+            if to:
+                node = onnx.helper.make_node("Cast", [node.input[0]], list(node.output),
+                                             name=node.name, to=to)
+        ins = [i for i in node.input if i]
+        foldable = (node.domain in ("", "ai.onnx") and node.op_type not in _NO_FOLD
+                    and node.op_type != "Constant" and ins and all(i in consts for i in ins)
+                    and not any(True for _ in subgraphs(node)))
+        if not foldable:
+            keep.append(node)
+            continue
+        solely = {i for i in set(ins) if uses[i] == ins.count(i) and i not in outputs
+                  and i not in sub}
+        freed = node.ByteSize() + sum(_tensor_nbytes(consts[i]) for i in solely)
+        arrays = {i: values.array(consts[i]) for i in set(ins)}
+        predicted = _predicted_nbytes(model, node, arrays)
+        if any(a.dtype == object for a in arrays.values()) or predicted is None \
+                or predicted > freed:
+            # Unknown or larger than what it frees: never evaluated, so a lying shape
+            # cannot make a huge allocation either.
+            keep.append(node)
+            continue
+        results = _evaluate(model, node, arrays)
+        if results is None or len(results) != len(node.output) \
+                or any(not isinstance(r, np.ndarray) or r.dtype == object for r in results):
+            keep.append(node)
+            continue
+        new = [numpy_helper.from_array(np.ascontiguousarray(r), name)
+               for r, name in zip(results, node.output, strict=True) if name]
+        # Bytes freed: the node, and each constant only this node reads.
+        if sum(t.ByteSize() for t in new) > freed:
+            keep.append(node)
+            continue
+        for t in new:
+            consts[t.name] = t
+        new_inits.extend(new)
+        folded += 1
+    if folded:
+        del g.node[:]
+        g.node.extend(keep)
+        g.initializer.extend(new_inits)
+    return folded
+
+
+def remove_dead_nodes(model: onnx.ModelProto, values: Values) -> int:
+    """Nodes of the top-level graph none of whose outputs anything reads."""
+    g = model.graph
+    removed = 0
+    while True:
+        uses = _uses(g)
+        keep = [n for n in g.node if any(uses[o] for o in n.output if o)]
+        if len(keep) == len(g.node):
+            return removed
+        removed += len(g.node) - len(keep)
+        del g.node[:]
+        g.node.extend(keep)
+
+
+def remove_unused_initializers(model: onnx.ModelProto, values: Values) -> int:
+    """Top-level initializers nothing reads, with their graph input and value_info."""
+    g = model.graph
+    uses = _uses(g)
+    gone = {t.name for t in g.initializer if not uses[t.name]}
+    if not gone:
+        return 0
+    keep = [t for t in g.initializer if t.name not in gone]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    for field in (g.input, g.value_info):
+        kept = [v for v in field if v.name not in gone]
+        del field[:]
+        field.extend(kept)
+    return len(gone)
+
+
+def _digest(t: onnx.TensorProto, values: Values) -> tuple[object, ...]:
+    """dtype, shape and a hash of the values (external data hashed a chunk at a time)."""
+    h = hashlib.sha256()
+    ext = external_info(t)
+    if ext is not None:
+        path = values.base_dir / ext.get("location", "")
+        offset, length = int(ext.get("offset", 0) or 0), int(ext.get("length", 0) or 0)
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            left = length
+            while left > 0:
+                chunk = fh.read(min(left, 1 << 22))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+    else:
+        h.update(np.ascontiguousarray(values.array(t)).tobytes())
+    return (t.data_type, tuple(t.dims), h.hexdigest())
+
+
+def merge_duplicates(model: onnx.ModelProto, values: Values) -> int:
+    """Initializers with equal dtype, shape and bytes stored once; readers renamed."""
+    g = model.graph
+    protected = {o.name for o in g.output} | _sub_defines(g)
+    uses = _uses(g)
+    holders: dict[tuple[object, ...], str] = {}
+    renames: dict[str, str] = {}
+    for name, t in values.initializers().items():
+        if name in protected:
+            continue
+        key = _digest(t, values)
+        holder = holders.setdefault(key, name)
+        if holder != name and (len(holder) - len(name)) * uses[name] < _tensor_nbytes(t):
+            renames[name] = holder
+    if not renames:
+        return 0
+    _rename_reads(g, renames)
+    keep = [t for t in g.initializer if t.name not in renames]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    kept = [v for v in g.value_info if v.name not in renames]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    return len(renames)
+
+
+# -- approximate passes ------------------------------------------------------------------
+def cast_float16(model: onnx.ModelProto, values: Values) -> int:
+    """float32/float64 initializers stored as float16, a ``Cast`` back in front of the graph;
+    tensors too small to pay for the node, or with values float16 cannot hold, are kept."""
+    g = model.graph
+    fresh = _Fresh(g)
+    top: list[onnx.NodeProto] = []
+    protected = _sub_defines(g)
+    cast = 0
+    for i, t in enumerate(g.initializer):
+        if t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) \
+                or t.name in protected or t.name not in values.initializers():
+            continue
+        a = values.array(t)
+        item = 4 if t.data_type == onnx.TensorProto.FLOAT else 8
+        if a.size * (item - 2) <= _NODE_COST:
+            continue
+        if a.size and np.nanmax(np.abs(a)) > np.finfo(np.float16).max:
+            continue
+        name, to = t.name, t.data_type
+        new_name = fresh(f"{name}_float16")
+        g.initializer[i].CopyFrom(numpy_helper.from_array(a.astype(np.float16), new_name))
+        top.append(onnx.helper.make_node("Cast", [new_name], [name], to=to,
+                                         name=fresh(f"modelsize/cast/{name}")))
+        cast += 1
+    if cast:
+        nodes = [*top, *g.node]
+        del g.node[:]
+        g.node.extend(nodes)
+    return cast
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def quantize_int8(model: onnx.ModelProto, values: Values) -> int:
+    """Weight-only int8: each float ``Conv``/``Gemm``/``MatMul`` weight (2-D and more) stored
+    as int8 with one float scale per output channel (symmetric), read through
+    ``DequantizeLinear`` (opset 13 and later)."""
+    if _opset(model) < 13:
+        return 0
+    g = model.graph
+    fresh = _Fresh(g)
+    inits = values.initializers()
+    weights: dict[str, int] = {}
+    for node in g.node:
+        if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
+            weights.setdefault(node.input[1], 1 if node.op_type == "ConvTranspose" else 0)
+        elif node.op_type == "Gemm" and len(node.input) > 1:
+            weights.setdefault(node.input[1], 0 if _attr(node, "transB", 0) else 1)
+        elif node.op_type == "MatMul" and len(node.input) > 1:
+            weights.setdefault(node.input[1], -1)
+    protected = _sub_defines(g)
+    top: list[onnx.NodeProto] = []
+    scales: list[onnx.TensorProto] = []
+    done = 0
+    for i, t in enumerate(g.initializer):
+        axis = weights.get(t.name)
+        if axis is None or t.name not in inits or t.name in protected \
+                or t.data_type != onnx.TensorProto.FLOAT or len(t.dims) < 2:
+            continue
+        a = values.array(t).astype(np.float32)
+        axis = axis % a.ndim
+        if a.size * 3 <= _NODE_COST + 4 * a.shape[axis]:
+            continue
+        other = tuple(d for d in range(a.ndim) if d != axis)
+        amax = np.max(np.abs(a), axis=other)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        shape = [1] * a.ndim
+        shape[axis] = -1
+        q = np.clip(np.rint(a / scale.reshape(shape)), -127, 127).astype(np.int8)
+        name = t.name
+        q_name, s_name = fresh(f"{name}_int8"), fresh(f"{name}_scale")
+        g.initializer[i].CopyFrom(numpy_helper.from_array(q, q_name))
+        scales.append(numpy_helper.from_array(scale, s_name))
+        top.append(onnx.helper.make_node("DequantizeLinear", [q_name, s_name], [name],
+                                         axis=axis, name=fresh(f"modelsize/dq/{name}")))
+        done += 1
+    if done:
+        g.initializer.extend(scales)
+        nodes = [*top, *g.node]
+        del g.node[:]
+        g.node.extend(nodes)
+    return done
+
+
+def quantize_dynamic(model: onnx.ModelProto, values: Values) -> int:
+    """onnxruntime's dynamic quantization (int8 weights, activations quantized at run time)."""
+    import tempfile
+
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization import quantize_dynamic as ort_quantize
+
+    quiet = logging.getLogger()
+    level = quiet.level
+    with tempfile.TemporaryDirectory(prefix="modelsize-q-") as tmp:
+        src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
+        full = onnx.ModelProto()
+        full.CopyFrom(model)
+        onnx.external_data_helper.load_external_data_for_model(full, str(values.base_dir))
+        big = full.ByteSize() > (1 << 31) - (1 << 24)
+        onnx.save_model(full, str(src), save_as_external_data=big)
+        del full
+        quiet.setLevel(logging.ERROR)  # its advice to pre-process goes to the root logger
+        try:
+            ort_quantize(str(src), str(dst), weight_type=QuantType.QInt8,
+                         use_external_data_format=big)
+        finally:
+            quiet.setLevel(level)
+        out = onnx.load_model(str(dst))
+    before = Counter(n.op_type for n in model.graph.node)
+    after = Counter(n.op_type for n in out.graph.node)
+    changed = sum((after - before).values())
+    model.CopyFrom(out)
+    return changed
+
+
+PASSES: dict[PassName, Callable[[onnx.ModelProto, Values], int]] = {
+    PassName.IDENTITY: remove_identity,
+    PassName.FOLD_BATCHNORM: fold_batchnorm,
+    PassName.CONSTANT_FOLDING: fold_constants,
+    PassName.DEAD_NODES: remove_dead_nodes,
+    PassName.UNUSED_INITIALIZERS: remove_unused_initializers,
+    PassName.DUPLICATE_INITIALIZERS: merge_duplicates,
+    PassName.CAST_FLOAT16: cast_float16,
+    PassName.QUANTIZE_INT8: quantize_int8,
+    PassName.QUANTIZE_DYNAMIC: quantize_dynamic,
+}
+
+
+def select(cast: str | None, quantize: str | None) -> list[PassName]:
+    """The passes a slim runs: the exact ones, then a cast or a quantization if asked."""
+    names = list(EXACT)
+    if quantize == "int8":
+        names.append(PassName.QUANTIZE_INT8)
+    elif quantize == "dynamic":
+        names.append(PassName.QUANTIZE_DYNAMIC)
+    elif quantize == "float16" or cast == "float16":
+        names.append(PassName.CAST_FLOAT16)
+    if names[-1] in APPROXIMATE:
+        # Quantized or cast weights leave float copies and folding leftovers behind.
+        names += [PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS]
+    return names
+
+
+def run_passes(model: onnx.ModelProto, base_dir: Path, names: list[PassName],
+               rounds: int = 4) -> tuple[onnx.ModelProto, list[PassResult]]:
+    """Run ``names`` in order on copies of ``model``; keep each only if it did not grow it.
+    The exact ones run again while a round made the model smaller (a fold opens another)."""
+    first = next((i for i, n in enumerate(names) if n in APPROXIMATE), len(names))
+    size = model_bytes(model)
+    results: list[PassResult] = []
+    for _ in range(rounds):
+        before = size
+        model, size, done = _round(model, base_dir, names[:first], size)
+        results = done if not results else [
+            _merge(a, b) for a, b in zip(results, done, strict=True)]
+        if size == before:
+            break
+    model, size, done = _round(model, base_dir, names[first:], size)
+    return model, results + done
+
+
+def _merge(first: PassResult, later: PassResult) -> PassResult:
+    """One pass over several rounds: changes added, bytes from first to last kept."""
+    if not later.applied:
+        return first
+    if not first.applied:
+        return later
+    return PassResult(first.name, first.changes + later.changes, first.bytes_before,
+                      first.bytes_before - first.saved_bytes - later.saved_bytes, True)
+
+
+def _round(model: onnx.ModelProto, base_dir: Path, names: list[PassName],
+           size: int) -> tuple[onnx.ModelProto, int, list[PassResult]]:
+    results: list[PassResult] = []
+    for name in names:
+        if not _may_apply(name, model):
+            results.append(PassResult(name, 0, size, size, False, "nothing to do"))
+            continue
+        if name in _ONLY_REMOVE:
+            candidate = model  # it only deletes: the model cannot grow, no copy to go back to
+        else:
+            candidate = onnx.ModelProto()
+            candidate.CopyFrom(model)
+        was_read = {n for n, k in _uses(candidate.graph).items() if k}
+        changes = PASSES[name](candidate, Values(candidate, base_dir))
+        if changes:
+            _drop_orphans(candidate.graph, was_read)
+        after = model_bytes(candidate) if changes else size
+        if changes and after <= size:
+            results.append(PassResult(name, changes, size, after, True))
+            model, size = candidate, after
+        else:
+            note = "nothing to do" if not changes else (
+                f"skipped: it would add {after - size:,} bytes")
+            results.append(PassResult(name, changes, size, after if changes else size, False,
+                                      note))
+    return model, size, results
+
+
+def _may_apply(name: PassName, model: onnx.ModelProto) -> bool:
+    """A cheap look for something the pass could change (spares copying the model)."""
+    g = model.graph
+    ops = {n.op_type for n in g.node}
+    if name == PassName.IDENTITY:
+        return "Identity" in ops
+    if name == PassName.FOLD_BATCHNORM:
+        return "BatchNormalization" in ops
+    if name == PassName.CONSTANT_FOLDING:
+        known = {t.name for t in g.initializer} - {i.name for i in g.input}
+        known |= {n.output[0] for n in g.node if n.op_type == "Constant" and n.output}
+        return any(n.op_type != "Constant" and n.input
+                   and (n.op_type == "CastLike" or all(i in known for i in n.input if i))
+                   for n in g.node)
+    if name == PassName.CAST_FLOAT16:
+        return any(t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+                   for t in g.initializer)
+    return True
+
+
+def _drop_orphans(g: onnx.GraphProto, was_read: set[str]) -> None:
+    """Nodes and initializers a pass left unread (read before it): a pass is measured with
+    what it made useless removed, not with what was useless before."""
+    while True:
+        uses = _uses(g)
+        nodes = [n for n in g.node if any(uses[o] for o in n.output if o)
+                 or not any(o in was_read for o in n.output if o)]
+        inits = [t for t in g.initializer if uses[t.name] or t.name not in was_read]
+        if len(nodes) == len(g.node) and len(inits) == len(g.initializer):
+            return
+        gone = {t.name for t in g.initializer} - {t.name for t in inits}
+        del g.node[:]
+        g.node.extend(nodes)
+        del g.initializer[:]
+        g.initializer.extend(inits)
+        for field in (g.input, g.value_info):
+            kept = [v for v in field if v.name not in gone]
+            del field[:]
+            field.extend(kept)
+
+
+def external_sources(model: onnx.ModelProto, base_dir: Path) -> list[onnx.TensorProto]:
+    """Every tensor of ``model`` whose data is external, after checking its file range."""
+    out = []
+    for t in all_tensors(model.graph):
+        ext = external_info(t)
+        if ext is None:
+            continue
+        path = base_dir / ext.get("location", "")
+        end = int(ext.get("offset", 0) or 0) + int(ext.get("length", 0) or 0)
+        if not path.is_file() or os.path.getsize(path) < end:
+            raise ValueError(f"{t.name}: external data {ext.get('location', '')!r} is missing "
+                             "or shorter than the tensor")
+        out.append(t)
+    return out

@@ -1,0 +1,283 @@
+"""Graph passes in ``modelsize slim model.onnx``, on graphs made by the real exporters.
+
+A CNN with BatchNorm exported by ``torch.onnx.export`` (both exporters, folding of their own
+turned off so BatchNormalization nodes reach the file), a transformer encoder layer, and a
+model with external data written by ``onnx.save_model``. Each output is checked against what
+PyTorch itself computes (not against modelsize's own comparison), loaded by onnxruntime, and
+inspected with the ``onnx`` package for the nodes the passes remove."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import modelsize
+from modelsize.slimming.graph import onnx_passes
+from tests.conftest import assert_one_line_error, run_cli
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402 (after the importorskip)
+
+
+class _Cnn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.b1 = torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 16, 3, padding=1, bias=False)
+        self.b2 = torch.nn.BatchNorm2d(16)
+        self.fc = torch.nn.Linear(16, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: Any) -> Any:
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.relu(self.b2(self.c2(x)))
+        return self.bn(self.fc(x.mean((2, 3))))
+
+
+def _cnn() -> Any:
+    torch.manual_seed(0)
+    m = _Cnn()
+    with torch.no_grad():
+        for b in (m.b1, m.b2, m.bn):  # statistics far from the identity, so folding shows
+            b.running_mean.uniform_(-1, 1)
+            b.running_var.uniform_(0.5, 2)
+            b.weight.uniform_(0.5, 2)
+            b.bias.uniform_(-1, 1)
+    return m.eval()
+
+
+def _export(model: Any, args: tuple[Any, ...], path: Path, dynamo: bool) -> Path:
+    """Export with the exporter's own folding off (BatchNormalization nodes stay)."""
+    import warnings
+
+    if dynamo:
+        pytest.importorskip("onnxscript")  # what the dynamo exporter writes ONNX with
+    kwargs: dict[str, Any] = {"optimize": False} if dynamo else {"do_constant_folding": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
+        torch.onnx.export(model, args, str(path), dynamo=dynamo, input_names=["x"],
+                          verbose=False, **kwargs)
+    return path
+
+
+def _ops(path: Path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def _run(path: Path, x: np.ndarray) -> np.ndarray:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    s = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return np.asarray(s.run(None, {s.get_inputs()[0].name: x})[0])
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _files_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.iterdir() if p.name.startswith(path.name))
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_cnn_batchnorm_folded(tmp_path: Path, dynamo: bool) -> None:
+    model = _cnn()
+    x = torch.randn(2, 3, 8, 8)
+    src = _export(model, (x,), tmp_path / "cnn.onnx", dynamo)
+    assert _ops(src).count("BatchNormalization") == 3
+    before = _sha(src)
+    out = tmp_path / "cnn.slim.onnx"
+    report = modelsize.slim(src, out, graph=True)
+    assert _sha(src) == before
+    assert "BatchNormalization" not in _ops(out)
+    applied = {p.name.value: p for p in report.passes if p.applied}  # type: ignore[attr-defined]
+    assert applied["fold-batchnorm"].changes == 3
+    assert _files_bytes(out) < _files_bytes(src)
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert _rel(_run(out, x.numpy()), want) < 1e-5
+    assert report.comparison.ok  # type: ignore[attr-defined]
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block: attention with two heads, then a GELU MLP."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: Any) -> Any:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_transformer_block(tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(0)
+    layer = _Block().eval()
+    x = torch.randn(1, 5, 16)
+    src = _export(layer, (x,), tmp_path / "block.onnx", dynamo)
+    out = tmp_path / "block.slim.onnx"
+    report = modelsize.slim(src, out, graph=True)
+    assert _files_bytes(out) <= _files_bytes(src)
+    with torch.no_grad():
+        want = layer(x).numpy()
+    assert _rel(_run(out, x.numpy()), want) < 1e-5
+    for p in report.passes:  # type: ignore[attr-defined]
+        assert not p.applied or p.bytes_after <= p.bytes_before
+
+
+def test_external_data_in_and_out(tmp_path: Path) -> None:
+    model = _cnn()
+    x = torch.randn(1, 3, 8, 8)
+    inline = _export(model, (x,), tmp_path / "inline.onnx", dynamo=False)
+    proto = onnx.load(str(inline))
+    src = tmp_path / "ext.onnx"
+    onnx.save_model(proto, str(src), save_as_external_data=True, location="ext.bin",
+                    size_threshold=0)
+    assert (tmp_path / "ext.bin").stat().st_size > 0
+    sums = {p.name: _sha(p) for p in (src, tmp_path / "ext.bin")}
+    out = tmp_path / "o" / "ext.slim.onnx"
+    out.parent.mkdir()
+    report = modelsize.slim(src, out, graph=True)
+    assert {p.name: _sha(p) for p in (src, tmp_path / "ext.bin")} == sums
+    assert (out.parent / "ext.slim.onnx.data").exists()
+    slim = onnx.load(str(out), load_external_data=False)
+    assert all(t.data_location == TensorProto.EXTERNAL for t in slim.graph.initializer
+               if t.dims and int(np.prod(t.dims)) * 4 >= onnx_passes.EXTERNAL_MIN)
+    assert "BatchNormalization" not in _ops(out)
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert _rel(_run(out, x.numpy()), want) < 1e-5
+    assert sum(n for _, n in report.output_files) < _files_bytes(src) + (
+        tmp_path / "ext.bin").stat().st_size
+
+
+def _broadcast_model(path: Path) -> Path:
+    """``Y = X + Expand(c, [512, 512])``: folding the Expand would store 1 MiB for a scalar."""
+    nodes = [helper.make_node("Expand", ["c", "shape"], ["big"]),
+             helper.make_node("Add", ["X", "big"], ["Y"]),
+             helper.make_node("Identity", ["W"], ["W2"]),
+             helper.make_node("Mul", ["Y", "W2"], ["Z"]),
+             helper.make_node("Mul", ["Z", "W_copy"], ["Out"])]
+    w = np.arange(512, dtype=np.float32)
+    inits = [numpy_helper.from_array(np.array(1.5, np.float32), "c"),
+             numpy_helper.from_array(np.array([512, 512], np.int64), "shape"),
+             numpy_helper.from_array(w, "W"), numpy_helper.from_array(w.copy(), "W_copy"),
+             numpy_helper.from_array(np.ones(300, np.float32), "unused")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [512, 512])],
+        [helper.make_tensor_value_info("Out", TensorProto.FLOAT, [512, 512])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_passes_never_grow_the_file(tmp_path: Path) -> None:
+    src = _broadcast_model(tmp_path / "b.onnx")
+    out = tmp_path / "b.slim.onnx"
+    report = modelsize.slim(src, out, graph=True)
+    ops = _ops(out)
+    assert "Expand" in ops and "Identity" not in ops
+    names = {t.name for t in onnx.load(str(out)).graph.initializer}
+    assert "unused" not in names and len(names & {"W", "W_copy"}) == 1
+    assert out.stat().st_size < src.stat().st_size - 300 * 4 - 512 * 4
+    x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    want = (x + 1.5) * np.arange(512, dtype=np.float32) ** 2
+    np.testing.assert_allclose(_run(out, x), want, rtol=1e-6)
+    done = {p.name.value: p.changes for p in report.passes if p.applied}  # type: ignore[attr-defined]
+    assert done == {"identity": 1, "unused-initializers": 1, "duplicate-initializers": 1}
+
+
+@pytest.mark.parametrize("quantize", ["int8", "float16", "dynamic"])
+def test_quantize_within_documented_bound(tmp_path: Path, quantize: str) -> None:
+    model = _cnn()
+    x = torch.randn(1, 3, 8, 8)
+    src = _export(model, (x,), tmp_path / "cnn.onnx", dynamo=False)
+    out = tmp_path / "q.onnx"
+    report = modelsize.slim(src, out, graph=True, quantize=quantize)
+    with torch.no_grad():
+        want = model(x).numpy()
+    bound = {"int8": 0.1, "float16": 1e-2, "dynamic": 0.2}[quantize]
+    assert _rel(_run(out, x.numpy()), want) < bound
+    assert out.stat().st_size < src.stat().st_size
+    assert report.comparison.kind != "exact"  # type: ignore[attr-defined]
+    if quantize == "int8":
+        assert "DequantizeLinear" in _ops(out)
+
+
+def test_cli_refuses_over_tolerance_and_writes_nothing(tmp_path: Path) -> None:
+    src = _export(_cnn(), (torch.randn(1, 3, 8, 8),), tmp_path / "cnn.onnx", dynamo=False)
+    out = tmp_path / "q.onnx"
+    proc = run_cli("slim", str(src), "-o", str(out), "--quantize", "int8", "--tolerance", "0")
+    assert proc.returncode == 1, proc.stderr
+    assert "tolerance" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["cnn.onnx"]
+
+
+def test_cli_dry_run_existing_output_and_bad_input(tmp_path: Path) -> None:
+    src = _export(_cnn(), (torch.randn(1, 3, 8, 8),), tmp_path / "cnn.onnx", dynamo=False)
+    out = tmp_path / "o.onnx"
+    proc = run_cli("slim", str(src), "-o", str(out), "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert not out.exists()
+    planned = {p["name"] for p in doc["passes"] if p["applied"]}
+    assert "fold-batchnorm" in planned
+    proc = run_cli("slim", str(src), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "fold-batchnorm" in proc.stdout and "max rel" in proc.stdout
+    assert out.stat().st_size == doc["predicted_bytes"]
+    proc = run_cli("slim", str(src), "-o", str(out))
+    assert_one_line_error(proc, out)
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(src.read_bytes()[:200])
+    assert_one_line_error(run_cli("slim", str(bad), "-o", str(tmp_path / "b.onnx")), bad)
+
+
+def test_initializer_level_slim_never_grows(tmp_path: Path) -> None:
+    """``--no-graph``: small int64 values stay varints, a 4-float graph-output copy keeps its
+    bytes rather than becoming an Identity node (both used to make the file larger)."""
+    ids = helper.make_tensor("ids", TensorProto.INT64, [64], list(range(64)))  # int64_data
+    b = np.arange(4, dtype=np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["g"]),
+             helper.make_node("Add", ["g", "B"], ["Y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("table", TensorProto.FLOAT, [64, 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [64, 4]),
+         helper.make_tensor_value_info("B_out", TensorProto.FLOAT, [4])],
+        [ids, numpy_helper.from_array(b, "B"), numpy_helper.from_array(b.copy(), "B_out")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    src = tmp_path / "m.onnx"
+    onnx.save(model, str(src))
+    out = tmp_path / "m.slim.onnx"
+    proc = run_cli("slim", str(src), "-o", str(out), "--no-graph")
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size <= src.stat().st_size
+    table = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    s = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    y, b_out = s.run(None, {"table": table})
+    np.testing.assert_array_equal(y, table + b)
+    np.testing.assert_array_equal(b_out, b)
