@@ -111,6 +111,10 @@ def test_diff_and_slim_pages(demo: Path, tmp_path: Path, capsys: Any) -> None:
     slimmed = modelsize.slim(demo / "train.pt", tmp_path / "s.pt")
     text = html.render_slim(slimmed)
     _check(text)
+    page = tmp_path / "s.html"
+    assert main(["slim", str(demo / "train.pt"), "-o", str(tmp_path / "s2.pt"),
+                 "--html", str(page)]) == 0
+    _check(page.read_text())
     assert f"{slimmed.source_bytes:,}" in text and "optimizer_state" in text
 
 

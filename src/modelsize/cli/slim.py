@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the plan (ONNX: the passes that would apply and what each "
                    "saves) and the predicted size, write nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--html", metavar="FILE", default=None,
+                   help="also write a self-contained HTML report, before/after (works offline)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
 
 
@@ -115,4 +117,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
     else:
         sys.stdout.write(render_slim(report))
+    if args.html:
+        from modelsize.report import html
+
+        html.write(args.html, html.render_slim(report))
     return 0
