@@ -94,7 +94,8 @@ def _graph_lines(report: SlimReport) -> list[str]:
     lines += table(rows, "lrrl")
     cmp = getattr(report, "comparison", None)
     if cmp is not None:
-        lines.append(f"Verified: onnxruntime ran {printable(str(report.source.path))} and the "
+        runner = getattr(cmp, "runner", "onnxruntime")
+        lines.append(f"Verified: {runner} ran {printable(str(report.source.path))} and the "
                      f"output on the same seeded inputs; largest relative difference "
                      f"{cmp.max_rel:.3g} (tolerance {cmp.tolerance:g}, {cmp.kind}):")
         for o in cmp.outputs[:8]:

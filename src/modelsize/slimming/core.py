@@ -103,6 +103,10 @@ def slim(
         keep=tuple(keep), graph=graph, quantize=quantize, freeze=freeze, tolerance=tolerance,
     )
     inv = formats.read(path)
+    if inv.facts.get("layout") == "saved_model" and options.to in ("same", "tflite"):
+        from modelsize.slimming.graph.tf_savedmodel import slim_from_options as slim_tf
+
+        return slim_tf(inv, out, options, dry_run=dry_run, force=force)
     if _graph_slim(inv, options):
         from modelsize.slimming.graph.onnx_slim import slim_onnx
 
