@@ -14,6 +14,10 @@ measures, each in a fresh subprocess: wall time of the operation, wall time of t
 Page cache is warm for every run (the file was just written and is read once before timing).
 
     python benchmarks/inspect_speed.py [--dir DIR] [--keep] [--repeat 3]
+    python benchmarks/inspect_speed.py --checkpoint DIR/train.pt   # one kept by --keep
+
+``--checkpoint`` measures a checkpoint this script wrote before (building one takes minutes);
+the byte counts it is checked against are then read back with ``torch.load(mmap=True)``.
 """
 
 from __future__ import annotations
@@ -89,6 +93,16 @@ def build_checkpoint(path: Path) -> dict[str, int]:
     return {"weights": weights, "params": sum(p.numel() for p in model.parameters())}
 
 
+def known_counts(path: Path) -> dict[str, int]:
+    """The byte counts of ``build_checkpoint`` for a checkpoint it wrote, read back by torch."""
+    import torch
+
+    obj = torch.load(path, weights_only=True, mmap=True)
+    model = obj["model"].values()
+    return {"weights": sum(t.numel() * t.element_size() for t in model),
+            "params": sum(t.numel() for t in model)}
+
+
 def _env() -> dict[str, str]:
     # Measured as installed packages run: with byte-compiled modules (some machines set
     # PYTHONDONTWRITEBYTECODE, which would recompile modelsize on every run).
@@ -113,24 +127,37 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--checkpoint", default=None,
+                    help="measure this checkpoint (written by an earlier --keep run)")
     ap.add_argument("--build-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--known-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.build_only:
         print(json.dumps(build_checkpoint(Path(args.build_only))))
         return
-    tmp = tempfile.TemporaryDirectory(dir=args.dir)
-    path = Path(tmp.name) / "train.pt"
+    if args.known_only:
+        print(json.dumps(known_counts(Path(args.known_only))))
+        return
+    tmp = None
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+        step = ["--known-only", str(path)]  # in a subprocess: torch's memory stays there
+    else:
+        tmp = tempfile.TemporaryDirectory(dir=args.dir)
+        path = Path(tmp.name) / "train.pt"
+        step = ["--build-only", str(path)]
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, __file__, "--build-only", str(path)], capture_output=True, text=True,
-        check=True,
+        [sys.executable, __file__, *step], capture_output=True, text=True, check=True,
     )
     known = json.loads(proc.stdout)
     size = path.stat().st_size
-    print(f"built {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
+    verb = "read back" if args.checkpoint else "built"
+    print(f"{verb} {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
     with open(path, "rb") as fh:  # warm the page cache for every contender alike
         while fh.read(1 << 24):
             pass
+    load_before = os.getloadavg()
     rows = {}
     for which in WAYS:
         measure(which, path)  # unmeasured: byte-compiles modules, like a first run after install
@@ -142,6 +169,7 @@ def main() -> None:
             "detail": runs[0]["detail"],
         }
         print(which, json.dumps(rows[which]), flush=True)
+    load_after = os.getloadavg()
     ms = rows["modelsize"]
     cats = ms["detail"]["categories"]
     assert cats["weights"] == known["weights"], (cats["weights"], known["weights"])
@@ -156,8 +184,10 @@ def main() -> None:
         f"`torch.save({{model, optimizer, step}})`: {size:,} bytes ({size / 1e9:.2f} GB), "
         f"{ms['detail']['tensors']} tensors. Warm page cache; median of {args.repeat} fresh "
         "processes "
-        "after one unmeasured warm-up each; peak RSS is the max. 2-core machine (shared with other "
-        "work while measured, so timings carry some noise).",
+        "after one unmeasured warm-up each; peak RSS is the max. "
+        f"{os.cpu_count()}-core machine, shared with other work while measured: 1-minute load "
+        f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after (timings carry that "
+        "noise).",
         "",
         "| way | operation (s) | whole process (s) | peak RSS (MB) |",
         "|---|---:|---:|---:|",
@@ -178,6 +208,8 @@ def main() -> None:
     ]
     write_section("inspect_speed", "\n".join(lines))
     print("\n".join(lines))
+    if tmp is None:
+        return
     if args.keep:
         print(f"kept {path}")
     else:

@@ -73,17 +73,25 @@ def _slot(t: TensorRecord) -> str:
     for tag in t.tags:
         if tag.startswith("slot="):
             return tag[5:]
-    parts = [p for p in t.name.replace("/", ".").split(".")
-             if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_")]
-    return parts[-1] if parts else "state"
+    for p in reversed(t.name.replace("/", ".").split(".")):
+        if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_"):
+            return p
+    return "state"
+
+
+#: The last inventory described and its description: ``find`` and ``explain`` both ask.
+_DESCRIBED: list[tuple[Inventory, str]] = []
 
 
 def optimizer_description(inv: Inventory) -> str:
     """``Adam optimizer state (exp_avg, exp_avg_sq)``, from the slots present."""
+    if _DESCRIBED and _DESCRIBED[0][0] is inv:
+        return _DESCRIBED[0][1]
     tensors = inv.tensors_in(Category.OPTIMIZER_STATE)
     sizes: dict[str, int] = {}
     for t in tensors:
-        sizes[_slot(t)] = sizes.get(_slot(t), 0) + t.stored_nbytes
+        slot = _slot(t)
+        sizes[slot] = sizes.get(slot, 0) + t.stored_nbytes
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
     big = [s for s, n in ranked if n and s not in _GENERIC_NAME]
     name = inv.facts.get("optimizer")
@@ -94,7 +102,9 @@ def optimizer_description(inv: Inventory) -> str:
                 name = owner
                 break
     head = f"{name} optimizer state" if name else "optimizer state"
-    return f"{head} ({', '.join(big[:4])})" if big else head
+    described = f"{head} ({', '.join(big[:4])})" if big else head
+    _DESCRIBED[:] = [(inv, described)]
+    return described
 
 
 def slim_target(path: Path, suffix: str | None = None) -> Path:

@@ -18,13 +18,18 @@ import bisect
 import contextlib
 import math
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from modelsize.categories import PRECEDENCE, Category, empty_totals
 from modelsize.dtypes import DTYPES, DType, canonical, numel
 from modelsize.errors import AccountingError, CorruptFileError
+
+#: Whether building an inventory may read tensor bytes (the duplicate search does): off for a
+#: sparse mirror of a remote file (:mod:`modelsize.remote`), whose tensor bytes are holes.
+READ_DATA: ContextVar[bool] = ContextVar("modelsize_read_data", default=True)
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,22 @@ class _View:
 #: dtype). The :class:`StorageRecord` is made once, by ``build``, with its totals.
 _Declared = tuple[int, int, int, int, bool, "str | None"]
 
+_Record = TypeVar("_Record", Region, StorageRecord, TensorRecord)
+
+
+def _record(cls: type[_Record], **fields: Any) -> _Record:
+    """A frozen record made from every one of its fields, as its ``__init__`` would make it.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: for the
+    thousands of records of a checkpoint, filling the instance dict at once is several times
+    faster. Only for records without ``__post_init__``, given all their fields.
+    """
+    if len(fields) != len(cls.__dataclass_fields__):  # a field added to the class, not here
+        raise TypeError(f"{cls.__name__} needs {sorted(cls.__dataclass_fields__)}")
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
 
 class InventoryBuilder:
     """Collects what a reader finds and turns it into an :class:`Inventory`.
@@ -250,6 +271,8 @@ class InventoryBuilder:
             self.files.append(FileInfo(path, path.stat().st_size))
         self._regions: list[Region] = []
         self._storages: dict[str, _Declared] = {}
+        #: CRC-32 of a storage's bytes where the file records one (zip members).
+        self._crc: dict[str, int] = {}
         self._tensors: list[dict[str, Any]] = []
         self._unsafe: dict[str, None] = {}
         self.notes: list[str] = []
@@ -282,7 +305,8 @@ class InventoryBuilder:
         if nbytes == 0:
             return
         self.check_range(offset, nbytes, label, file)
-        self._regions.append(Region(file, offset, nbytes, category, label))
+        self._regions.append(_record(
+            Region, file=file, offset=offset, nbytes=nbytes, category=category, label=label))
 
     def add_storage(
         self,
@@ -294,12 +318,19 @@ class InventoryBuilder:
         logical_nbytes: int | None = None,
         compressed: bool = False,
         dtype: str | None = None,
+        crc32: int | None = None,
     ) -> None:
-        """Declare the file bytes of one storage. Keys are unique within the inventory."""
+        """Declare the file bytes of one storage. Keys are unique within the inventory.
+
+        ``crc32`` is the CRC-32 the file records for the storage's (uncompressed) bytes, if
+        any: storages whose CRCs differ cannot be duplicates, and are never read to find out.
+        """
         if offset < 0 or nbytes < 0 or offset + nbytes > self.files[file].nbytes:
             self.check_range(offset, nbytes, f"storage {key}", file)  # raises, naming it
         if key in self._storages:
             raise self.corrupt(f"storage {key!r} declared twice", offset, file)
+        if crc32 is not None:
+            self._crc[key] = crc32
         self._storages[key] = (
             file, offset, nbytes, nbytes if logical_nbytes is None else logical_nbytes,
             compressed, dtype,
@@ -342,14 +373,12 @@ class InventoryBuilder:
         if strides_t is not None and is_contiguous(shape_t, strides_t):
             strides_t = None
         offset_bytes = dt.nbytes(int(storage_offset)) if dt and storage_offset else 0
-        self._tensors.append(
-            dict(
-                name=name, dtype=dt_name, shape=shape_t, category=category, nbytes=nbytes,
-                storage=storage, storage_offset=offset_bytes, tags=tuple(tags),
-                strides=strides_t if n else None, container=container,
-                block=(dt.block, dt.block_bytes) if dt else (1, 0),
-            )
-        )
+        self._tensors.append({
+            "name": name, "dtype": dt_name, "shape": shape_t, "category": category,
+            "nbytes": nbytes, "storage": storage, "storage_offset": offset_bytes,
+            "tags": tuple(tags), "strides": strides_t if n else None, "container": container,
+            "block": (dt.block, dt.block_bytes) if dt else (1, 0),
+        })
 
     def add_unsafe_global(self, name: str) -> None:
         """Record a callable the file would import and call on load."""
@@ -399,8 +428,10 @@ class InventoryBuilder:
                                     for v in views if v.approximate)
                 if nbytes > reached:
                     totals[Category.UNUSED_STORAGE] = nbytes - reached
-            storages[key] = StorageRecord(
-                key, file, offset, nbytes, logical, compressed, dtype, totals
+            storages[key] = _record(
+                StorageRecord, key=key, file=file, offset=offset, nbytes=nbytes,
+                logical_nbytes=logical, compressed=compressed, dtype=dtype,
+                bytes_by_category=totals, duplicate_of=None,
             )
         if approximated:
             more = f" and {len(approximated) - 1} more" if len(approximated) > 1 else ""
@@ -411,6 +442,7 @@ class InventoryBuilder:
                 "(unused_storage may be understated)"
             )
 
+        dedupe = dedupe and READ_DATA.get()
         dup_of: dict[str, str] = self._find_duplicates(storages, by_storage) if dedupe else {}
         for key, original in dup_of.items():
             st = storages[key]
@@ -439,12 +471,12 @@ class InventoryBuilder:
                 cat = Category.DUPLICATES
                 dup = same_view.get((dup_of[t["storage"]], t["storage_offset"], t["shape"],
                                      t["strides"], t["dtype"]))
-            tensors.append(
-                TensorRecord(
-                    t["name"], t["dtype"], t["shape"], cat, t["nbytes"], stored[i], t["storage"],
-                    t["storage_offset"], t["tags"], dup, t["strides"], t["container"],
-                )
-            )
+            tensors.append(_record(
+                TensorRecord, name=t["name"], dtype=t["dtype"], shape=t["shape"], category=cat,
+                nbytes=t["nbytes"], stored_nbytes=stored[i], storage=t["storage"],
+                storage_offset=t["storage_offset"], tags=t["tags"], duplicate_of=dup,
+                strides=t["strides"], container=t["container"],
+            ))
 
         regions = list(self._regions) + self._gaps(storages.values(), default)
         return Inventory(
@@ -481,25 +513,38 @@ class InventoryBuilder:
         )
 
     def _gaps(self, storages: Iterable[StorageRecord], default: Category) -> list[Region]:
-        spans: dict[int, list[tuple[int, int, str]]] = {i: [] for i in range(len(self.files))}
+        # Spans carry what they are (a region or a storage), named only for an error message.
+        spans: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(self.files))}
+        what: list[Region | StorageRecord] = []
         for r in self._regions:
-            spans[r.file].append((r.offset, r.offset + r.nbytes, r.label))
+            spans[r.file].append((r.offset, r.offset + r.nbytes, len(what)))
+            what.append(r)
         for s in storages:
             if s.nbytes:
-                spans[s.file].append((s.offset, s.offset + s.nbytes, f"storage {s.key}"))
+                spans[s.file].append((s.offset, s.offset + s.nbytes, len(what)))
+                what.append(s)
+
+        def label(i: int) -> str:
+            if i < 0:
+                return "start of file"
+            w = what[i]
+            return w.label if isinstance(w, Region) else f"storage {w.key}"
+
         gaps: list[Region] = []
         for file, items in spans.items():
             items.sort()
             pos = 0
-            prev = "start of file"
-            for start, stop, label in items:
+            prev = -1
+            for start, stop, index in items:
                 if start < pos:
                     raise self.corrupt(
-                        f"{label} overlaps {prev} (bytes {start}..{pos})", start, file
+                        f"{label(index)} overlaps {label(prev)} (bytes {start}..{pos})", start,
+                        file,
                     )
                 if start > pos:
-                    gaps.append(Region(file, pos, start - pos, default, "structure"))
-                pos, prev = stop, label
+                    gaps.append(_record(Region, file=file, offset=pos, nbytes=start - pos,
+                                        category=default, label="structure"))
+                pos, prev = stop, index
             size = self.files[file].nbytes
             if size > pos:
                 gaps.append(Region(file, pos, size - pos, default, "structure"))
@@ -510,26 +555,32 @@ class InventoryBuilder:
     ) -> dict[str, str]:
         """Map storage key -> key of an earlier storage holding identical bytes.
 
-        Candidates must agree on dtype, shape of their first view and size; their first 64
-        bytes, first 4 KiB, then samples of the middle and the end prune them before they are
-        compared whole, a piece at a time, so only real duplicates are read to the end.
+        Candidates must agree on dtype, shape of their first view, size and recorded CRC-32
+        (zip members: equal bytes have equal CRCs, so most storages of a checkpoint are ruled
+        out unread); their first 64 bytes, first 4 KiB, then samples of the middle and the end
+        prune them before they are compared whole, a piece at a time, so only real duplicates
+        are read to the end.
         Storages whose bytes are one value repeated (zero-initialised biases, counters) are
         left alone: equal by construction, not by accident of saving.
         """
         groups: dict[tuple[Any, ...], list[str]] = {}
+        crc = self._crc
         for key, st in storages.items():
             views = by_storage.get(key)
             if not views or st.nbytes == 0:
                 continue
             first = self._tensors[views[0].record_index]
-            sig = (st.nbytes, st.logical_nbytes, st.compressed, first["dtype"], first["shape"])
+            if not st.compressed and st.nbytes <= _itemsize(first["dtype"]):
+                continue  # one element: one value repeated, never a duplicate (see constant)
+            sig = (st.nbytes, st.logical_nbytes, st.compressed, first["dtype"], first["shape"],
+                   crc.get(key))
             groups.setdefault(sig, []).append(key)
         result: dict[str, str] = {}
         with _FileReader(self, storages) as reader:
             for sig, keys in groups.items():
                 if len(keys) < 2:
                     continue
-                itemsize = max(1, int(DTYPES[sig[3]].itemsize)) if sig[3] in DTYPES else 1
+                itemsize = _itemsize(sig[3])
                 for alike in _split(keys, reader.prefix):
                     for same in _split(alike, reader.head):
                         for equal in _split(same, reader.rest):
@@ -550,6 +601,11 @@ _PREFIX = 64
 _CHUNK = 1 << 20
 #: Candidates whose chunks are held side by side; more are compared by hashes of their chunks.
 _MAX_SIDE_BY_SIDE = 8
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes of one value of ``dtype`` for :meth:`_FileReader.constant` (1 if unknown)."""
+    return max(1, int(DTYPES[dtype].itemsize)) if dtype in DTYPES else 1
 
 
 def _split(keys: list[str], sample: Callable[[str], bytes]) -> list[list[str]]:

@@ -6,6 +6,7 @@ sizes and offsets) or from the arrays saved (``ndarray.nbytes``), never from mod
 
 from __future__ import annotations
 
+import pickle
 import struct
 import zipfile
 from pathlib import Path
@@ -359,3 +360,34 @@ def test_object_array_samples_are_scanned(name: str) -> None:
     # them, and then the pickle runs with full powers: what it calls is reported.
     assert "numpy.core.multiarray._reconstruct" in inv.unsafe_globals
     assert any("allow_pickle" in n for n in inv.notes)
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_object_npy_holding_arrays_itemizes_them(tmp_path: Path, protocol: int) -> None:
+    rng = np.random.default_rng(1)
+    weights = {"conv": rng.standard_normal((2, 3)).astype(np.float32),
+               "bias": np.arange(4, dtype=np.int64)}
+    holder = np.empty((), dtype=object)
+    holder[()] = weights
+    path = tmp_path / "weights.npy"
+    with open(path, "wb") as fh:  # np.save, at the pickle protocol given
+        np.lib.format.write_array_header_1_0(fh, np.lib.format.header_data_from_array_1_0(holder))
+        pickle.dump(holder, fh, protocol=protocol)
+    inv = _read(path)
+    by_name = {t.name: t for t in inv.tensors}
+    assert {n: (t.dtype, t.shape) for n, t in by_name.items()} == {
+        f"weights.{n}": (str(a.dtype), a.shape) for n, a in weights.items()}
+
+    def stored(a: object) -> int:  # protocol 2: the data is latin-1 text, UTF-8 on disk
+        raw = a.tobytes()  # type: ignore[attr-defined]
+        return len(raw.decode("latin-1").encode("utf-8")) if protocol == 2 else len(raw)
+
+    assert inv.bytes_by_category[Category.WEIGHTS] == stored(weights["conv"])
+    assert inv.bytes_by_category[Category.BUFFERS] == stored(weights["bias"])
+    assert inv.bytes_by_category[Category.OTHER] == 0
+    assert sum(inv.bytes_by_category.values()) == path.stat().st_size
+    for t in inv.tensors:
+        st = next(s for s in inv.storages if s.key == t.storage)
+        data = b"".join(NpyReader.storage_chunks(inv, st)) if st.compressed else (
+            path.read_bytes()[st.offset : st.offset + st.nbytes])
+        assert data == weights[t.name.split(".")[1]].tobytes()

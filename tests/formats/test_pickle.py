@@ -369,3 +369,64 @@ def test_truncated_joblib_file(tmp_path: Path) -> None:
     path.write_bytes((JOBLIB / "arrays.joblib").read_bytes()[:300])
     with pytest.raises(CorruptFileError, match="runs past the end of the file"):
         read(path)
+
+
+# -- bytes pickled as latin-1 text (Python 3, protocols 1-2) ---------------------------------
+@pytest.mark.parametrize("protocol", [1, 2])
+def test_latin1_bytes_become_a_blob_where_the_text_lies(protocol: int) -> None:
+    raw = bytes(range(256)) * 2  # half of it above 127: two UTF-8 bytes each
+    data = pickle.dumps({"a": raw, "b": b"\x01ascii"}, protocol=protocol)
+    value = scan(data).value
+    assert isinstance(value, dict)
+    blob = value["a"]
+    assert isinstance(blob, Blob) and blob.kind == "latin1"
+    assert blob.nbytes == len(raw)
+    text = raw.decode("latin-1").encode("utf-8")
+    assert blob.stored_nbytes == len(text) == 768
+    assert data[blob.offset : blob.offset + blob.stored_nbytes] == text
+    assert blob.read(data) == raw
+    assert value["b"].read(data) == b"\x01ascii"
+
+
+def test_encode_to_another_codec_or_with_wide_text_stays_a_call() -> None:
+    enc = b"c_codecs\nencode\nq\x00"
+    for args in (b"X\x02\x00\x00\x00abX\x05\x00\x00\x00utf-8\x86",
+                 b"X\x03\x00\x00\x00\xe2\x82\xacX\x06\x00\x00\x00latin1\x86",
+                 b"X\x02\x00\x00\x00ab]\x86"):
+        value = scan(b"\x80\x02" + enc + args + b"R.").value
+        assert isinstance(value, Call) and str(value.func) == "_codecs.encode", args
+
+
+def test_numpy_arrays_pickled_at_protocol_2(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    from modelsize.formats.pickle_file import PickleReader
+
+    rng = np.random.default_rng(0)
+    arrays = {"w": rng.standard_normal((3, 4)).astype(np.float32), "ids": np.arange(300),
+              "empty": np.zeros(0, np.float32)}
+    path = tmp_path / "arrays.pkl"
+    path.write_bytes(pickle.dumps(arrays, protocol=2))
+    inv = read(path)
+    by_name = {t.name: t for t in inv.tensors}
+    assert {n: (t.dtype, t.shape) for n, t in by_name.items()} == {
+        n: (str(a.dtype), a.shape) for n, a in arrays.items()}
+    # The stored bytes are the UTF-8 text of the data's latin-1 code points.
+    stored = {n: len(a.tobytes().decode("latin-1").encode("utf-8")) for n, a in arrays.items()}
+    assert inv.bytes_by_category[Category.WEIGHTS] == stored["w"]
+    assert inv.bytes_by_category[Category.BUFFERS] == stored["ids"]
+    assert sum(inv.bytes_by_category.values()) == path.stat().st_size
+    assert any("latin-1 text" in n for n in inv.notes)
+    for t in inv.tensors:  # what slim writes: the arrays' own bytes
+        st = next(s for s in inv.storages if s.key == t.storage)
+        assert (st.nbytes, st.logical_nbytes) == (stored[t.name], arrays[t.name].nbytes)
+        assert b"".join(PickleReader.storage_chunks(inv, st)) == arrays[t.name].tobytes()
+
+
+def test_empty_bytes_and_odd_calls_at_protocol_2() -> None:
+    data = pickle.dumps([b"", b"x"], protocol=2)
+    empty, one = scan(data).value  # type: ignore[misc]
+    assert isinstance(empty, Blob) and (empty.nbytes, empty.read(data)) == (0, b"")
+    assert one.read(data) == b"x"
+    # Calling None (a load fails there) is kept as the call it is: the stack stays whole.
+    value = scan(b"\x80\x02]N)R\x85.").value
+    assert isinstance(value, tuple) and isinstance(value[0], Call) and value[0].func is None

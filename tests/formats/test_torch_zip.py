@@ -402,3 +402,37 @@ def test_zip_without_data_pkl_is_not_pytorch(tmp_path: Path) -> None:
         zf.writestr("archive/readme.txt", "hello")
     proc = run_cli("inspect", str(path))
     assert_one_line_error(proc, path)
+
+
+def test_duplicates_are_found_without_reading_storages_whose_crc_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelsize import inventory
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, generator=gen)
+    tensors = {"a": a, "b": a.clone(), "c": torch.randn(256, generator=gen),
+               "d": torch.randn(256, generator=gen), "step_1": torch.tensor(1.0),
+               "step_2": torch.tensor(1.0)}
+    path = tmp_path / "dups.pt"
+    torch.save(tensors, path)
+    with zipfile.ZipFile(path) as zf:  # what torch wrote: one member per storage, its CRC
+        crcs = {i.filename.rsplit("/", 1)[-1]: i.CRC for i in zf.infolist()}
+    read_keys: list[str] = []
+    real_read = inventory._FileReader.read
+
+    def counting(self: Any, key: str, start: int, stop: int) -> bytes:
+        read_keys.append(key)
+        return real_read(self, key, start, stop)
+
+    monkeypatch.setattr(inventory._FileReader, "read", counting)
+    inv = read(path)
+    by_name = {t.name: t for t in inv.tensors}
+    assert by_name["b"].duplicate_of == "a"
+    assert by_name["c"].duplicate_of is None and by_name["d"].duplicate_of is None
+    assert inv.bytes_by_category[Category.DUPLICATES] == a.nbytes
+    # Only a and b share a CRC: c and d (same size, dtype, shape) are ruled out unread, and
+    # one-element storages are one value repeated (never duplicates): not read either.
+    assert len({crcs[k] for k in ("0", "1", "2", "3")}) == 3
+    assert {k.rsplit("/", 1)[-1] for k in read_keys} == {by_name["a"].storage.rsplit("/", 1)[-1],
+                                                         by_name["b"].storage.rsplit("/", 1)[-1]}

@@ -31,25 +31,12 @@ from tests.conftest import tf_python
 from tests.realfiles.fetch import CORPUS, ModelFile, Wheel, cache_dir
 
 TRUTH = Path(__file__).with_name("truth.py")
-TF_FRAMEWORKS = frozenset({"tensorflow", "keras"})
+TF_FRAMEWORKS = frozenset({"tensorflow", "keras", "tflite"})
 #: Bytes that are tensor data (everything but structure and framing).
 DATA = frozenset(Category) - {Category.GRAPH, Category.METADATA}
 
-_CODECS_ARRAYS = (
-    "a NumPy array pickled by Python 3 at protocol 2 keeps its data as "
-    "_codecs.encode(<latin-1 text>, 'latin1') (a BINUNICODE string: UTF-8, so up to twice the "
-    "array's bytes); modelsize finds no array in it and charges everything to metadata"
-)
 #: Bugs the corpus found in files another change owns: (file name, test) -> what is wrong.
-KNOWN: dict[tuple[str, str], str] = {
-    **{("model-from-gensim-3.8.0.w2v", test): _CODECS_ARRAYS + " (pickle_file.py)"
-       for test in ("inspect", "slim")},
-    **{("mtcnn_weights.npy", test): (
-        "an object .npy is one opaque 'object' tensor: the 50 arrays of the dict its pickle "
-        "holds are charged to other, none is a tensor (numpy.py; the arrays are pickled with "
-        "_codecs.encode as in model-from-gensim-3.8.0.w2v, pickle_file.py)")
-       for test in ("inspect", "slim")},
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _params(test: str) -> list[Any]:
@@ -153,18 +140,39 @@ SLIM_OUTPUT = {
     "keras-h5": ("same", ".hdf5", "keras-h5"), "npy": ("same", ".npy", "numpy"),
     # A SavedModel's graph names every variable: slim writes its tensors, not a SavedModel.
     "tensorflow": ("safetensors", ".safetensors", "safetensors"),
+    # No TFLite writer: slim writes a TFLite model's constants as safetensors.
+    "tflite": ("safetensors", ".safetensors", "safetensors"),
     "pickle": ("same", ".npz", "npz"),
 }
 
 
+def _slim_output(mf: ModelFile, path: Path) -> tuple[str, str, str]:
+    """``SLIM_OUTPUT`` for this file: the arrays inside an object array (a pickled dict of
+    them) fit no one-array ``.npy``, they go to an ``.npz``."""
+    if mf.format == "npy" and _object_npy(path):
+        return "npz", ".npz", "npz"
+    return SLIM_OUTPUT[mf.format]
+
+
 def _slim(mf: ModelFile, path: Path, folder: Path) -> tuple[Any, Path, str]:
-    to, suffix, framework = SLIM_OUTPUT[mf.format]
+    to, suffix, framework = _slim_output(mf, path)
     folder.mkdir(exist_ok=True)
     out = folder / f"{path.parent.name}-{mf.name}{suffix}"
     try:
         return modelsize.slim(path, out, to=to), out, framework
     except (ModelSizeError, OSError) as exc:
         return exc, out, framework
+
+
+def _object_npy(path: Path) -> bool:
+    """Whether a ``.npy`` file holds an object array (its header's descr, read as NumPy does)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        return bool(read(f)[2].hasobject)
 
 
 @pytest.fixture(scope="session")
@@ -316,6 +324,20 @@ def _check_tensorflow(inv: Inventory, truth: Any, truths: Truths, mf: ModelFile,
         assert ours[key].category is expected, (key, ours[key].category, expected)
 
 
+def _check_tflite(inv: Inventory, truth: Any, truths: Truths, mf: ModelFile,
+                  path: Path) -> None:
+    """Constants by name; their buffers plus their quantization arrays are the data bytes;
+    metadata buffers are metadata."""
+    _assert_same_tensors(inv, truth)
+    assert sum(s.nbytes for s in inv.storages) == truth["storage_bytes"]
+    assert _data_bytes(inv) == truth["storage_bytes"] + truth["quant_bytes"]
+    assert sum(r.nbytes for r in inv.regions
+               if r.label.startswith("metadata ")) == sum(truth["metadata"].values())
+    ours = _by_name(inv)
+    for t in truth["tensors"]:
+        assert ("per-channel" in "".join(ours[t["name"]].tags)) is (t["scales"] > 1), t["name"]
+
+
 def _check_numpy(inv: Inventory, truth: Any, truths: Truths, mf: ModelFile, path: Path) -> None:
     if truth["object"]:
         _check_arrays(inv, truth, truths, mf, path)
@@ -342,7 +364,7 @@ def _check_arrays(inv: Inventory, truth: Any, truths: Truths, mf: ModelFile,
 CHECKS = {
     "torch": _check_torch, "torchscript": _check_torchscript, "onnx": _check_onnx,
     "safetensors": _check_safetensors, "keras-h5": _check_h5, "tensorflow": _check_tensorflow,
-    "numpy": _check_numpy, "pickle": _check_arrays,
+    "tflite": _check_tflite, "numpy": _check_numpy, "pickle": _check_arrays,
 }
 
 
@@ -355,7 +377,7 @@ def test_slim_output_loads_with_equal_tensors(wheel: Wheel, mf: ModelFile,
     if isinstance(report, Exception):
         raise report
     assert report.verified
-    after = truths.of(SLIM_OUTPUT[mf.format][2], out)
+    after = truths.of(_slim_output(mf, path)[2], out)
     before = truths.of(mf.framework, path)
     # TorchScript constants are no attribute of the module: torch shows them nowhere; a TF
     # string (the object graph) is no tensor of the model.

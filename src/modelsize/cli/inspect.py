@@ -22,11 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize inspect``."""
     from modelsize.inspection import inspect
-    from modelsize.remote import is_remote
     from modelsize.report.text import render_inspect
 
-    if is_remote(args.path):
-        return _remote(args)
+    if "://" in str(args.path):  # modelsize.remote imports urllib, http, ssl: URLs only
+        from modelsize.remote import is_remote
+
+        if is_remote(args.path):
+            return _remote(args)
     report = inspect(args.path)
     cost = None
     if args.load_cost:

@@ -21,7 +21,7 @@ import codecs
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
@@ -55,25 +55,41 @@ class PickleError(ValueError):
         self.globals = list(globals)
 
 
-@dataclass(frozen=True, slots=True)
+# The placeholders are plain slotted classes, not dataclasses: defining a dataclass costs about
+# a millisecond of every inspect (they are made at import, inspect imports this module), and
+# a frozen dataclass is slow to make. Never changed once made, except what BUILD, APPEND(S)
+# and SETITEM(S) add to a Call.
+
+
 class Global:
     """A ``module.name`` reference (``GLOBAL``, ``STACK_GLOBAL``, ``INST``); never imported.
 
     ``qualname`` is ``module.name``, computed once: it is compared on every call judged.
+    Equal (and hashed) by module and name.
     """
 
-    module: str
-    name: str
-    qualname: str = field(init=False, repr=False, compare=False)
+    __slots__ = ("module", "name", "qualname")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "qualname", f"{self.module}.{self.name}")
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+        self.qualname = f"{module}.{name}"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Global:
+            return NotImplemented
+        return self.module == other.module and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.name))
+
+    def __repr__(self) -> str:
+        return f"Global(module={self.module!r}, name={self.name!r})"
 
     def __str__(self) -> str:
         return self.qualname
 
 
-@dataclass(eq=False, slots=True)
 class Call:
     """What ``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ`` or ``INST`` would have built.
 
@@ -83,44 +99,108 @@ class Call:
     stand for.
     """
 
-    func: object
-    args: tuple[Any, ...]
-    state: object = None
-    items: list[object] = field(default_factory=list)
-    dictitems: list[tuple[object, object]] = field(default_factory=list)
-    kind: str = "reduce"
-    kwargs: dict[Any, Any] = field(default_factory=dict)
+    __slots__ = ("args", "dictitems", "func", "items", "kind", "kwargs", "state")
+
+    def __init__(
+        self,
+        func: object,
+        args: tuple[Any, ...],
+        state: object = None,
+        kind: str = "reduce",
+    ) -> None:
+        self.func = func
+        self.args = args
+        self.state = state
+        self.items: list[object] = []
+        self.dictitems: list[tuple[object, object]] = []
+        self.kind = kind
+        self.kwargs: dict[Any, Any] = {}
+
+    def __repr__(self) -> str:
+        return (f"Call(func={self.func!r}, args={self.args!r}, state={self.state!r}, "
+                f"kind={self.kind!r})")
 
 
-@dataclass(frozen=True)
 class PersistentId:
-    """A ``PERSID``/``BINPERSID`` payload, left for the caller to interpret."""
+    """A ``PERSID``/``BINPERSID`` payload, left for the caller to interpret (equal by value)."""
 
-    value: object
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not PersistentId:
+            return NotImplemented
+        return bool(self.value == other.value)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return f"PersistentId(value={self.value!r})"
 
 
-@dataclass(frozen=True)
+#: :attr:`Blob.kind` of bytes pickled as ``_codecs.encode(<text>, 'latin1')``.
+LATIN1 = "latin1"
+
+
 class Blob:
     """A bytes payload (``BINBYTES``, ``BYTEARRAY8``...): where it lies in the data, not a copy.
 
     Keeping offsets instead of bytes keeps tensor data out of memory and lets readers account
     for it exactly. :meth:`read` fetches the bytes when a caller really needs them.
+
+    Python 3 pickles ``bytes`` at protocols 0-2 as ``_codecs.encode(<text>, 'latin1')``, the
+    text one code point per byte; at protocols 1-2 a ``BINUNICODE`` string, UTF-8 in the data.
+    Such a call is parsed (never run) into a blob of kind :data:`LATIN1`: ``nbytes`` is the
+    bytes the call returns, ``stored_nbytes`` the UTF-8 bytes it occupies (up to twice as many).
     """
 
-    offset: int
-    nbytes: int
-    kind: str = "bytes"
+    __slots__ = ("kind", "nbytes", "offset", "stored_nbytes")
+
+    def __init__(
+        self, offset: int, nbytes: int, kind: str = "bytes", stored_nbytes: int = -1
+    ) -> None:
+        self.offset = offset
+        self.nbytes = nbytes
+        self.kind = kind
+        #: Bytes the payload occupies in the data: ``nbytes`` but for ``latin1`` text (UTF-8).
+        self.stored_nbytes = nbytes if stored_nbytes < 0 else stored_nbytes
+
+    def _key(self) -> tuple[int, int, str, int]:
+        return (self.offset, self.nbytes, self.kind, self.stored_nbytes)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Blob:
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"Blob(offset={self.offset}, nbytes={self.nbytes}, kind={self.kind!r}, "
+                f"stored_nbytes={self.stored_nbytes})")
 
     def read(self, data: Data) -> bytes:
         """The payload's bytes from the data the pickle was scanned in."""
-        return bytes(memoryview(data)[self.offset : self.offset + self.nbytes])
+        raw = bytes(memoryview(data)[self.offset : self.offset + self.stored_nbytes])
+        if self.kind == LATIN1:
+            return raw.decode("utf-8", "surrogatepass").encode("latin-1")
+        return raw
 
 
-@dataclass(eq=False)
 class UnhashableKey:
     """Stands in for a dict key or set item that cannot be hashed (a list, a dict...)."""
 
-    value: object
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"UnhashableKey(value={self.value!r})"
 
 
 @dataclass
@@ -498,6 +578,7 @@ class _Machine:
         )
         persistent_load = self.persistent_load
         stack = self.stack
+        texts: tuple[_Text | None, _Text | None] = (None, None)
         pos = op = self.pos
         # Each opcode pushes at most one item, MARKs or memoizes at most once: until there have
         # been as many opcodes as the lowest ceiling, none can be crossed, and none is checked.
@@ -552,8 +633,19 @@ class _Machine:
                             or (args == () and func.qualname in SAFE_CALLS)
                         ):
                             judge_call(func, args)
+                            # bytes at protocols 1-2: where the text lies, not a call.
+                            blob = (
+                                _latin1_blob(args, texts)
+                                if type(func) is Global and func.qualname == "_codecs.encode"
+                                else None
+                            )
+                        elif args == () and func.qualname == "builtins.bytes":
+                            blob = Blob(op, 0)  # b"" at protocols 0-2 (an empty array's data)
+                        else:
+                            blob = None
                         stack.append(
-                            Call(func, args if type(args) is tuple else self.args_tuple(args))
+                            blob if blob is not None
+                            else Call(func, args if type(args) is tuple else self.args_tuple(args))
                         )
                     elif c == 0x74:  # TUPLE
                         if not metastack:
@@ -581,9 +673,12 @@ class _Machine:
                             self.pos = pos
                             raise self.short(n)
                         try:
-                            stack.append(str(view[pos:end], "utf-8", "surrogatepass"))
+                            text = str(view[pos:end], "utf-8", "surrogatepass")
                         except (UnicodeDecodeError, ValueError) as exc:
                             raise _Fail(f"undecodable text ({exc})") from exc
+                        stack.append(text)
+                        # The last two strings' places: bytes pickled as latin-1 text.
+                        texts = (texts[1], (text, pos, end))
                         pos = end
                     elif c == 0x89:  # NEWFALSE
                         stack.append(False)
@@ -1020,6 +1115,29 @@ class _Machine:
         return self.nested(PersistentId(pid), [pid])
 
 
+#: A string parsed from the data and where its UTF-8 bytes lie: (text, start, end).
+_Text: TypeAlias = "tuple[str, int, int]"
+_LATIN1_NAMES = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "l1"})
+
+
+def _latin1_blob(args: object, texts: tuple[_Text | None, _Text | None]) -> Blob | None:
+    """``_codecs.encode(text, 'latin1')`` as the :class:`Blob` it returns, if ``text`` is one
+    of the last two strings parsed (where Python's pickler puts it) and encodes to latin-1."""
+    if not (
+        type(args) is tuple and len(args) == 2 and type(args[1]) is str
+        and args[1].lower() in _LATIN1_NAMES
+    ):
+        return None
+    for found in texts:
+        if found is not None and found[0] is args[0]:
+            text, start, end = found
+            # Code points above 255 make the real call fail: no bytes come of it.
+            if text and max(text) > "\xff":
+                return None
+            return Blob(start, len(text), LATIN1, end - start)
+    return None
+
+
 #: Types whose hash recurses into their contents (their nesting depth is tracked).
 _HASHED_NESTED = frozenset({tuple, frozenset, PersistentId})
 #: Safe callables with no argument that needs judging (see :meth:`_Machine.judge_call`).
@@ -1047,7 +1165,9 @@ _OPCODES: dict[bytes, str] = {
     b"Q": "BINPERSID",
 }
 #: Opcode name by byte ("" for bytes that are no opcode); the handler is ``op_<name>``.
-_NAMES: list[str] = [_OPCODES.get(bytes([b]), "") for b in range(256)]
+_NAMES: list[str] = [""] * 256
+for _code, _name_of in _OPCODES.items():
+    _NAMES[_code[0]] = _name_of
 
 
 def scan(

@@ -30,6 +30,7 @@ views of the same bytes.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import math
 import re
@@ -39,8 +40,16 @@ from typing import Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
-from modelsize.formats._pickle import Blob, Call, Data, Global, PersistentId, UnhashableKey
-from modelsize.inventory import InventoryBuilder
+from modelsize.formats._pickle import (
+    LATIN1,
+    Blob,
+    Call,
+    Data,
+    Global,
+    PersistentId,
+    UnhashableKey,
+)
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 MAX_DIMS = 256
 MAX_NAME_PARTS = 64
@@ -88,21 +97,47 @@ _SPARSE_PARTS = {
 ScriptRoles = dict[str, tuple[frozenset[str], frozenset[str]]]
 
 
-@dataclass(frozen=True)
 class StorageRef:
     """A storage a persistent id points at, resolved by the reader.
 
     ``numel`` counts elements of ``dtype`` (bytes for an untyped storage). ``base`` and
     ``view_numel`` describe a legacy storage view: elements ``base .. base + view_numel`` of
-    the storage ``key``.
+    the storage ``key``. A plain slotted class (one is made per tensor; a frozen dataclass is
+    slow to make), never changed once made.
     """
 
-    key: str
-    dtype: str
-    numel: int
-    location: str = ""
-    base: int = 0
-    view_numel: int | None = None
+    __slots__ = ("base", "dtype", "key", "location", "numel", "view_numel")
+
+    def __init__(
+        self,
+        key: str,
+        dtype: str,
+        numel: int,
+        location: str = "",
+        base: int = 0,
+        view_numel: int | None = None,
+    ) -> None:
+        self.key = key
+        self.dtype = dtype
+        self.numel = numel
+        self.location = location
+        self.base = base
+        self.view_numel = view_numel
+
+    def _fields(self) -> tuple[str, str, int, str, int, int | None]:
+        return (self.key, self.dtype, self.numel, self.location, self.base, self.view_numel)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not StorageRef:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (f"StorageRef(key={self.key!r}, dtype={self.dtype!r}, numel={self.numel}, "
+                f"location={self.location!r}, base={self.base}, view_numel={self.view_numel})")
 
     @property
     def itemsize(self) -> int:
@@ -125,6 +160,8 @@ class Summary:
     tensors: int = 0
     #: (file offset, bytes) of the array data declared as storages inside the pickle.
     blobs: list[tuple[int, int]] = field(default_factory=list)
+    #: (array bytes, stored bytes) of the arrays pickled as latin-1 text.
+    latin1: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def has_modules(self) -> bool:
@@ -132,14 +169,22 @@ class Summary:
         return bool(self.module_classes)
 
 
+_UNSET = object()
+
+
 class _Path:
     """A dotted path kept as a chain of parents: extending it costs O(1) at any depth."""
 
-    __slots__ = ("key", "parent")
+    __slots__ = ("key", "named", "parent", "top")
 
     def __init__(self, parent: _Path | None = None, key: str = "") -> None:
         self.parent = parent
         self.key = key
+        #: (depth, dotted name) once asked (the name only up to MAX_NAME_PARTS deep): the
+        #: tensors of one module share their parent's.
+        self.named: tuple[int, str | None] | None = None
+        #: The ancestor (or self) right under the walk's root mapping: see _Walker.container.
+        self.top: _Path | object | None = _UNSET
 
     def child(self, key: str) -> _Path:
         """This path extended by ``key``."""
@@ -147,6 +192,23 @@ class _Path:
 
     def name(self) -> str:
         """The dotted name; the last :data:`MAX_NAME_PARTS` parts of a very deep path."""
+        named = self.named
+        if named is None:
+            chain: list[_Path] = []
+            known = self
+            while known.parent is not None and known.named is None:
+                chain.append(known)
+                known = known.parent
+            depth, text = (0, "") if known.named is None else known.named
+            for n in reversed(chain):  # no recursion: paths can be thousands of parts deep
+                depth += 1
+                if text is not None:
+                    text = n.key if depth == 1 else (
+                        f"{text}.{n.key}" if depth <= MAX_NAME_PARTS else None)
+                n.named = (depth, text)
+            named = (depth, text)
+        if named[1] is not None:
+            return named[1]
         parts: list[str] = []
         node: _Path | None = self
         while node is not None and node.parent is not None and len(parts) < MAX_NAME_PARTS:
@@ -475,7 +537,9 @@ class _Walker:
         if dtype is None or DTYPES[dtype].nbytes(math.prod(shape)) != state[4].nbytes:
             return None
         blob: Blob = state[4]
-        ref = StorageRef(f"pickle bytes at {blob.offset}", dtype, math.prod(shape))
+        at = blob.offset + (self.blob_base or 0)
+        key = f"{LATIN1_KEY}{at}" if blob.kind == LATIN1 else f"pickle bytes at {at}"
+        ref = StorageRef(key, dtype, math.prod(shape))
         return _Tensor(dtype, shape, None, ref, blob=blob)
 
     # -- categories -------------------------------------------------------------------
@@ -552,15 +616,21 @@ class _Walker:
         """The root mapping's key above ``path`` (with its dot) when the tensor lies deeper than
         the root's own values: ``model.`` for ``model.fc1.weight`` in ``{"model": state_dict}``."""
         root = self.root_path
-        if root is None:
+        parent = path.parent
+        if root is None or parent is None or path is root or parent is root:
             return ""
-        node: _Path | None = path
-        below: _Path | None = None
-        while node is not None and node is not root:
-            node, below = node.parent, node
-        if node is None or below is None or below is path:
-            return ""
-        return below.key + "."
+        # The ancestor right under the root, found once per path node and kept on it.
+        chain: list[_Path] = []
+        node: _Path | None = parent
+        while node is not None and node.top is _UNSET and node.parent is not root:
+            chain.append(node)
+            node = node.parent
+        top = None if node is None else node if node.top is _UNSET else node.top
+        if node is not None and node.top is _UNSET:
+            node.top = top
+        for n in chain:
+            n.top = top
+        return top.key + "." if isinstance(top, _Path) else ""
 
     def declare_one(
         self, t: _Tensor, name: str, cat: Category, tags: tuple[str, ...], path: _Path
@@ -599,9 +669,16 @@ class _Walker:
                                         container=container)
                 return
             if not self.builder.has_storage(ref.key):
-                offset = self.blob_base + t.blob.offset
-                self.builder.add_storage(ref.key, offset, t.blob.nbytes, dtype=t.dtype)
-                self.summary.blobs.append((offset, t.blob.nbytes))
+                blob = t.blob
+                offset = self.blob_base + blob.offset
+                # Latin-1 text is "encoded" data: storage_chunks gives slim its bytes.
+                self.builder.add_storage(
+                    ref.key, offset, blob.stored_nbytes, logical_nbytes=blob.nbytes,
+                    compressed=blob.kind == LATIN1, dtype=t.dtype,
+                )
+                self.summary.blobs.append((offset, blob.stored_nbytes))
+                if blob.kind == LATIN1:
+                    self.summary.latin1.append((blob.nbytes, blob.stored_nbytes))
         offset = t.offset + base // storage_itemsize(t.dtype)
         self.builder.add_tensor(
             name, t.dtype, t.shape, cat, storage=ref.key, storage_offset=offset,
@@ -836,6 +913,15 @@ def classify(
     except _Invalid as exc:
         raise builder.corrupt(str(exc)) from exc
     walker.summary.optimizer = walker.optimizer_name()
+    if walker.summary.latin1:
+        data = sum(n for n, _ in walker.summary.latin1)
+        stored = sum(n for _, n in walker.summary.latin1)
+        count = len(walker.summary.latin1)
+        what = "1 NumPy array keeps its" if count == 1 else f"{count} NumPy arrays keep their"
+        builder.notes.append(
+            f"{what} data as latin-1 text (_codecs.encode: bytes pickled by Python 3 at "
+            f"protocol 2): {data:,} bytes stored as {stored:,} bytes of UTF-8"
+        )
     if walker.summary.module_classes:
         builder.facts["module_classes"] = ", ".join(walker.summary.module_classes)
     if walker.summary.optimizer:
@@ -856,6 +942,29 @@ def _storage_dtype(name: str) -> str | None:
     if bare in ("UntypedStorage", "TypedStorage", "ByteStorage"):
         return "uint8"
     return canonical(bare) if bare.endswith("Storage") else None
+
+
+#: Storage key prefix of array data pickled as latin-1 text (see :func:`latin1_chunks`).
+LATIN1_KEY = "pickle latin-1 text at "
+_LATIN1_CHUNK = 1 << 20
+
+
+def latin1_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """The bytes of a storage pickled as latin-1 text (UTF-8 in the file), a chunk at a time.
+
+    A reader's ``storage_chunks`` for such storages (their key starts with
+    :data:`LATIN1_KEY`): slim writes the array's bytes, not the text that encodes them.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+    with open(inv.files[storage.file].path, "rb") as fh:
+        fh.seek(storage.offset)
+        left = storage.nbytes
+        while left:
+            raw = fh.read(min(left, _LATIN1_CHUNK))
+            if not raw:
+                raise ValueError(f"storage {storage.key} ends early")
+            left -= len(raw)
+            yield decoder.decode(raw, final=not left).encode("latin-1")
 
 
 def add_pickle_region(

@@ -15,6 +15,7 @@ every member, and torch loads such files): :func:`crc_recorded` tells readers to
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 import zlib
@@ -82,40 +83,44 @@ def members(
                 f"zip central directory unreadable ({exc})", None, file
             ) from exc
     out: list[Member] = []
-    # Unbuffered: each header is one small read at a far offset, a buffer would only cost.
+    local_size = _LOCAL.size
+    # One pread per header (no seek): each is a small read at a far offset.
     with open(path, "rb", buffering=0) as fh:
+        fd = fh.fileno()
         for info in infos:
-            if not 0 <= info.header_offset <= size - _LOCAL.size:
+            header = info.header_offset
+            if not 0 <= header <= size - local_size:
                 raise builder.corrupt(
-                    f"member {info.filename!r} header at {info.header_offset} is outside "
-                    f"the file ({size} bytes)", info.header_offset, file
+                    f"member {info.filename!r} header at {header} is outside "
+                    f"the file ({size} bytes)", header, file
                 )
-            fh.seek(info.header_offset)
-            raw = fh.read(_LOCAL.size)
-            if len(raw) < _LOCAL.size or raw[:4] != _LOCAL_MAGIC:
+            raw = os.pread(fd, local_size, header)
+            if len(raw) < local_size or raw[:4] != _LOCAL_MAGIC:
                 raise builder.corrupt(
-                    f"member {info.filename!r}: no local header at {info.header_offset}",
-                    info.header_offset, file,
+                    f"member {info.filename!r}: no local header at {header}", header, file,
                 )
             name_len, extra_len = _NAME_EXTRA.unpack_from(raw, 26)
-            data_offset = info.header_offset + _LOCAL.size + name_len + extra_len
-            if data_offset + info.compress_size > size:  # sizes from zipfile are never < 0
+            data_offset = header + local_size + name_len + extra_len
+            compress_size, file_size, method = (
+                info.compress_size, info.file_size, info.compress_type
+            )
+            if data_offset + compress_size > size:  # sizes from zipfile are never < 0
                 builder.check_range(
-                    data_offset, info.compress_size, f"member {info.filename!r}", file
+                    data_offset, compress_size, f"member {info.filename!r}", file
                 )
-            if info.compress_type == STORED and info.file_size != info.compress_size:
+            if method == STORED and file_size != compress_size:
                 raise builder.corrupt(
-                    f"stored member {info.filename!r} claims {info.file_size} bytes "
-                    f"but occupies {info.compress_size}", info.header_offset, file,
+                    f"stored member {info.filename!r} claims {file_size} bytes "
+                    f"but occupies {compress_size}", header, file,
                 )
-            if info.file_size > max(info.compress_size, 1) * _MAX_RATIO:
+            if file_size > max(compress_size, 1) * _MAX_RATIO:
                 raise builder.corrupt(
-                    f"member {info.filename!r} claims to inflate {info.compress_size} bytes "
-                    f"to {info.file_size}", info.header_offset, file,
+                    f"member {info.filename!r} claims to inflate {compress_size} bytes "
+                    f"to {file_size}", header, file,
                 )
             out.append(
-                Member(info.filename, info.header_offset, data_offset, info.compress_size,
-                       info.file_size, info.compress_type, info.CRC)
+                Member(info.filename, header, data_offset, compress_size, file_size, method,
+                       info.CRC)
             )
     return out
 

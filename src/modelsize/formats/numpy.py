@@ -7,8 +7,11 @@ bytes of data. The header is metadata; the data is one storage. Bytes after the 
 ``other`` with a note.
 
 Object arrays (``descr`` ``'|O'`` or a record with an object field) hold a pickle instead of
-data. It is scanned, never loaded, for the callables it would import; its bytes count as
-``other``: they are the array's contents, but not tensor data whose size follows from a shape.
+data. It is scanned, never loaded, for the callables it would import. The NumPy arrays it holds
+(a dict of weights saved with ``np.save``) are tensors, their data storages where it lies in
+the pickle (as latin-1 text at protocol 2), the rest of the pickle metadata; a pickle of other
+objects counts as ``other``: the array's contents, but not tensor data whose size follows from
+a shape.
 
 An ``.npz`` is a zip of ``name.npy`` members. A stored member is a header (metadata) and a
 storage; a deflated member (``np.savez_compressed``) is one compressed storage whose logical
@@ -197,13 +200,18 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
 
 
 def _scan_pickle(
-    builder: InventoryBuilder, data: bytes, name: str, what: str, offset: int
-) -> None:
-    """Record the unsafe globals of an object array's pickle (it is never loaded).
+    builder: InventoryBuilder, data: bytes, name: str, what: str, offset: int,
+    blob_base: int | None,
+) -> list[tuple[int, int]] | None:
+    """Record the unsafe globals of an object array's pickle (it is never loaded) and declare
+    the NumPy arrays it holds as tensors; ``None`` if it holds none.
 
     ``what`` prefixes error messages (empty for a lone ``.npy``, the member for an ``.npz``).
+    ``blob_base`` is the file offset of ``data`` (``None`` if it was inflated): the arrays'
+    data found in the pickle is then declared as storages, returned as (offset, bytes) holes.
     """
-    from modelsize.formats._pickle import PickleError, scan_all
+    from modelsize.formats._pickle import Call, PickleError, scan_all
+    from modelsize.formats._torch_tree import classify
 
     if not data:
         raise builder.corrupt(f"{what}object array without the pickle of its contents", offset)
@@ -222,6 +230,14 @@ def _scan_pickle(
     builder.notes.append(
         f"{printable(name)}: object array stored as a pickle (np.load needs allow_pickle=True)"
     )
+    # np.load reads one pickle: the arrays it builds are those of the first. Tensors are named
+    # after the object array's items (a 0-d array's one item: its own name).
+    root = scans[0].value
+    state = root.state if isinstance(root, Call) else None
+    if isinstance(state, tuple) and len(state) == 5 and isinstance(state[4], list):
+        root = state[4][0] if len(state[4]) == 1 and state[1] == () else state[4]
+    summary = classify(root, builder, prefix=(name,), blob_base=blob_base)
+    return summary.blobs if summary.tensors else None
 
 
 #: Decides an array's category and tags once its header is known.
@@ -298,9 +314,12 @@ def _account_plain(
             with open(path, "rb") as fh:
                 fh.seek(data_start)
                 data = fh.read(rest)
-        _scan_pickle(builder, data, name, what, data_start)
-        builder.add_region(data_start, rest, Category.OTHER, f"pickled object array {name}")
-        _declare_array(builder, name, header, classify, None)
+        holes = _scan_pickle(builder, data, name, what, data_start, data_start)
+        if holes is None:
+            builder.add_region(data_start, rest, Category.OTHER, f"pickled object array {name}")
+            _declare_array(builder, name, header, classify, None)
+        else:
+            _account_pickle(builder, data_start, rest, name, holes)
         return
     need = header.data_nbytes
     if need > rest:
@@ -315,6 +334,18 @@ def _account_plain(
     if rest > need:
         builder.add_region(data_start + need, rest - need, Category.OTHER, f"after {name}")
         builder.notes.append(f"{printable(name)}: {rest - need} bytes after the array data")
+
+
+def _account_pickle(
+    builder: InventoryBuilder, start: int, length: int, name: str, holes: list[tuple[int, int]]
+) -> None:
+    """An object array's pickle that holds arrays: their data are storages (declared), the
+    rest is the pickle's structure (metadata)."""
+    from modelsize.formats._torch_tree import add_pickle_region
+
+    add_pickle_region(
+        builder, start, start + length, Category.METADATA, f"pickled object array {name}", holes
+    )
 
 
 # -- decoding storages for slim ----------------------------------------------------------------
@@ -341,6 +372,11 @@ def _swap(data: bytes, itemsize: int) -> bytes:
 def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
     """The little-endian data of an encoded storage: a deflated member (its ``.npy`` header
     skipped) or big-endian data, a chunk at a time."""
+    from modelsize.formats._torch_tree import LATIN1_KEY, latin1_chunks
+
+    if storage.key.startswith(LATIN1_KEY):  # an array inside an object array's pickle
+        yield from latin1_chunks(inv, storage)
+        return
     path = inv.files[storage.file].path
     if inv.format == "npy" or not _deflated(path, storage.key):
         itemsize = _itemsize_of(storage.dtype)
@@ -515,11 +551,15 @@ class NpzReader:
             raise builder.corrupt(f"{_member(m)}{exc}", m.data_offset) from exc
         if header.dtype.has_object:
             data = _zip.read_member(path, m, builder, MAX_PICKLE)
-            _scan_pickle(builder, data[header.nbytes:], name, _member(m), m.data_offset)
+            # Inflated: the arrays inside have no place in the file, the member holds them.
+            holes = _scan_pickle(
+                builder, data[header.nbytes:], name, _member(m), m.data_offset, None
+            )
             builder.add_region(
                 m.data_offset, m.compress_size, Category.OTHER, f"pickled object array {name}"
             )
-            _declare_array(builder, name, header, classify_member, None)
+            if holes is None:
+                _declare_array(builder, name, header, classify_member, None)
             return
         need = header.data_nbytes
         if header.nbytes + need > m.file_size:

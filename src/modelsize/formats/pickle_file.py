@@ -10,7 +10,10 @@ listed in ``unsafe_globals``.
 Python 2 pickled a NumPy array's data as a ``str`` (``BINSTRING``/``SHORT_BINSTRING``, the
 raw bytes in the file): the parser places such data by the opcodes around it, so that the array
 is itemized like a Python 3 one. (Protocol 0 escapes the bytes as text: those arrays stay part
-of the pickle's bytes.)
+of the pickle's bytes.) Python 3 at protocol 2 pickles them as ``_codecs.encode(<text>,
+'latin1')``, the text UTF-8 in the file (up to twice the array's bytes): the call is parsed,
+never run, and the text's bytes are the array's storage, decoded for ``slim`` by
+:func:`~modelsize.formats._torch_tree.latin1_chunks`.
 
 Uncompressed joblib files are pickles too, with one twist: after each
 ``joblib.numpy_pickle.NumpyArrayWrapper`` the array's bytes follow inline (after a one-byte
@@ -40,6 +43,7 @@ from modelsize.formats._torch_tree import (
     classify,
     describe,
     global_name,
+    latin1_chunks,
     numpy_dtype,
     numpy_itemsize,
     place_python2_array,
@@ -60,6 +64,8 @@ class PickleReader:
 
     name = "pickle"
     extensions = (".pkl", ".pickle", ".joblib", ".pk", ".pck")
+    #: The only encoded storages of a pickle: arrays pickled as latin-1 text.
+    storage_chunks = staticmethod(latin1_chunks)
 
     def sniff(self, source: Source) -> bool:
         """``PROTO 2..5`` first; protocol 0/1 starts only with a pickle extension or a GLOBAL."""

@@ -144,6 +144,7 @@ class _ZipRead:
                 b.add_storage(
                     m.name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
                     compressed=m.method != _zip.STORED,
+                    crc32=m.crc if _zip.crc_recorded(m) else None,
                 )
             elif rel.startswith("code/"):
                 b.add_region(m.data_offset, m.compress_size, Category.GRAPH, m.name)
@@ -247,5 +248,6 @@ class _ZipRead:
             b.add_storage(
                 name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
                 compressed=m.method != _zip.STORED, dtype=dtype,
+                crc32=m.crc if _zip.crc_recorded(m) else None,
             )
         return StorageRef(name, dtype, numel, str(location))
