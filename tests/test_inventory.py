@@ -82,6 +82,34 @@ def test_identical_storages_are_duplicates_but_constant_ones_are_not(tmp_path: P
     assert [(t.name, t.duplicate_of) for t in dup] == [("tb", "ta")]
 
 
+def test_large_zero_tensors_are_not_read_whole(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # 40 zero-initialised 1 MiB tensors, and two equal non-constant ones: only the samples of
+    # the zero ones are read, the real duplicate is still found.
+    n = 1 << 20
+    rnd = random.Random(0).randbytes(n)
+    p = _file(tmp_path, bytes(40 * n) + rnd + rnd)
+    b = InventoryBuilder("test", [p])
+    for i in range(42):
+        b.add_storage(f"s{i}", i * n, n)
+        b.add_tensor(f"t{i}", "float32", (n // 4,), Category.WEIGHTS, storage=f"s{i}")
+    from modelsize import inventory as inv_mod
+
+    read: list[int] = []
+    original = inv_mod._FileReader.read
+
+    def counting(self: object, key: str, start: int, stop: int) -> bytes:
+        read.append(stop - start)
+        return original(self, key, start, stop)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(inv_mod._FileReader, "read", counting)
+    inv = b.build()
+    assert [(t.name, t.duplicate_of) for t in inv.tensors if t.duplicate_of] == [("t41", "t40")]
+    # the duplicate pair whole (and a first chunk again to see it is not constant), samples
+    # of the rest
+    assert sum(read) < 3 * n + 40 * 4 * 4096
+
+
 def test_ranges_past_the_end_or_overlapping_are_corrupt(tmp_path: Path) -> None:
     p = _file(tmp_path, bytes(10))
     b = InventoryBuilder("test", [p])

@@ -561,7 +561,10 @@ class InventoryBuilder:
         prune them before they are compared whole, a piece at a time, so only real duplicates
         are read to the end.
         Storages whose bytes are one value repeated (zero-initialised biases, counters) are
-        left alone: equal by construction, not by accident of saving.
+        left alone: equal by construction, not by accident of saving. Large candidates whose
+        samples are one value repeated are left alone unread (a file of zero-initialised
+        tensors would otherwise be read whole): a duplicate whose start, middle and end are
+        constant but whose other bytes differ from that value goes unreported.
         """
         groups: dict[tuple[Any, ...], list[str]] = {}
         crc = self._crc
@@ -584,6 +587,11 @@ class InventoryBuilder:
                 for alike in _split(keys, reader.prefix):
                     for same in _split(alike, reader.head):
                         for equal in _split(same, reader.rest):
+                            if reader.sampled_constant(equal[0], itemsize):
+                                # equal samples, each one value repeated: zero-initialised
+                                # tensors, left alone unread (reading 300 zero tensors of a
+                                # 10 GB file to rule them out would read all 10 GB)
+                                continue
                             for identical in reader.identical(equal):
                                 if reader.constant(identical[0], itemsize):
                                     continue
@@ -715,6 +723,15 @@ class _FileReader:
             else:
                 seen.append((piece, [key]))
         return [same for _, same in seen if len(same) > 1]
+
+    def sampled_constant(self, key: str, itemsize: int) -> bool:
+        """Whether the samples read so far (start, middle, end) are one value repeated."""
+        st = self.storages[key]
+        if st.compressed or st.nbytes <= 3 * _PROBE:
+            return False  # small: read whole anyway, :meth:`constant` decides exactly
+        value = self.heads[key][:itemsize]
+        sample = self.heads[key] + self.rest(key)
+        return bool(value) and sample == value * (len(sample) // len(value))
 
     def constant(self, key: str, itemsize: int) -> bool:
         """Whether a (stored) storage's bytes are one ``itemsize`` value repeated."""
