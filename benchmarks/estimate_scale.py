@@ -6,13 +6,14 @@ MemTracker rows dominate). Writes the ``estimate_scale`` section of benchmarks/R
 The program is the same for both tools: batch 1 x 2048 tokens, bf16 CPU autocast, AdamW
 (for-loop), one training step (forward, loss, backward, ``optimizer.step()``,
 ``zero_grad``); modelsize is also timed on its default two steps. Each measurement runs in a
-fresh Python process and reports its wall time (model construction included) and its peak
-resident memory (``ru_maxrss``), so nothing is shared between rows.
+fresh Python process and reports its wall time (model construction included), its CPU time
+and its peak resident memory (``ru_maxrss``), so nothing is shared between rows.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -63,14 +64,16 @@ def _child(tool: str, name: str, steps: int) -> None:
                     tracker.reset_mod_stats()  # else it refuses a second iteration
         peak = int(sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()))
     seconds = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": seconds, "rss": rss, "peak": peak}))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    rss, cpu = usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "rss": rss, "peak": peak}))
 
 
 def main() -> None:
     """Run every (model, tool) pair in its own process and write the RESULTS.md section."""
     import torch
 
+    load_before = os.getloadavg()[0]
     rows = []
     peaks: dict[tuple[str, str, int], int] = {}
     for name in MODELS:
@@ -83,15 +86,16 @@ def main() -> None:
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
                 tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:120]
-                rows.append([name, tool, str(steps), "failed", "-", "-", tail])
+                rows.append([name, tool, str(steps), "failed", "-", "-", "-", tail])
                 print(name, tool, steps, "failed:", tail, flush=True)
                 continue
             r = json.loads(lines[-1])
             peaks[(name, tool, steps)] = r["peak"]
-            rows.append([name, tool, str(steps), f"{r['seconds']:.1f}",
+            rows.append([name, tool, str(steps), f"{r['seconds']:.1f}", f"{r['cpu']:.1f}",
                          f"{r['rss'] / 2**20:,.0f}", f"{r['peak'] / 2**30:,.2f}", ""])
             print(name, tool, steps, r, f"({time.time() - t0:.0f} s with startup)", flush=True)
-    header = ["model", "tool", "steps", "wall s", "peak RSS MiB", "traced peak GiB", "note"]
+    header = ["model", "tool", "steps", "wall s", "CPU s", "peak RSS MiB", "traced peak GiB",
+              "note"]
     notes = []
     for name in MODELS:
         ours = peaks.get((name, "modelsize", 1))
@@ -106,8 +110,12 @@ def main() -> None:
         "Command: `python benchmarks/estimate_scale.py`. Llama-3 training step, batch 1 x 2048 "
         "tokens, bf16 CPU autocast, AdamW for-loop, fp32 master weights. Each row is a fresh "
         "process: wall time includes building the model (meta device for modelsize, fake "
-        "tensors for MemTracker), RSS is the process's `ru_maxrss`. "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads.",
+        "tensors for MemTracker), CPU s the process's user + system time (whole process, "
+        "imports included: steadier than the wall time on a shared machine), RSS its "
+        "`ru_maxrss`. "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; 1-minute load "
+        f"average {load_before:.1f} before the runs and {os.getloadavg()[0]:.1f} after "
+        f"({os.cpu_count()} cores).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",

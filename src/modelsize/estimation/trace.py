@@ -462,7 +462,7 @@ class RealValues(TorchDispatchMode):
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.random: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.real_inputs = 0
-        self._writes: dict[Any, tuple[int, ...]] = {}
+        self._ops: dict[Any, tuple[bool, bool, tuple[int, ...]]] = {}
         self._storages: set[int] = set()  # fake storages some twin belongs to
 
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
@@ -500,13 +500,27 @@ class RealValues(TorchDispatchMode):
 
     # -- twins ------------------------------------------------------------------------------
 
+    def _op(self, func: Any) -> tuple[bool, bool, tuple[int, ...]]:
+        """Whether ``func`` draws random numbers, whether it makes values from nothing, and
+        the arguments it writes (read once per op from its tags and schema)."""
+        info = self._ops.get(func)
+        if info is None:
+            info = (torch.Tag.nondeterministic_seeded in func.tags,
+                    func.overloadpacket in _VALUE_FACTORIES,
+                    tuple(i for i, a in enumerate(func._schema.arguments)
+                          if a.alias_info is not None and a.alias_info.is_write))
+            self._ops[func] = info
+        return info
+
     def _real_args(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         """``args`` and ``kwargs`` with every tensor replaced by its twin, or None."""
-        for x in args:  # fast path: most ops take an activation or a weight first
-            if isinstance(x, FakeTensor) and x not in self.values:
-                return None
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        seeded, factory, _ = self._op(func)
+        if seeded:
             return None
+        values = self.values
+        for x in args:  # fast path: most ops take an activation or a weight first
+            if isinstance(x, FakeTensor) and (not values or x not in values):
+                return None
         flat, spec = tree_flatten((args, kwargs))
         real: list[Any] = []
         tensors = 0
@@ -519,7 +533,7 @@ class RealValues(TorchDispatchMode):
                 real.append(v)
             else:
                 real.append(x)
-        if not tensors and func.overloadpacket not in _VALUE_FACTORIES:
+        if not tensors and not factory:
             return None
         return tree_unflatten(real, spec)
 
@@ -532,14 +546,15 @@ class RealValues(TorchDispatchMode):
 
     def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         real = self._real_args(func, args, kwargs)
-        fakes = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
-        if real is not None and sum(t.untyped_storage().nbytes() for t in fakes) > VALUE_LIMIT:
+        if real is not None and sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
+                                    if isinstance(t, FakeTensor)) > VALUE_LIMIT:
             real = None
         if real is None:
             written = self._written(func, args, kwargs)
             for t in written:
                 self._forget(t)
             if self._random(func, args, kwargs):
+                fakes = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
                 for t in (*fakes, *written):
                     self.random[t] = True
             return
@@ -550,20 +565,17 @@ class RealValues(TorchDispatchMode):
 
     def _random(self, func: Any, args: Any, kwargs: Any) -> bool:
         """Whether the op's outputs are random numbers, or computed from them and real values."""
-        if not self.random and torch.Tag.nondeterministic_seeded not in func.tags:
+        seeded = self._op(func)[0]
+        if not seeded and not self.random:
             return False
         fakes = [x for x in tree_leaves((args, kwargs)) if isinstance(x, FakeTensor)]
-        if torch.Tag.nondeterministic_seeded not in func.tags and not any(
+        if not seeded and not any(
                 x in self.random for x in fakes):
             return False
         return all(x in self.random or x in self.values for x in fakes)
 
     def _written(self, func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-        idx = self._writes.get(func)
-        if idx is None:
-            idx = tuple(i for i, a in enumerate(func._schema.arguments)
-                        if a.alias_info is not None and a.alias_info.is_write)
-            self._writes[func] = idx
+        idx = self._op(func)[2]
         if not idx or not self._storages:
             return []
         names = [a.name for a in func._schema.arguments]

@@ -139,6 +139,7 @@ class CountingFakeMode(FakeTensorMode):
         self.origin = Origin.OTHER
         self.counting = True
         self.depth = 0
+        self._ops: dict[Any, tuple[bool, Any, bool]] = {}
         self._node: tuple[int, str] | None = None
         self._node_mark = 0
 
@@ -278,6 +279,13 @@ class CountingFakeMode(FakeTensorMode):
 
     # -- dispatch ---------------------------------------------------------------------------
 
+    def _op_info(self, func: Any) -> tuple[bool, Any, bool]:
+        """Whether ``func`` runs as one kernel, its fake rule, whether it has scratch (once)."""
+        info = (kernels.runs_as_kernel(func, self.device_type), RULES.get(func),
+                func in self._scratch_ops)
+        self._ops[func] = info
+        return info
+
     def __torch_dispatch__(  # type: ignore[override]
         self,
         func: Any,
@@ -286,15 +294,18 @@ class CountingFakeMode(FakeTensorMode):
         kwargs: Any = None,
     ) -> Any:
         # A Python decomposition of an op that has a real kernel: count the op, not its parts.
-        nested = kernels.runs_as_kernel(func, self.device_type)
+        info = self._ops.get(func)
+        if info is None:
+            info = self._op_info(func)
+        nested, rule, scratch_op = info
         kwargs = kwargs or {}
         if self.counting and not self.depth and self.origin is Origin.BACKWARD:
             inplace = self._real_path(func, args, kwargs)
             if inplace is not None:
                 func = inplace
+                _, rule, scratch_op = self._ops.get(func) or self._op_info(func)
         self.depth += nested
         try:
-            rule = RULES.get(func)
             if rule is not None:
                 out = rule(self, func, args, kwargs or {})
             else:
@@ -321,7 +332,7 @@ class CountingFakeMode(FakeTensorMode):
             elif rec.nbytes != st.nbytes():  # resize_ and friends
                 self.live_bytes += st.nbytes() - rec.nbytes
                 rec.nbytes = st.nbytes()
-        if scratch is not None and func in self._scratch_ops:
+        if scratch is not None and scratch_op:
             cost = scratch.cost(func, args, kwargs, out)
             if cost is not None:
                 extra += cost.scratch
