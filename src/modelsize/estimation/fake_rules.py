@@ -2,7 +2,7 @@
 
 :data:`RULES` maps an ATen overload to ``rule(mode, func, args, kwargs) -> outputs``; the
 counting mode calls it instead of the op's own fake implementation. A rule must allocate its
-outputs the way the real (CPU/CUDA) kernel does, through ``torch.empty_strided`` and friends
+outputs the way the real (CPU) kernel does, through ``torch.empty_strided`` and friends
 under the mode, so the tracker counts them.
 
 * ``aten._grouped_mm`` (the mixture-of-experts matmul transformers uses): the meta kernel
@@ -13,14 +13,27 @@ under the mode, so the tracker counts them.
   float32 gets strides ``(16, 1)``, a 1012-byte storage), and the per-group ``mm_out`` calls
   write into it without a temporary (measured: no other allocator event, on every layout
   the kernel accepts).
+* ``aten.native_batch_norm_backward``: the meta kernel lays ``grad_input`` out like
+  ``grad_out``, the CPU kernel like ``input`` (``empty_like(input,
+  input.suggest_memory_format())``; measured). The two differ when a channels-last
+  activation gets a contiguous gradient (a residual's accumulated gradient); the convolution
+  backward that consumes ``grad_input`` then reorders it (a feature-map-sized oneDNN buffer)
+  in the trace and not in the real run, or the other way round.
+* ``aten.native_layer_norm_backward``: the meta kernel lays ``grad_input`` out like
+  ``grad_out``, the CPU kernel always contiguous (``empty_like`` of the contiguous input,
+  ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``; measured). A transposed gradient (Swin's pooler reads
+  the final LayerNorm's output transposed) then costs the trace a ``clone`` at the next
+  ``reshape`` that the real run does not make.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,7 +121,38 @@ def _grouped_mm(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any
         return torch.empty_strided(size, stride, dtype=out_dtype, device=a.device)
 
 
+def _batch_norm_backward(mode: Any, func: Any, args: Sequence[Any],
+                         kwargs: dict[str, Any]) -> Any:
+    """``aten.native_batch_norm_backward``: ``grad_input`` in ``input``'s memory format."""
+    out = cast(tuple[Any, ...],
+               FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs))
+    grad_input = out[0]
+    x = _bind(func, args, kwargs)["input"]
+    if grad_input is None or x.dim() not in (4, 5):
+        return out
+    layout = suggest_memory_format(x)
+    if grad_input.is_contiguous(memory_format=layout):
+        return out
+    with mode:
+        return (torch.empty_like(x, memory_format=layout), *out[1:])
+
+
+def _layer_norm_backward(mode: Any, func: Any, args: Sequence[Any],
+                         kwargs: dict[str, Any]) -> Any:
+    """``aten.native_layer_norm_backward``: a contiguous ``grad_input``."""
+    out = cast(tuple[Any, ...],
+               FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs))
+    grad_input = out[0]
+    if grad_input is None or grad_input.is_contiguous():
+        return out
+    with mode:
+        return (torch.empty(grad_input.shape, dtype=grad_input.dtype,
+                            device=grad_input.device), *out[1:])
+
+
 #: ATen overload -> the rule that replaces its fake implementation.
 RULES: dict[Any, Callable[..., Any]] = {
     torch.ops.aten._grouped_mm.default: _grouped_mm,
+    torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward,
+    torch.ops.aten.native_layer_norm_backward.default: _layer_norm_backward,
 }

@@ -26,9 +26,10 @@ SegFormer, ResNet; ``torch.nn`` transformers, recurrent nets and U-Net parts):
   ``_native_multi_head_attention``): their meta kernels return the output alone, while the
   CPU kernels run the whole layer inside (QKV projection, the attention matrix, the
   feed-forward activations): 10x the output at 4 x 128 tokens;
-* the CPU flash attention behind ``scaled_dot_product_attention`` (per-thread blocks; its
-  backward adds a float32 accumulator the size of ``grad_query``) and ``_safe_softmax``, the
-  softmax of its math path (a boolean mask as large as the scores);
+* ``_safe_softmax``, the softmax of SDPA's math path (a boolean mask as large as the scores),
+  and, on AMX-FP16 CPUs only, the CPU flash attention (elsewhere computed by
+  :mod:`modelsize.estimation.flash`: per-thread blocks, and a copy of ``grad_out`` in the
+  backward);
 * ``native_batch_norm_backward`` (a temporary the size of the input);
   ``native_layer_norm_backward`` (per-thread partial sums);
 * 2-d nearest/bilinear upsampling, whose vectorized kernel converts the input and the output
@@ -52,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from modelsize.estimation import flash
 
 #: Probes run real kernels; above this many bytes of real memory they scale the batch down.
 PROBE_BUDGET = 64 * 2**20
@@ -700,6 +703,11 @@ def table(device_type: str) -> ScratchModels:
         aten._ctc_loss_backward.default: _ctc_backward,
         aten._ctc_loss_backward.Tensor: _ctc_backward,
     }
+    if not flash.packs_half():  # else the probes below measure the packed float16 path
+        models.analytic[aten._scaled_dot_product_flash_attention_for_cpu.default] = (
+            flash.forward_scratch)
+        models.analytic[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
+            flash.backward_scratch)
     models.probed = {
         aten.convolution.default: Probe(_conv_dims),
         aten.convolution_backward.default: Probe(_conv_backward_dims),
