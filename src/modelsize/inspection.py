@@ -33,6 +33,17 @@ class Report:
         """The ``n`` tensors charged with the most file bytes."""
         return sorted(self.inventory.tensors, key=lambda t: -t.stored_nbytes)[:n]
 
+    def __repr__(self) -> str:
+        inv = self.inventory
+        kinds = ", ".join(f.kind.value for f in self.findings) or "no findings"
+        return (f"<Report {inv.path} ({inv.format}): {inv.file_bytes:,} bytes, "
+                f"{len(inv.tensors):,} tensors; {kinds}>")
+
+    def _repr_html_(self) -> str:
+        from modelsize.report.html import card_inspect
+
+        return card_inspect(self)
+
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         """The JSON schema documented in the README (``top`` limits the tensor list)."""
         inv = self.inventory

@@ -168,6 +168,20 @@ def test_notebook_reprs(demo: Path, tmp_path: Path) -> None:
     assert repr(d).startswith("<Diff ") and "removed" in repr(d) and len(repr(d)) < 400
     _check(f"<div>{d._repr_html_()}</div>")
     report = modelsize.inspect(demo / "train.pt")
-    if hasattr(report, "_repr_html_"):
-        assert repr(report).startswith("<Report ") and len(repr(report)) < 400
-        _check(f"<div>{report._repr_html_()}</div>")
+    assert repr(report).startswith("<Report ") and "optimizer_state" in repr(report)
+    _check(f"<div>{report._repr_html_()}</div>")
+
+
+def test_estimate_cli_html_and_repr(tmp_path: Path, capsys: Any) -> None:
+    page = tmp_path / "e.html"
+    assert main(["estimate", "seed-cnn", "--batch", "4", "--device", "cpu", "--no-suggest",
+                 "--html", str(page)]) == 0
+    capsys.readouterr()
+    text = page.read_text()
+    _check(text)
+    assert "<polyline" in text and "Memory over the program" in text
+    from modelsize.cli.demo import seed_cnn
+
+    est = modelsize.estimate(seed_cnn(), (torch.randn(2, 1, 28, 28),), mode="infer")
+    assert repr(est).startswith("<Estimate ") and f"{est.peak_bytes:,}" in repr(est)
+    _check(f"<div>{est._repr_html_()}</div>")

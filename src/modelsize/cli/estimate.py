@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from modelsize.errors import UsageError
 from modelsize.estimation.optimizers import Implementation, OptimizerName
+from modelsize.estimation.parallel import Strategy
 
 _DTYPES = ("float32", "bfloat16", "float16")
 #: The command estimates for a GPU by default (users ask about GPUs); ``modelsize.estimate``
@@ -70,11 +72,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="find the largest batch that fits, e.g. 80GiB")
     parser.add_argument("--fit-dim", choices=["batch", "seq"], default="batch",
                         help="what --fit searches (default batch)")
+    par = parser.add_argument_group("across GPUs (per-rank memory)")
+    par.add_argument("--gpus", type=_positive, default=None, metavar="N",
+                     help="estimate one rank of a data-parallel program on N GPUs")
+    par.add_argument("--strategy", default=None, choices=[s.value for s in Strategy],
+                     help="fsdp/zero3: FSDP2 traced on a fake process group (default); ddp, "
+                     "zero1, zero2: accounted from the single-GPU trace")
+    par.add_argument("--reshard-after-forward", dest="reshard", action="store_true",
+                     default=True, help="FSDP2 frees each block's gathered parameters after "
+                     "its forward (default)")
+    par.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
+                     help="FSDP2 keeps gathered parameters from the forward to the backward")
+    par.add_argument("--shard", action="append", default=None, metavar="MODULES",
+                     help="modules to fully_shard before the root: class names or globs "
+                     "(default: each repeated block)")
     sug = parser.add_mutually_exclusive_group()
     sug.add_argument("--suggest", dest="suggest", action="store_true", default=None,
                      help="re-trace what would shrink the peak (default: on for text output)")
     sug.add_argument("--no-suggest", dest="suggest", action="store_false")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--html", metavar="FILE", default=None,
+                        help="also write a self-contained HTML report: the memory timeline, "
+                        "categories at the peak, activations by module (works offline)")
 
 
 def _positive(text: str) -> int:
@@ -150,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     options = Options(args.mode, optimizer, args.impl, args.amp, device, args.accumulate,
                       checkpoint, args.optimize_frozen, sources)
     progress = Progress(target.name, sys.stderr.isatty())
+    if args.gpus is not None or args.strategy is not None or args.shard:
+        return _run_parallel(args, target, batch, seq, options, progress)
     try:
         est = trace_target(target, batch, seq, options, progress)
         if args.verify:
@@ -174,6 +195,50 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
                                          seq=seq, suggestions=suggestions, fit=fit_result))
+    _html(args, est)
+    return 0
+
+
+def _html(args: argparse.Namespace, est: Any) -> None:
+    if getattr(args, "html", None):
+        from modelsize.report import html
+
+        html.write(args.html, html.render_estimate(est))
+
+
+def _run_parallel(args: argparse.Namespace, target: Any, batch: int, seq: int,
+                  options: Any, progress: Progress) -> int:
+    """``--gpus N``: the worst rank of the data-parallel program, and the formulas beside."""
+    from dataclasses import replace
+
+    from modelsize.estimation import estimate
+    from modelsize.estimation.parallel import Parallel
+
+    for flag, value in (("--verify", args.verify), ("--fit", args.fit)):
+        if value:
+            raise UsageError(f"{flag} is not available with --gpus yet")
+    units = tuple(p.strip() for group in (args.shard or ()) for p in group.split(",")
+                  if p.strip())
+    parallel = Parallel(args.gpus or 1, args.strategy or Strategy.FSDP,
+                        reshard_after_forward=args.reshard, units=units)
+    try:
+        est = estimate(target.model, target.make_inputs(batch, seq, options.mode == "train"),
+                       **options.settings().kwargs(), name=target.name, progress=progress,
+                       parallel=parallel)
+    finally:
+        progress.done()
+    est = replace(est, setup=replace(est.setup, sources=dict(options.sources)))
+    if args.json:
+        data = est.to_dict()
+        data["description"] = target.description
+        data["batch"], data["seq"] = batch, seq
+        print(json.dumps(data))
+    else:
+        from modelsize.report.estimate_text import render_estimate
+
+        sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
+                                         seq=seq))
+    _html(args, est)
     return 0
 
 

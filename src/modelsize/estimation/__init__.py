@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import MissingDependencyError
+from modelsize.estimation.parallel import Parallel, Strategy
 from modelsize.estimation.result import (
     DeviceEstimate,
     DeviceTerm,
@@ -40,9 +41,11 @@ __all__ = [
     "DeviceTerm",
     "Estimate",
     "MemoryCategory",
+    "Parallel",
     "PhaseSpan",
     "Setup",
     "Source",
+    "Strategy",
     "Verification",
     "estimate",
 ]
@@ -74,6 +77,7 @@ def estimate(
     verify_budget: int | None = None,
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
+    parallel: Parallel | None = None,
 ) -> Estimate:
     """The exact peak memory of running ``model`` on ``inputs``, without allocating it.
 
@@ -113,6 +117,14 @@ def estimate(
     program in ``Estimate.verification``: at full size when that estimate fits
     ``verify_budget`` bytes (default: half of the available memory), else at the largest
     smaller batch (first dimension of the inputs) that fits, estimated again at that batch.
+
+    ``parallel=Parallel(world=N, strategy=...)``: the peak of one rank of a data-parallel
+    program of ``N`` GPUs, the worst of the ranks traced (``Estimate.parallel`` says which,
+    and what the ZeRO paper's formula and DeepSpeed's estimators would say). ``fsdp`` /
+    ``zero3`` trace the real engine: FSDP2's ``fully_shard`` (each repeated block, then the
+    root) on a fake process group, collectives' buffers counted as ``communication``.
+    ``ddp``, ``zero1`` and ``zero2`` are accounted from the single-GPU trace (DDP's gradient
+    buckets added; the optimizer step, and for ZeRO-2 the gradients, divided by ``N``).
     """
     require_torch()
     from modelsize.estimation import core
@@ -121,5 +133,5 @@ def estimate(
         model, inputs, mode=mode, optimizer=optimizer, loss=loss, amp=amp, device=device,
         implementation=implementation, accumulate=accumulate, checkpoint=checkpoint,
         steps=steps, optimize_frozen=optimize_frozen, verify=verify,
-        verify_budget=verify_budget, name=name, progress=progress,
+        verify_budget=verify_budget, name=name, progress=progress, parallel=parallel,
     )

@@ -20,6 +20,7 @@ from modelsize.estimation.optimizers import (
     describe,
     parse_implementation,
 )
+from modelsize.estimation.parallel import Parallel
 from modelsize.estimation.result import (
     Estimate,
     MemoryCategory,
@@ -66,6 +67,7 @@ def estimate(
     verify_budget: int | None = None,
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
+    parallel: Parallel | None = None,
 ) -> Estimate:
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
@@ -83,7 +85,18 @@ def estimate(
     described = _describe_inputs(inputs)
     start = RandomState.capture()  # model code may draw from NumPy or random: put them back
     label = name or type(model).__name__
+    if parallel is not None:
+        if not isinstance(parallel, Parallel):
+            raise UsageError(f"parallel must be a Parallel, not {type(parallel).__name__}")
+        if verify:
+            raise UsageError("verify=True is not available with parallel= (the real run "
+                             "would need one process per rank)")
     try:
+        if parallel is not None:
+            from modelsize.estimation.parallel_trace import estimate_parallel
+
+            return estimate_parallel(model, inputs, program, parallel, label, described,
+                                     sources, progress)
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
@@ -189,14 +202,22 @@ def classify(rec: Allocation) -> MemoryCategory:
 
 def summarize(trace: Trace, program: Program, name: str,
               inputs: tuple[tuple[str, tuple[int, ...], str], ...],
-              sources: dict[str, Source] | None = None) -> Estimate:
-    """Turn a finished trace into an :class:`Estimate`."""
+              sources: dict[str, Source] | None = None,
+              communication: Callable[[Allocation], bool] | None = None) -> Estimate:
+    """Turn a finished trace into an :class:`Estimate`.
+
+    ``communication`` tells the allocations that are communication buffers (a traced rank
+    of a data-parallel program, :mod:`modelsize.estimation.parallel_trace`).
+    """
     mode = trace.mode
     peak, tick = mode.peak_bytes, mode.peak_tick
     cats = dict.fromkeys(MemoryCategory, 0)
     for rec in mode.allocations:
         if rec.live_at(tick):
-            cats[classify(rec)] += rec.nbytes
+            if communication is not None and communication(rec):
+                cats[MemoryCategory.COMMUNICATION] += rec.nbytes
+            else:
+                cats[classify(rec)] += rec.nbytes
     cats[MemoryCategory.TEMPORARIES] += mode.peak_scratch
     phases = tuple(
         PhaseSpan(p.name, p.step, p.micro_batch, p.start, p.end if p.end >= 0 else mode.tick)

@@ -26,6 +26,9 @@ class MemoryCategory(str, Enum):
     activations, optimizer intermediates, and kernel scratch."""
     INPUTS = "inputs"
     """The input tensors of the model."""
+    COMMUNICATION = "communication"
+    """Buffers of collectives on a rank of a data-parallel program: FSDP2's all-gather
+    outputs (the gathered parameters) and reduce-scatter inputs, DDP's gradient buckets."""
 
     def __str__(self) -> str:
         return self.value
@@ -174,6 +177,63 @@ class Verification:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """One number a formula gives for the same rank, beside the traced one."""
+
+    name: str
+    nbytes: int
+    counts: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name, "bytes": self.nbytes, "counts": self.counts}
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """The peak of one traced (or accounted) rank."""
+
+    rank: int
+    peak_bytes: int
+    phase: str
+    step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "phase": self.phase,
+                "step": self.step}
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """What an estimate across GPUs adds to the :class:`~modelsize.estimation.Estimate`.
+
+    The estimate's peak, phase and categories are those of ``worst_rank``. ``method`` is
+    ``"traced"`` (the real engine ran on a fake process group) or ``"accounted"`` (the
+    single-GPU trace replayed with sharded terms divided by ``world``); ``accounted`` names
+    the terms that were divided rather than traced.
+    """
+
+    world: int
+    strategy: str
+    method: str
+    worst_rank: int
+    ranks: tuple[RankPeak, ...]
+    units: tuple[str, ...]
+    reshard_after_forward: bool
+    comparisons: tuple[Comparison, ...]
+    accounted: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"world": self.world, "strategy": self.strategy, "method": self.method,
+                "worst_rank": self.worst_rank, "ranks": [r.to_dict() for r in self.ranks],
+                "units": list(self.units), "reshard_after_forward": self.reshard_after_forward,
+                "comparisons": [c.to_dict() for c in self.comparisons],
+                "accounted": list(self.accounted)}
+
+
+@dataclass(frozen=True)
 class Estimate:
     """The exact peak of live tensor bytes of a traced program, and what it is made of.
 
@@ -199,6 +259,7 @@ class Estimate:
     device_estimate: DeviceEstimate
     notes: tuple[str, ...] = field(default=())
     verification: Verification | None = None
+    parallel: ParallelInfo | None = None
 
     def __post_init__(self) -> None:
         from modelsize.errors import AccountingError
@@ -208,6 +269,17 @@ class Estimate:
             raise AccountingError(
                 f"estimate categories add up to {total} bytes, the peak is {self.peak_bytes}"
             )
+
+    def __repr__(self) -> str:
+        s = self.setup
+        what = "training step" if s.mode == "train" else "inference"
+        return (f"<Estimate {s.model}: {what} on {s.device}, peak {self.peak_bytes:,} bytes in "
+                f"{self.phase.name} of step {self.phase.step}>")
+
+    def _repr_html_(self) -> str:
+        from modelsize.report.html import card_estimate
+
+        return card_estimate(self)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: byte counts are ints, keys are the enum values."""
@@ -228,6 +300,7 @@ class Estimate:
             "device_estimate": self.device_estimate.to_dict(),
             "notes": list(self.notes),
             "verification": self.verification.to_dict() if self.verification else None,
+            "parallel": self.parallel.to_dict() if self.parallel else None,
         }
 
 

@@ -133,6 +133,8 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
                  f"traced in {est.trace_seconds:.1f} s")
     if est.verification is not None:
         lines.append(render_verification(est))
+    if est.parallel is not None:
+        lines.append(render_parallel_head(est))
     lines.append("")
     rows = [["at the peak", "bytes", "size", "share"]]
     for cat in MemoryCategory:
@@ -166,11 +168,45 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
         drows.append(["max_memory_allocated", human_mem(dev.allocated_bytes), ""])
         drows.append(["total with context", human_mem(dev.total_bytes), ""])
         lines += table(drows, "lrl")
+    if est.parallel is not None:
+        lines += ["", *render_comparisons(est)]
     if fit is not None:
         lines += ["", render_fit(fit).rstrip("\n")]
     for note in est.notes:
         lines.append(f"note: {printable(note, 300)}")
     return "\n".join(lines) + "\n"
+
+
+def render_parallel_head(est: Estimate) -> str:
+    """One line: which rank of how many GPUs, the strategy, and whether traced or accounted."""
+    par = est.parallel
+    assert par is not None
+    engine = "DTensor tensor parallelism" if par.strategy == "tp" else "FSDP2"
+    how = (f"traced with {engine} on a fake process group" if par.method == "traced"
+           else "accounted from the single-GPU trace (" + "; ".join(par.accounted) + ")")
+    ranks = ", ".join(f"rank {r.rank} {human_mem(r.peak_bytes)}" for r in par.ranks)
+    reshard = "" if par.method != "traced" or par.reshard_after_forward else (
+        ", no reshard after forward")
+    units = f", {len(par.units)} shard units" if par.units and par.strategy != "tp" else ""
+    return (f"per rank of {par.world} GPUs, {par.strategy}{reshard}{units}: {how}; "
+            f"worst rank {par.worst_rank} ({ranks})")
+
+
+def render_comparisons(est: Estimate) -> list[str]:
+    """What the ZeRO paper's formula and DeepSpeed's estimators say for the same rank."""
+    par = est.parallel
+    assert par is not None
+    peak = est.peak_bytes
+    rows = [["formulas for the same rank", "size", "vs this estimate", "counts"]]
+    for c in par.comparisons:
+        diff = f"{100.0 * (c.nbytes - peak) / peak:+.0f}%" if peak else "-"
+        rows.append([c.name, human_mem(c.nbytes), diff, c.counts])
+    missing = [cat.value for cat in (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES,
+                                     MemoryCategory.COMMUNICATION, MemoryCategory.BUFFERS,
+                                     MemoryCategory.INPUTS) if est.categories[cat]]
+    tail = (f"The formulas leave out what this estimate counts as {', '.join(missing)} "
+            "(see the table above)." if missing else "")
+    return [*table(rows, "lrrl"), *([tail] if tail else [])]
 
 
 def render_fit(fit: FitResult, description: str = "") -> str:
