@@ -185,3 +185,22 @@ def test_estimate_cli_html_and_repr(tmp_path: Path, capsys: Any) -> None:
     est = modelsize.estimate(seed_cnn(), (torch.randn(2, 1, 28, 28),), mode="infer")
     assert repr(est).startswith("<Estimate ") and f"{est.peak_bytes:,}" in repr(est)
     _check(f"<div>{est._repr_html_()}</div>")
+
+
+def test_estimate_page_across_gpus_shows_each_rank_and_the_formulas() -> None:
+    from torch import nn
+
+    from modelsize.estimation.parallel import Parallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 10), nn.Linear(10, 512), nn.Linear(512, 10))
+    est = modelsize.estimate(model, (torch.randn(1, 512),),
+                             parallel=Parallel(8, ranks=(0, 7), units=("0", "1", "2")))
+    assert est.parallel is not None
+    text = html.render_estimate(est)
+    _check(text)
+    assert "Per rank: 8 GPUs" in text and "rank 0 (worst)" in text and "rank 7" in text
+    for r in est.parallel.ranks:
+        assert f"{r.peak_bytes:,} bytes" in text
+    for c in est.parallel.comparisons:
+        assert html._e(c.name) in text

@@ -344,6 +344,31 @@ def _estimate_parts(est: Estimate) -> list[tuple[str, int]]:
     return [(getattr(c, "value", str(c)), n) for c, n in est.categories.items() if n]
 
 
+def _parallel_section(est: Estimate) -> str:
+    """With ``--gpus``: the ranks traced (worst first) and the formulas beside, on one scale."""
+    par = getattr(est, "parallel", None)
+    if par is None:
+        return ""
+    bars = [(f"rank {r.rank}" + (" (worst)" if r.rank == par.worst_rank else ""), r.peak_bytes,
+             f"{r.phase}, step {r.step}") for r in sorted(par.ranks, key=lambda r: -r.peak_bytes)]
+    bars += [(c.name, c.nbytes, f"counts {c.counts}") for c in par.comparisons]
+    top = max([n for _, n, _ in bars] + [1])
+    rows = []
+    for i, (label, n, tip) in enumerate(bars):
+        w = 700 * n / top
+        fill = "#0072B2" if label.startswith("rank") else "#999999"
+        rows.append(f"<text x=\"0\" y=\"{i * 24 + 15}\">{_e(label)}</text><rect x=\"230\" "
+                    f"y=\"{i * 24 + 3}\" width=\"{max(w, 0.5):.1f}\" height=\"16\" "
+                    f"fill=\"{fill}\"><title>{_e(label)}: {n:,} bytes ({_e(tip)})</title>"
+                    f"</rect><text x=\"{236 + w:.1f}\" y=\"{i * 24 + 15}\">"
+                    f"{_e(human_bytes(n))}</text>")
+    method = ("traced on the real engine (fake process group)" if par.method == "traced"
+              else "accounted from the single-GPU trace: " + ", ".join(par.accounted))
+    return (f"<h2>Per rank: {par.world} GPUs, {_e(par.strategy)}</h2><p>{_e(method)}</p>"
+            f"<svg viewBox=\"0 0 1000 {len(bars) * 24 + 6}\" width=\"100%\" role=\"img\">"
+            f"{''.join(rows)}</svg>")
+
+
 def render_estimate(est: Estimate) -> str:
     """The page for ``modelsize estimate --html``."""
     s = est.setup
@@ -359,6 +384,7 @@ def render_estimate(est: Estimate) -> str:
         + table(("category", "bytes", "share"),
                 [(c, _bytes_cell(n), percent(n, est.peak_bytes)) for c, n in parts],
                 (False, True, True))
+        + _parallel_section(est)
         + f"<h2>Memory over the program</h2>{timeline_chart(est)}"
         + "<h2>Forward activations by module</h2>"
         + (treemap([(m, n, "activations", f"{m}\n{n:,} bytes ({human_bytes(n)})")
