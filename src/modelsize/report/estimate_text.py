@@ -139,6 +139,8 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
     rows = [["at the peak", "bytes", "size", "share"]]
     for cat in MemoryCategory:
         n = est.categories[cat]
+        if cat is MemoryCategory.COMMUNICATION and est.parallel is None and not n:
+            continue  # one device: no collectives
         label = cat.value
         if cat is MemoryCategory.TEMPORARIES and est.scratch_bytes:
             label += f" (kernel scratch {human_mem(est.scratch_bytes)})"
