@@ -1,17 +1,23 @@
-"""Graph slimming side by side: modelsize's graph passes vs onnxslim vs onnxsim.
+"""Graph slimming side by side: modelsize's graph passes vs onnxslim, onnxsim, quantize_dynamic.
 
     .venv/bin/python benchmarks/slim_graphs.py [--repeats N] [--image 224]
 
 ResNet-50 (random weights, BatchNorm statistics drawn at random so folding matters; built in
-code below, the torchvision architecture, so no weights are downloaded) is exported twice:
-by the TorchScript exporter with its own folding off (BatchNormalization nodes in the file,
-as a training-friendly export leaves them) and by the default dynamo exporter. Each tool slims
-each export in a fresh process; reported: size before/after (all files), wall time (median of
-``--repeats``), peak RSS of that process, and the largest absolute and relative difference of
-the output from the original's on the same seeded input (onnxruntime). modelsize's time
-includes its own verification (both models run once). A peer that is not installed is
-skipped (``pip install onnxslim onnxsim``). Results go to benchmarks/RESULTS.md
-(section ``slim_graphs_onnx``); other frameworks add their own ``*_cases`` and section.
+code below, the torchvision architecture, so no weights are downloaded) is exported twice: by
+the TorchScript exporter with its own folding off (BatchNormalization nodes in the file, as a
+training-friendly export leaves them) and by the default dynamo exporter; a BERT-base-shaped
+encoder (transformers ``BertModel``, 12 layers, hidden 768, 12 heads, intermediate 3072, vocab
+30522, random init) is exported by the dynamo exporter at sequence length 128. Each tool slims
+each export in a fresh process; reported: size before/after (all files), node count (subgraphs
+included), wall time (median of ``--repeats``), peak RSS of that process, and the largest
+absolute and relative difference of the output from the original's on the same seeded input
+(onnxruntime). modelsize's time includes its own verification (both models run once). A peer
+that is not installed is skipped (``pip install onnxslim onnxsim``). ``ort_dynamic`` is
+onnxruntime's ``quantize_dynamic`` with its defaults, the peer of ``modelsize:int8``;
+``modelsize`` is held against onnxslim and onnxsim (``target met``: at least as small as the
+smallest peer, output at least as close as the closest, never larger than the input). Results
+go to benchmarks/RESULTS.md (section ``slim_graphs_onnx``); other frameworks add their own
+``*_cases`` and section.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ if tool.startswith("modelsize"):
 elif tool == "onnxslim":
     import onnxslim
     onnxslim.slim(src, dst)
+elif tool == "ort_dynamic":
+    from onnxruntime.quantization import quantize_dynamic
+    quantize_dynamic(src, dst)
 elif tool == "onnxsim":
     import onnx, onnxsim
     model, ok = onnxsim.simplify(onnx.load(src))
@@ -135,12 +144,38 @@ def onnx_cases(tmp: Path, image: int) -> dict[str, Path]:
             out["ResNet-50, dynamo exporter (default)"] = p
         except ImportError:
             pass
+        p = tmp / "bert_base.onnx"
+        bert, feeds = bert_base()
+        torch.onnx.export(bert, feeds, str(p), input_names=["input_ids", "attention_mask"])
+        out["BERT-base encoder, seq 128, dynamo exporter"] = p
     return out
+
+
+def bert_base() -> tuple[Any, tuple[Any, ...]]:
+    """A BERT-base-shaped encoder (transformers BertModel, random init) and its inputs."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+                     num_attention_heads=12, intermediate_size=3072)
+    ids = torch.randint(0, 2, (1, 128))
+    return BertModel(cfg).eval(), (ids, torch.ones(1, 128, dtype=torch.int64))
 
 
 def _files_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.parent.iterdir()
                if p.name == path.name or p.name.startswith(path.name + "."))
+
+
+def _nodes(path: Path) -> int:
+    """Nodes in the graph and every subgraph."""
+    import onnx
+
+    from modelsize.slimming.graph.onnx_passes import all_graphs
+
+    model = onnx.load(str(path), load_external_data=False)
+    return sum(len(g.node) for g in all_graphs(model.graph))
 
 
 def _max_diff(a: Path, b: Path) -> tuple[float, float]:
@@ -165,7 +200,34 @@ TOOLS: dict[str, Callable[[], bool]] = {
     "modelsize:float16": lambda: True,
     "onnxslim": lambda: _installed("onnxslim"),
     "onnxsim": lambda: _installed("onnxsim"),
+    "ort_dynamic": lambda: _installed("onnxruntime.quantization"),
 }
+
+# Which peers each modelsize row is held against: at least as small as the smallest of them,
+# output at least as close as the closest, never larger than the input.
+PEERS: dict[str, tuple[str, ...]] = {
+    "modelsize": ("onnxslim", "onnxsim"),
+    "modelsize:int8": ("ort_dynamic",),
+    "modelsize:float16": (),
+}
+
+
+def verdict(tool: str, r: dict[str, Any], results: dict[str, dict[str, Any]],
+            before: int) -> str:
+    """Whether ``tool``'s row meets the target against the peers that ran."""
+    if tool not in PEERS:
+        return ""
+    why = []
+    if r["bytes"] > before:
+        why.append("larger than input")
+    peers = [results[p] for p in PEERS[tool] if "bytes" in results.get(p, {})]
+    if peers:
+        best = min(p["bytes"] for p in peers)
+        if r["bytes"] > best:
+            why.append(f"{r['bytes'] - best:,} B larger than best peer")
+        if r["max_rel"] > min(p["max_rel"] for p in peers):
+            why.append("output less close than a peer")
+    return "yes" if not why else "no: " + "; ".join(why)
 
 
 def run_tool(tool: str, src: Path, dst: Path, repeats: int) -> dict[str, Any]:
@@ -201,36 +263,48 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="slim-graphs-") as t:
         tmp = Path(t)
         for case, src in onnx_cases(tmp, args.image).items():
-            before = _files_bytes(src)
+            before, nodes_before = _files_bytes(src), _nodes(src)
+            results: dict[str, dict[str, Any]] = {}
             for tool, available in TOOLS.items():
                 if not available():
-                    rows.append(f"| {case} | {tool} | {_mb(before)} | not installed | | | |")
+                    results[tool] = {"error": "not installed"}
                     continue
                 out = tmp / "out" / f"{src.stem}.{tool.replace(':', '_')}.onnx"
                 out.parent.mkdir(exist_ok=True)
                 r = run_tool(tool, src, out, args.repeats)
+                if "bytes" in r:
+                    r["nodes"] = _nodes(out)
+                results[tool] = r
                 print(case, tool, r, file=sys.stderr)
+            for tool, r in results.items():
+                head = f"| {case} | {tool} | {_mb(before)}, {nodes_before} nodes |"
                 if "error" in r:
-                    rows.append(f"| {case} | {tool} | {_mb(before)} | failed: {r['error']} "
-                                "| | | |")
+                    rows.append(f"{head} {r['error']} | | | | | |")
                     continue
                 rows.append(
-                    f"| {case} | {tool} | {_mb(before)} | {_mb(r['bytes'])} "
-                    f"({100 * (r['bytes'] - before) / before:+.1f}%) | {r['seconds']:.2f} s "
-                    f"| {r['rss'] / 2**20:.0f} MiB | {r['max_abs']:.2g} / {r['max_rel']:.2g} |")
+                    f"{head} {r['bytes']:,} B ({100 * (r['bytes'] - before) / before:+.2f}%) "
+                    f"| {r['nodes']} | {r['seconds']:.2f} s | {r['rss'] / 2**20:.0f} MiB "
+                    f"| {r['max_abs']:.2g} / {r['max_rel']:.2g} "
+                    f"| {verdict(tool, r, results, before)} |")
     load = os.getloadavg()[0]
     md = "\n".join([
-        "## Graph slimming: modelsize vs onnxslim vs onnxsim (`benchmarks/slim_graphs.py`)",
+        "## Graph slimming: modelsize vs onnxslim, onnxsim, quantize_dynamic "
+        "(`benchmarks/slim_graphs.py`)",
         "",
         f"`{Path(PY).name} benchmarks/slim_graphs.py --repeats {args.repeats} --image "
         f"{args.image}`; time is the median of {args.repeats} runs in fresh processes, RSS the "
         f"peak of that process; load average {load:.2f} on a shared 2-core machine. "
         "Difference: largest |slimmed - original| over the output, and that divided by the "
         "output's largest magnitude, onnxruntime, one seeded input. modelsize's time includes "
-        "its verification run; `:int8` and `:float16` are `--quantize int8|float16`.",
+        "its verification run; `:int8` and `:float16` are `--quantize int8|float16` "
+        "(`--cast float16` runs the same pass on ONNX); `ort_dynamic` is onnxruntime's "
+        "`quantize_dynamic` with its defaults. Target met: at least as small as the smallest "
+        "peer (onnxslim, onnxsim for `modelsize`; ort_dynamic for `:int8`; none for "
+        "`:float16`), output at least as close as the closest, never larger than the input.",
         "",
-        "| model | tool | before | after | time | peak RSS | max abs / rel diff |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| model | tool | before | after | nodes after | time | peak RSS | max abs / rel diff "
+        "| target met |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
         *rows,
     ])
     write_section("slim_graphs_onnx", md)

@@ -281,3 +281,70 @@ def test_initializer_level_slim_never_grows(tmp_path: Path) -> None:
     y, b_out = s.run(None, {"table": table})
     np.testing.assert_array_equal(y, table + b)
     np.testing.assert_array_equal(b_out, b)
+
+
+def _debug_fields(model: Any) -> int:
+    """doc_strings and metadata entries of nodes, graph and graph values (not the model's)."""
+    g = model.graph
+    items = [g, *g.node, *g.input, *g.output, *g.value_info]
+    return sum(len(i.metadata_props) + bool(i.doc_string) for i in items)
+
+
+def test_debug_info_dropped_outputs_identical(tmp_path: Path) -> None:
+    # The dynamo exporter writes a stack trace, FX node and name scopes on every node.
+    model = _cnn()
+    x = torch.randn(2, 3, 8, 8)
+    src = _export(model, (x,), tmp_path / "cnn.onnx", True)
+    proto = onnx.load(str(src))
+    proto.graph.node[0].doc_string = "a note"
+    helper.set_model_props(proto, {"labels": "cat,dog"})
+    proto.doc_string = "model card"
+    onnx.save(proto, str(src))
+    fields = _debug_fields(proto)
+    assert fields > len(proto.graph.node)  # several per node
+    out = tmp_path / "cnn.slim.onnx"
+    report = modelsize.slim(src, out, graph=True)
+    applied = {p.name.value: p for p in report.passes if p.applied}  # type: ignore[attr-defined]
+    assert applied["debug-info"].changes == fields
+    slimmed = onnx.load(str(out))
+    assert _debug_fields(slimmed) == 0
+    assert {p.key: p.value for p in slimmed.metadata_props} == {"labels": "cat,dog"}
+    assert slimmed.doc_string == "model card"
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert _rel(_run(out, x.numpy()), want) < 1e-5
+
+
+def test_debug_info_alone_keeps_outputs_bitwise(tmp_path: Path) -> None:
+    model = _cnn()
+    x = torch.randn(2, 3, 8, 8)
+    src = _export(model, (x,), tmp_path / "cnn.onnx", True)
+    proto = onnx.load(str(src))
+    before = proto.ByteSize()
+    slimmed, results = onnx_passes.run_passes(proto, tmp_path, [onnx_passes.PassName.DEBUG_INFO])
+    assert results[0].applied
+    assert results[0].saved_bytes == before - slimmed.ByteSize() > 0
+    out = tmp_path / "debug.onnx"
+    onnx.save(slimmed, str(out))
+    assert np.array_equal(_run(out, x.numpy()), _run(src, x.numpy()))
+
+
+def test_int8_quantizes_embedding_tables(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(300, 16).eval()
+    ids = torch.tensor([[0, 5, 299, 7]])
+    src = _export(emb, (ids,), tmp_path / "emb.onnx", False)
+    out = tmp_path / "emb.slim.onnx"
+    report = modelsize.slim(src, out, graph=True, quantize="int8")
+    slimmed = onnx.load(str(out))
+    assert [t.data_type for t in slimmed.graph.initializer if t.dims == [300, 16]] == [
+        TensorProto.INT8]
+    assert _files_bytes(out) < _files_bytes(src) / 3
+    s = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = s.run(None, {s.get_inputs()[0].name: ids.numpy()})[0]
+    table = emb.weight.detach().numpy()
+    want = table[ids.numpy()]
+    # Symmetric per-row int8: each value within half a step (row max / 127) of the float one.
+    step = np.abs(table).max(axis=1)[ids.numpy()][..., None] / 127
+    assert np.all(np.abs(got - want) <= step / 2 + 1e-7)
+    assert report.comparison.ok  # type: ignore[attr-defined]

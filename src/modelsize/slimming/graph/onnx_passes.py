@@ -8,6 +8,9 @@ other simplifiers made models several times larger).
 
 The exact passes (:data:`EXACT`) compute the same function up to float rounding:
 
+* ``debug-info``: ``doc_string`` and ``metadata_props`` of nodes, graphs and their inputs,
+  outputs and value_info (the dynamo exporter's stack traces, FX nodes and name scopes:
+  about 1 KB a node); the model's own ``metadata_props`` and ``doc_string`` are kept;
 * ``identity``: ``y = Identity(x)`` removed, readers of ``y`` read ``x``;
 * ``fold-batchnorm``: an inference ``BatchNormalization`` whose input is the only use of a
   ``Conv`` or ``Gemm`` output with constant weights is folded into their weights and bias;
@@ -21,7 +24,8 @@ The exact passes (:data:`EXACT`) compute the same function up to float rounding:
 The approximate ones run only when asked: ``cast-float16`` (float32 initializers stored as
 float16 behind a ``Cast`` back to float32, so inputs, outputs and every node keep float32),
 ``quantize-int8`` (weight-only, per-output-channel symmetric int8 behind a
-``DequantizeLinear``) and ``quantize-dynamic`` (onnxruntime's ``quantize_dynamic``, int8
+``DequantizeLinear``; ``Gather`` tables, embeddings, one scale a row) and
+``quantize-dynamic`` (onnxruntime's ``quantize_dynamic``, int8
 weights and dynamically quantized activations).
 
 Tensors stored as external data are handled by their location: a pass that needs their values
@@ -59,6 +63,7 @@ EXTERNAL_MIN = 1024
 class PassName(str, Enum):
     """Every graph pass, by the name the report uses."""
 
+    DEBUG_INFO = "debug-info"
     IDENTITY = "identity"
     FOLD_BATCHNORM = "fold-batchnorm"
     CONSTANT_FOLDING = "constant-folding"
@@ -74,10 +79,11 @@ class PassName(str, Enum):
 
 
 #: Passes that only delete nodes or initializers (run in place: nothing to measure against).
-_ONLY_REMOVE = frozenset({PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS})
+_ONLY_REMOVE = frozenset({PassName.DEBUG_INFO, PassName.DEAD_NODES,
+                          PassName.UNUSED_INITIALIZERS})
 #: The passes that apply with no option, in order.
 EXACT: tuple[PassName, ...] = (
-    PassName.IDENTITY, PassName.FOLD_BATCHNORM, PassName.CONSTANT_FOLDING,
+    PassName.DEBUG_INFO, PassName.IDENTITY, PassName.FOLD_BATCHNORM, PassName.CONSTANT_FOLDING,
     PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS, PassName.DUPLICATE_INITIALIZERS,
 )
 #: Approximate passes: they change values.
@@ -307,6 +313,21 @@ def _tensor_nbytes(t: onnx.TensorProto) -> int:
 
 
 # -- exact passes ------------------------------------------------------------------------
+def drop_debug_info(model: onnx.ModelProto, values: Values) -> int:
+    """``doc_string`` and ``metadata_props`` of every node, graph and graph value (subgraphs
+    included); no runtime reads them. Returns how many fields were cleared."""
+    cleared = 0
+    for g in all_graphs(model.graph):
+        for item in (g, *g.node, *g.input, *g.output, *g.value_info):
+            if item.doc_string:
+                item.ClearField("doc_string")
+                cleared += 1
+            if len(item.metadata_props):
+                cleared += len(item.metadata_props)
+                item.ClearField("metadata_props")
+    return cleared
+
+
 def remove_identity(model: onnx.ModelProto, values: Values) -> int:
     """``y = Identity(x)``: readers of ``y`` read ``x`` (not when ``y`` is a graph output or
     read inside a subgraph, where renaming could meet a shadowing name)."""
@@ -654,9 +675,9 @@ def _opset(model: onnx.ModelProto) -> int:
 
 
 def quantize_int8(model: onnx.ModelProto, values: Values) -> int:
-    """Weight-only int8: each float ``Conv``/``Gemm``/``MatMul`` weight (2-D and more) stored
-    as int8 with one float scale per output channel (symmetric), read through
-    ``DequantizeLinear`` (opset 13 and later)."""
+    """Weight-only int8: each float ``Conv``/``Gemm``/``MatMul`` weight and ``Gather`` table
+    (axis 0: embeddings; 2-D and more) stored as int8 with one float scale per output channel
+    or table row (symmetric), read through ``DequantizeLinear`` (opset 13 and later)."""
     if _opset(model) < 13:
         return 0
     g = model.graph
@@ -670,6 +691,8 @@ def quantize_int8(model: onnx.ModelProto, values: Values) -> int:
             weights.setdefault(node.input[1], 0 if _attr(node, "transB", 0) else 1)
         elif node.op_type == "MatMul" and len(node.input) > 1:
             weights.setdefault(node.input[1], -1)
+        elif node.op_type == "Gather" and _attr(node, "axis", 0) == 0:
+            weights.setdefault(node.input[0], 0)  # an embedding table: one scale a row
     protected = _sub_defines(g)
     top: list[onnx.NodeProto] = []
     scales: list[onnx.TensorProto] = []
@@ -736,6 +759,7 @@ def quantize_dynamic(model: onnx.ModelProto, values: Values) -> int:
 
 
 PASSES: dict[PassName, Callable[[onnx.ModelProto, Values], int]] = {
+    PassName.DEBUG_INFO: drop_debug_info,
     PassName.IDENTITY: remove_identity,
     PassName.FOLD_BATCHNORM: fold_batchnorm,
     PassName.CONSTANT_FOLDING: fold_constants,
