@@ -63,6 +63,8 @@ from modelsize.errors import (
     printable,
 )
 from modelsize.inventory import Inventory
+from modelsize.slimming.graph.verify_onnx import Comparison
+from modelsize.slimming.graph.verify_onnx import OutputDiff as NamedDiff
 from modelsize.slimming.output import Output, staged
 from modelsize.slimming.plan import SlimOptions
 from modelsize.slimming.result import Dropped, KeptTensor, SlimReport
@@ -341,45 +343,6 @@ class PassRow:
         return {"name": self.name.value, "changes": self.changes,
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                 "applied": self.applied, "saved_bytes": self.saved_bytes, "note": self.note}
-
-
-@dataclass(frozen=True)
-class NamedDiff:
-    """An :class:`OutputDiff` named ``signature/output``, as the report lists outputs."""
-
-    name: str
-    max_abs: float
-    max_rel: float
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"name": self.name, "max_abs": self.max_abs, "max_rel": self.max_rel}
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Every output compared, the tolerance, what ran them, and the verdict."""
-
-    outputs: tuple[NamedDiff, ...]
-    tolerance: float
-    kind: str
-    runner: str
-
-    @property
-    def max_rel(self) -> float:
-        """The worst relative difference over all outputs."""
-        return max((o.max_rel for o in self.outputs), default=0.0)
-
-    @property
-    def ok(self) -> bool:
-        """Whether every output is within the tolerance."""
-        return self.max_rel <= self.tolerance
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"outputs": [o.to_dict() for o in self.outputs], "tolerance": self.tolerance,
-                "kind": self.kind, "runner": self.runner, "max_rel": self.max_rel,
-                "ok": self.ok}
 
 
 @dataclass(frozen=True)

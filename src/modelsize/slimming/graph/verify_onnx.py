@@ -43,11 +43,13 @@ class OutputDiff:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Every output compared, the tolerance and the verdict."""
+    """Every output compared, the tolerance, what ran them and the verdict (ONNX and TF)."""
 
     outputs: tuple[OutputDiff, ...]
     tolerance: float
     kind: str
+    runner: str = "onnxruntime"
+    """What ran both models (the report's "Verified: ... ran")."""
 
     @property
     def max_rel(self) -> float:
@@ -62,7 +64,8 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"outputs": [o.to_dict() for o in self.outputs], "tolerance": self.tolerance,
-                "kind": self.kind, "max_rel": self.max_rel, "ok": self.ok}
+                "kind": self.kind, "runner": self.runner, "max_rel": self.max_rel,
+                "ok": self.ok}
 
 
 _NUMPY = {
