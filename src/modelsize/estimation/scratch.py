@@ -346,8 +346,9 @@ def _aliasing(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence the profiler library's own start/stop lines, written straight to fd 2."""
+def quiet_stderr() -> Iterator[None]:
+    """Silence the profiler library's own start/stop lines, written straight to fd 2 (also
+    around :mod:`modelsize.estimation.verify`'s real runs)."""
     try:
         saved = os.dup(2)
     except OSError:  # no stderr to speak of
@@ -387,7 +388,7 @@ def _run(
     # it is on. The real arguments do not require grad, so no graph is recorded.
     if prepare is not None:
         prepare(real_args)
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = func(*real_args, **real_kwargs)
     sizes = [t.untyped_storage().nbytes() for t in _out_tensors(result)]
     del result

@@ -372,16 +372,17 @@ def caller(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     return call
 
 
-def _fake_inputs(inputs: tuple[Any, ...] | Mapping[str, Any], copier: _FakeCopier,
-                 memo: dict[int, torch.Tensor], mode: CountingFakeMode,
-                 values: RealValues) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def map_inputs(inputs: Any, leaf: Callable[[torch.Tensor], Any]
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of the model call, each tensor in ``inputs`` (nested in tuples, lists
+    and dicts) replaced by ``leaf(tensor)``, once per tensor object (a tensor passed twice stays
+    one tensor)."""
+    memo: dict[int, Any] = {}
+
     def conv(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             if id(v) not in memo:
-                memo[id(v)] = copier.copy(v.detach())
-                mode.track(memo[id(v)], Origin.INPUT)
-                if not isinstance(v, FakeTensor):
-                    values.add(memo[id(v)], v)
+                memo[id(v)] = leaf(v)
             return memo[id(v)]
         if isinstance(v, (tuple, list)):
             return type(v)(conv(x) for x in v)
@@ -394,6 +395,20 @@ def _fake_inputs(inputs: tuple[Any, ...] | Mapping[str, Any], copier: _FakeCopie
     if isinstance(inputs, torch.Tensor):
         return (conv(inputs),), {}
     return tuple(conv(v) for v in inputs), {}
+
+
+def _fake_inputs(inputs: tuple[Any, ...] | Mapping[str, Any], copier: _FakeCopier,
+                 memo: dict[int, torch.Tensor], mode: CountingFakeMode,
+                 values: RealValues) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def leaf(v: torch.Tensor) -> torch.Tensor:
+        if id(v) not in memo:  # an input that is also a parameter or buffer keeps its fake
+            memo[id(v)] = copier.copy(v.detach())
+            mode.track(memo[id(v)], Origin.INPUT)
+            if not isinstance(v, FakeTensor):
+                values.add(memo[id(v)], v)
+        return memo[id(v)]
+
+    return map_inputs(inputs, leaf)
 
 
 class _SavedScalars(TorchFunctionMode):

@@ -36,7 +36,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 from modelsize.estimation.fit import fit
 from modelsize.estimation.optimizers import default_implementation, make_factory
 from modelsize.estimation.result import Verification
-from modelsize.estimation.trace import Program, caller, checkpointed, default_loss, training_flags
+from modelsize.estimation.scratch import quiet_stderr
+from modelsize.estimation.trace import (
+    Program,
+    caller,
+    checkpointed,
+    default_loss,
+    map_inputs,
+    training_flags,
+)
 
 #: The share of the machine's available memory a verification run may take by default.
 BUDGET_FRACTION = 0.5
@@ -221,12 +229,12 @@ def allocator_events() -> Iterator[list[int]]:
 
     events: list[int] = []
     prof: Any = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.__enter__()
     try:
         yield events
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.__exit__(None, None, None)
     events.extend(e.nbytes() for e in prof.profiler.kineto_results.events()
                   if e.name() == "[memory]")
@@ -276,27 +284,10 @@ def _materialize(model: nn.Module) -> None:
 
 
 def _real_inputs(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    memo: dict[int, Any] = {}
+    def leaf(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.detach().to("cpu")
 
-    def conv(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            if id(v) not in memo:
-                if v.is_meta:
-                    memo[id(v)] = torch.zeros(v.shape, dtype=v.dtype)
-                else:
-                    memo[id(v)] = v.detach().to("cpu")
-            return memo[id(v)]
-        if isinstance(v, (tuple, list)):
-            return type(v)(conv(x) for x in v)
-        if isinstance(v, dict):
-            return {k: conv(x) for k, x in v.items()}
-        return v
-
-    if isinstance(inputs, Mapping):
-        return (), {k: conv(v) for k, v in inputs.items()}
-    if isinstance(inputs, torch.Tensor):
-        return (conv(inputs),), {}
-    return tuple(conv(v) for v in inputs), {}
+    return map_inputs(inputs, leaf)
 
 
 def resize_batch(inputs: Inputs) -> tuple[int | None, Callable[[int], Inputs] | None]:
@@ -325,21 +316,3 @@ def resize_batch(inputs: Inputs) -> tuple[int | None, Callable[[int], Inputs] | 
         return tuple(cut(v, n) for v in inputs)
 
     return batch, resize
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence the profiler library's start/stop lines, written straight to fd 2."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        sys.stderr.flush()
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
