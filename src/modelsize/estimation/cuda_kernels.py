@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 _ATEN = torch.ops.aten
 
 
-class CudaKernelChoices(TorchFunctionMode):
-    """Reroute dropout and attention to the CUDA kernels' memory behaviour."""
+class _Reroute(TorchFunctionMode):
+    """Dropout and attention as the CUDA kernels run them."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -38,6 +38,44 @@ class CudaKernelChoices(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+class CudaKernelChoices(_Reroute):
+    """Reroute dropout and attention to the CUDA kernels' memory behaviour, in the forward
+    and in activation checkpointing's recomputation.
+
+    The autograd engine does not carry torch-function modes into the backward, where
+    checkpointing recomputes its forward: without help the recomputation would take the CPU
+    kernels, save other tensors than the forward did, and checkpoint would refuse ("a
+    different number of tensors was saved"). A real CUDA run recomputes with the same CUDA
+    kernels, so both checkpoint implementations recompute inside the rerouting mode here.
+    """
+
+    def __enter__(self) -> CudaKernelChoices:
+        import torch.utils.checkpoint as ckpt
+
+        self._saved = [(ckpt, "_run_fn_with_dynamo_disabled",
+                        ckpt._run_fn_with_dynamo_disabled),
+                       (ckpt.CheckpointFunction, "backward",
+                        ckpt.CheckpointFunction.__dict__["backward"])]
+        ckpt._run_fn_with_dynamo_disabled = _rerouted(ckpt._run_fn_with_dynamo_disabled)
+        ckpt.CheckpointFunction.backward = staticmethod(  # type: ignore[method-assign]
+            _rerouted(ckpt.CheckpointFunction.backward))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+
+
+def _rerouted(fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _Reroute():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
