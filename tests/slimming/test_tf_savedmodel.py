@@ -73,7 +73,39 @@ with tf.GradientTape() as tape:
 grads = tape.gradient(loss, [module.w, module.b])
 module.optimizer.apply_gradients(zip(grads, [module.w, module.b]))
 tf.saved_model.save(module, root + "/module_adam", signatures={"serving_default": module.serve})
+
+# MobileNet-shaped: depthwise convolutions, BatchNorm, ReLU6, a linear bottleneck and a
+# residual. The first depthwise BatchNorm keeps its fresh statistics (mean 0, variance 1,
+# beta 0: grappler folds its shift away, leaving a lone Mul); the others get seeded ones.
+keras.utils.set_random_seed(1)
+inp = keras.Input((16, 16, 3))
+x = keras.layers.Conv2D(8, 3, strides=2, padding="same", use_bias=False)(inp)
+x = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization(name="stem_bn")(x))
+x = keras.layers.DepthwiseConv2D(3, padding="same", use_bias=False)(x)
+x = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization(name="fresh_dw_bn")(x))
+x = keras.layers.Conv2D(16, 1, use_bias=False)(x)
+x = keras.layers.BatchNormalization(name="project_bn")(x)
+y = keras.layers.Conv2D(32, 1, use_bias=False)(x)
+y = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization(name="expand_bn")(y))
+y = keras.layers.DepthwiseConv2D(3, padding="same", use_bias=False)(y)
+y = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization(name="dw_bn")(y))
+y = keras.layers.Conv2D(16, 1, use_bias=False)(y)
+y = keras.layers.BatchNormalization(name="project2_bn")(y)
+x = keras.layers.Add()([x, y])
+x = keras.layers.GlobalAveragePooling2D()(x)
+out = keras.layers.Dense(5)(x)
+mobilenet = keras.Model(inp, out)
+for layer in mobilenet.layers:
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.name != "fresh_dw_bn":
+        n = layer.gamma.shape[0]
+        layer.set_weights([rng.uniform(0.5, 1.5, n), rng.normal(0, 0.5, n),
+                           rng.normal(0, 0.5, n), rng.uniform(0.5, 2.0, n)])
+mobilenet.export(root + "/mobilenet_bn", verbose=False)
 print(json.dumps({
+    "mobilenet_batchnorms": sum(isinstance(l, keras.layers.BatchNormalization)
+                                for l in mobilenet.layers),
+    "mobilenet_depthwise": sum(isinstance(l, keras.layers.DepthwiseConv2D)
+                               for l in mobilenet.layers),
     "keras_variables": len(model.weights),
     "batchnorms": sum(isinstance(l, keras.layers.BatchNormalization) for l in model.layers),
     "module_variables": {"w": [4, 3], "b": [3]},
@@ -95,6 +127,10 @@ root = Path(sys.argv[1])
 rng = np.random.default_rng(123)
 FEEDS = {"keras_bn": {"keras_tensor": rng.standard_normal((3, 12, 12, 3)).astype("float32")},
          "module_adam": {"x": rng.standard_normal((5, 4)).astype("float32")}}
+_mobilenet_input = next(iter(tf.saved_model.load(str(root / "mobilenet_bn"))
+                             .signatures["serving_default"].structured_input_signature[1]))
+FEEDS["mobilenet_bn"] = {
+    _mobilenet_input: rng.standard_normal((3, 16, 16, 3)).astype("float32")}
 
 def serve(path, key, feed):
     fn = tf.saved_model.load(str(path)).signatures[key]
@@ -148,6 +184,9 @@ CASES = [
     ("keras_dynamic", "keras_bn", {"to": "tflite", "quantize": "dynamic"}, check_tflite),
     ("keras_float16", "keras_bn", {"to": "tflite", "quantize": "float16"}, check_tflite),
     ("keras_int8", "keras_bn", {"to": "tflite", "quantize": "int8"}, check_tflite),
+    ("mobilenet_freeze", "mobilenet_bn", {"freeze": True}, check_saved_model),
+    ("mobilenet_dynamic", "mobilenet_bn", {"to": "tflite", "quantize": "dynamic"},
+     check_tflite),
     ("module_default", "module_adam", {}, check_saved_model),
     ("module_freeze", "module_adam", {"freeze": True}, check_saved_model),
 ]
@@ -238,7 +277,7 @@ def slimmed(built: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any], d
     """Every slim of both models, checked by TensorFlow; the inputs' digests before and after."""
     root, info = built
     (root / "out").mkdir(exist_ok=True)
-    before = {n: _tree_digest(root / n) for n in ("keras_bn", "module_adam")}
+    before = {n: _tree_digest(root / n) for n in ("keras_bn", "module_adam", "mobilenet_bn")}
     proc = run_in_tf(_tf_env_code(_SLIM_AND_CHECK), str(root))
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     results["_inputs_untouched"] = before == {n: _tree_digest(root / n) for n in before}
@@ -310,6 +349,32 @@ def test_keras_freeze_folds_every_batchnorm(slimmed: Any) -> None:
     assert info["batchnorms"] == 3
     assert not {"Mul", "Rsqrt", "FusedBatchNormV3"} & set(case["ops"]), case["ops"]
     assert 1 <= case["result"]["folded_batchnorms"] <= info["batchnorms"]
+
+
+def test_mobilenet_freeze_folds_depthwise_batchnorms_with_and_without_shift(
+    slimmed: Any,
+) -> None:
+    _, info, results = slimmed
+    case = _case(results, "mobilenet_freeze")
+    assert all(r <= TOLERANCES["exact"] for r in case["rel"].values()), case["rel"]
+    assert case["variables"] == {}
+    # No BatchNorm arithmetic is left after any convolution, depthwise ones included (one
+    # of them with a zero shift, where only the Mul by the scale remains to fold).
+    assert not {"Mul", "Rsqrt", "FusedBatchNormV3"} & set(case["ops"]), case["ops"]
+    assert {"DepthwiseConv2dNative", "Relu6"} <= set(case["ops"])
+    assert info["mobilenet_depthwise"] == 2 and info["mobilenet_batchnorms"] == 6
+    # Grappler merges the scale into the bias-free Conv2D's itself; the depthwise ones
+    # are modelsize's.
+    assert case["result"]["folded_batchnorms"] >= info["mobilenet_depthwise"]
+    assert case["bytes"] < case["result"]["bytes_before"]
+
+
+def test_mobilenet_dynamic_range_tflite_within_tolerance(slimmed: Any) -> None:
+    _, _, results = slimmed
+    case = _case(results, "mobilenet_dynamic")
+    assert case["signatures"] == ["serving_default"]
+    assert case["rel"]["serving_default"] <= TOLERANCES["dynamic"]
+    assert case["bytes"] < case["result"]["bytes_before"]
 
 
 @pytest.mark.parametrize(("case", "bound"), [

@@ -15,10 +15,11 @@ Modes (:func:`slim_saved_model`):
 * ``freeze``: each signature's variables become constants
   (``convert_variables_to_constants_v2``); grappler's ``constfold`` computes each inference
   BatchNorm's ``scale = gamma / sqrt(var + eps)`` and ``shift`` (and itself merges the scale
-  into a bias-free ``Conv2D``); ``fold-batchnorm`` folds the ``(W x [+ b]) * scale + shift``
+  into a bias-free ``Conv2D``); ``fold-batchnorm`` folds the ``(W x [+ b]) * scale [+ shift]``
   left after a ``Conv2D``, ``DepthwiseConv2dNative`` or ``MatMul`` into new weights and a
-  bias (only when nothing else reads the intermediate results; before grappler's
-  ``arithmetic`` regroups the adds of a residual around it); then grappler's ``pruning``,
+  bias (the shift is gone when it is zero, as in a fresh BatchNorm; only when nothing else
+  reads the intermediate results; before grappler's ``arithmetic`` regroups the adds of a
+  residual around it); then grappler's ``pruning``,
   ``constfold``, ``arithmetic`` and ``dependency`` (Identity removal, folding, pruning to the
   signature's outputs). Grappler's ``remap`` is not run: it writes CPU-only ``_Fused*`` ops
   into the saved graph. Signatures with identical frozen graphs share one function. Exact up
@@ -92,13 +93,15 @@ class Quantize(str, Enum):
 
 
 #: Default bound on ``max_rel`` per mode. The SavedModel passes are exact up to float rounding;
-#: TFLite's float kernels reassociate sums; the quantized bounds were measured on the test
-#: models (a small BatchNorm CNN, a dense module) with margin: see benchmarks/slim_graphs_tf.py.
+#: TFLite's float kernels reassociate sums; the quantized bounds were measured with margin on
+#: the models of benchmarks/slim_graphs_tf.py. ``dynamic`` is ONNX's bound for the same scheme
+#: (int8 weights, activations quantized at run time by the hybrid kernels): MobileNetV2 moves
+#: by 0.065 to 0.081 there, over the 5e-2 the smaller models allowed.
 TOLERANCES: dict[str, float] = {
     "exact": 1e-5,
     "tflite": 1e-4,
     Quantize.FLOAT16.value: 1e-2,
-    Quantize.DYNAMIC.value: 5e-2,
+    Quantize.DYNAMIC.value: 2e-1,
     Quantize.INT8.value: 1e-1,
 }
 
@@ -668,12 +671,14 @@ _FOLDABLE = frozenset({"Conv2D", "DepthwiseConv2dNative", "MatMul"})
 
 
 def fold_batchnorm(tf: Any, graph_def: Any, fetches: list[str]) -> tuple[Any, int]:
-    """Fold ``(W x [+ b]) * s + t`` (constant ``W, b, s, t``, per output channel) into ``W x + b'``.
+    """Fold ``(W x [+ b]) * s [+ t]`` (``W, b, s, t`` constant, per channel) into ``W' x + b'``.
 
     This is what an inference BatchNorm becomes once its statistics are constants and folded
-    (``Mul`` by ``gamma / sqrt(var + eps)``, ``Add`` of ``beta - mean * that``). Only chains
-    whose intermediate results nothing else reads are folded. Returns the new graph and how
-    many chains were folded.
+    (``Mul`` by ``gamma / sqrt(var + eps)``, ``Add`` of ``beta - mean * that``; grappler's
+    constant folding drops the ``Add`` when the shift is zero, as in a BatchNorm fresh from
+    initialisation). ``W x`` is a ``Conv2D``, ``DepthwiseConv2dNative`` or ``MatMul``. Only
+    chains whose intermediate results nothing else reads are folded. Returns the new graph and
+    how many chains were folded.
     """
     import numpy as np
 
@@ -681,16 +686,19 @@ def fold_batchnorm(tf: Any, graph_def: Any, fetches: list[str]) -> tuple[Any, in
     graph.CopyFrom(graph_def)
     nodes = {n.name: n for n in graph.node}
 
-    def readers() -> dict[str, int]:
+    def readers() -> tuple[dict[str, int], dict[str, list[Any]]]:
+        """How many inputs (and fetches) read each node, and the nodes reading each."""
         count: dict[str, int] = {}
+        users: dict[str, list[Any]] = {}
         for n in graph.node:
             for i in n.input:
                 src = i.lstrip("^").split(":")[0]
                 count[src] = count.get(src, 0) + 1
+                users.setdefault(src, []).append(n)
         for f in fetches:
             src = f.split(":")[0]
             count[src] = count.get(src, 0) + 1
-        return count
+        return count, users
 
     def const(name: str) -> Any:
         node = nodes.get(name.split(":")[0])
@@ -708,46 +716,50 @@ def fold_batchnorm(tf: Any, graph_def: Any, fetches: list[str]) -> tuple[Any, in
                 return node.input[a], value
         return None
 
-    def channel_vector(value: Any, channels: int) -> Any:
-        """``value`` as a per-channel vector when it broadcasts only along the last axis."""
+    def channel_vector(value: Any, channels: int, rank: int) -> Any:
+        """``value`` as a per-channel vector when it broadcasts only along the last axis of a
+        rank-``rank`` result (and does not raise its rank)."""
+        if value.ndim > rank:
+            return None
         if value.size != channels or (value.ndim and value.shape[-1] != channels):
             return None if value.size != 1 else np.full(channels, value.reshape(()))
         return value.reshape(channels)
 
+    def single(name: str, count: dict[str, int]) -> Any:
+        """The node producing ``name`` (its first output) when exactly one input reads it."""
+        node = nodes.get(name)
+        return node if node is not None and count.get(name) == 1 else None
+
     folded = 0
     changed = True
-    while changed:
+    while changed:  # a pass folds disjoint chains; the next sees what they became
         changed = False
-        count = readers()
-        for add in list(graph.node):
-            if add.op not in ("AddV2", "Add"):
-                continue
-            parts = split(add)
-            if parts is None:
-                continue
-            mul = nodes.get(parts[0].split(":")[0])
-            if mul is None or mul.op != "Mul" or count.get(mul.name) != 1 or ":" in parts[0]:
+        count, users = readers()
+        dead: set[str] = set()
+        touched: set[str] = set()
+        for mul in list(graph.node):
+            if mul.op != "Mul" or mul.name in touched:
                 continue
             mparts = split(mul)
             if mparts is None:
                 continue
-            prev = nodes.get(mparts[0].split(":")[0])
-            if prev is None or ":" in mparts[0] or count.get(prev.name) != 1:
+            prev = single(mparts[0], count)
+            if prev is None:
                 continue
             bias_node, bias = None, None
             if prev.op == "BiasAdd":
                 bparts = split(prev)
-                if bparts is None or prev.input[1] != prev.input[1].split(":")[0]:
+                if bparts is None or bparts[0] != prev.input[0] or ":" in prev.input[1]:
                     continue
                 if prev.attr["data_format"].s not in (b"", b"NHWC"):
                     continue
                 bias_node, bias = prev, bparts[1]
-                conv = nodes.get(prev.input[0].split(":")[0])
-                if conv is None or ":" in prev.input[0] or count.get(conv.name) != 1:
-                    continue
+                conv = single(prev.input[0], count)
             else:
                 conv = prev
-            if conv.op not in _FOLDABLE or len(conv.input) != 2:
+            if conv is None or conv.op not in _FOLDABLE or len(conv.input) != 2:
+                continue
+            if touched & {prev.name, conv.name}:
                 continue
             weights = const(conv.input[1])
             if weights is None or weights.dtype.kind != "f":
@@ -757,47 +769,66 @@ def fold_batchnorm(tf: Any, graph_def: Any, fetches: list[str]) -> tuple[Any, in
                     continue
             elif conv.attr["data_format"].s not in (b"", b"NHWC"):
                 continue
-            channels = (weights.shape[2] * weights.shape[3]
-                        if conv.op == "DepthwiseConv2dNative" else weights.shape[-1])
-            scale = channel_vector(mparts[1], channels)
-            shift = channel_vector(parts[1], channels)
-            if scale is None or shift is None:
+            depthwise = conv.op == "DepthwiseConv2dNative"
+            channels = weights.shape[2] * weights.shape[3] if depthwise else weights.shape[-1]
+            rank = 2 if conv.op == "MatMul" else 4
+            scale = channel_vector(mparts[1], channels, rank)
+            if scale is None:
                 continue
-            if conv.op == "DepthwiseConv2dNative":
+            if bias is not None:
+                bias = channel_vector(bias, channels, rank)
+                if bias is None:
+                    continue
+            # The shift: an Add of a constant that only the Mul's result feeds.
+            end, shift = mul, None
+            after = users.get(mul.name, [])
+            if count.get(mul.name) == 1 and len(after) == 1 and after[0].op in ("AddV2", "Add"):
+                aparts = split(after[0])
+                if aparts is not None and aparts[0] == mul.name:
+                    shift = channel_vector(aparts[1], channels, rank)
+                    end = mul if shift is None or after[0].name in touched else after[0]
+            dtype = weights.dtype
+            if depthwise:
                 new_w = weights * scale.reshape(weights.shape[2], weights.shape[3])
             else:
                 new_w = weights * scale
-            base = bias if bias is not None else np.zeros(channels, weights.dtype)
-            if base.shape != (channels,):
-                continue
-            new_b = base * scale + shift
-            dtype = weights.dtype
-            w_name, b_name = f"{conv.name}/folded_weights", f"{add.name}/folded_bias"
-            for name, value in ((w_name, new_w), (b_name, new_b)):
+            consts = [(f"{conv.name}/folded_weights", new_w)]
+            if bias is not None or shift is not None:
+                new_b = (np.zeros(channels, dtype) if bias is None else bias) * scale
+                consts.append((f"{end.name}/folded_bias",
+                               new_b if shift is None else new_b + shift))
+            for name, value in consts:
                 node = graph.node.add()
                 node.name, node.op = name, "Const"
                 node.attr["dtype"].type = conv.attr["T"].type
                 node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value.astype(dtype)))
                 nodes[name] = node
-            conv.input[1] = w_name
-            # The Add keeps its name (its readers stay as they are) and becomes the BiasAdd.
-            add.op = "BiasAdd"
-            del add.input[:]
-            add.input.extend([conv.name, b_name])
-            t_attr = add.attr["T"].type
-            add.attr.clear()
-            add.attr["T"].type = t_attr
-            add.attr["data_format"].s = b"NHWC"
-            dead = {mul.name} | ({bias_node.name} if bias_node is not None else set())
+            conv.input[1] = consts[0][0]
+            # The chain's last node keeps its name (its readers stay as they are) and becomes
+            # the BiasAdd of the new bias, or an Identity when there is none.
+            t_attr = end.attr["T"].type
+            del end.input[:]
+            end.input.append(conv.name)
+            end.attr.clear()
+            end.attr["T"].type = t_attr
+            if len(consts) == 2:
+                end.op = "BiasAdd"
+                end.input.append(consts[1][0])
+                end.attr["data_format"].s = b"NHWC"
+            else:
+                end.op = "Identity"
+            dead |= ({mul.name} - {end.name}) | (
+                {bias_node.name} if bias_node is not None else set())
+            touched |= {mul.name, prev.name, conv.name, end.name}
+            folded += 1
+            changed = True
+        if dead:
             kept = [n for n in graph.node if n.name not in dead]
             del graph.node[:]
             graph.node.extend(kept)
             nodes = {n.name: n for n in graph.node}
-            folded += 1
-            changed = True
-            break
     # Constants no longer read (the old weights, scale, shift) go.
-    count = readers()
+    count, _ = readers()
     kept = [n for n in graph.node if n.op != "Const" or count.get(n.name)]
     del graph.node[:]
     graph.node.extend(kept)
