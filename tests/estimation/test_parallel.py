@@ -336,10 +336,20 @@ def test_cli_gpus(capsys: Any) -> None:
     assert "ZeRO formula, stage 3" in out and "DeepSpeed estimate_zero3" in out
 
 
-def test_cli_gpus_refuses_verify(capsys: Any) -> None:
-    code, _, err = _cli(capsys, "--gpus", "2", "--verify")
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1 and "--verify" in err
+def test_cli_gpus_verifies_traced_ranks_only(capsys: Any) -> None:
+    for refused in (("--strategy", "zero2"), ("--cpu-offload",)):
+        code, _, err = _cli(capsys, "--gpus", "2", "--verify", *refused)
+        assert code == 2
+        assert len(err.strip().splitlines()) == 1 and "--verify" in err
+    # a traced rank: the real run on the fake process group, measured by the test's own code
+    code, out, err = _cli(capsys, "--gpus", "2", "--verify", "--json")
+    assert code == 0, err
+    data = json.loads(out)["verification"]
+    torch.manual_seed(0)  # the factory's model and input, built again
+    model = Stack()
+    x = torch.randn(2, 16, 32)
+    real = measured_fsdp(model, (x,), 2, 0, ["blocks.0", "blocks.1", "blocks.2"])
+    assert data["measured_bytes"] == real == data["estimated_bytes"]
 
 
 def test_shard_units() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from modelsize.errors import UsageError
 from modelsize.estimation.optimizers import Implementation, OptimizerName
-from modelsize.estimation.parallel import Strategy
+from modelsize.estimation.parallel import SHARDED, FsdpPrecision, Strategy
 
 _DTYPES = ("float32", "bfloat16", "float16")
 #: The command estimates for a GPU by default (users ask about GPUs); ``modelsize.estimate``
@@ -69,15 +69,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory the --verify run may use, e.g. 8GiB (default: half of "
                         "the available memory)")
     parser.add_argument("--fit", default=None, metavar="BUDGET",
-                        help="find the largest batch that fits, e.g. 80GiB")
-    parser.add_argument("--fit-dim", choices=["batch", "seq"], default="batch",
+                        help="find the largest batch that fits, e.g. 80GiB (per rank with "
+                        "--gpus N; with --fit-dim gpus the fewest GPUs of that memory); a "
+                        "training step without --checkpoint is fitted again with every "
+                        "repeated block checkpointed")
+    parser.add_argument("--fit-dim", choices=["batch", "seq", "gpus"], default="batch",
                         help="what --fit searches (default batch)")
     par = parser.add_argument_group("across GPUs (per-rank memory)")
     par.add_argument("--gpus", type=_positive, default=None, metavar="N",
                      help="estimate one rank of a data-parallel program on N GPUs")
     par.add_argument("--strategy", default=None, choices=[s.value for s in Strategy],
-                     help="fsdp/zero3: FSDP2 traced on a fake process group (default); ddp, "
-                     "zero1, zero2: accounted from the single-GPU trace")
+                     help="fsdp/zero3: FSDP2 traced on a fake process group (default); tp: "
+                     "the model's tensor-parallel plan over all N GPUs; fsdp+tp: a 2D mesh "
+                     "(N / --tp, --tp), traced; ddp, zero1, zero2: accounted from the "
+                     "single-GPU trace")
+    par.add_argument("--tp", type=_positive, default=None, metavar="N",
+                     help="tensor-parallel degree of fsdp+tp (implies it): the model's plan on "
+                     "N GPUs, FSDP2 over the --gpus / N groups")
+    par.add_argument("--fsdp-mp", default=None, choices=[p.value for p in FsdpPrecision],
+                     help="with --amp and FSDP2: policy (MixedPrecisionPolicy: parameters "
+                     "gathered in the amp dtype, gradients reduced in float32; the default) "
+                     "or autocast (torch.autocast around float32 FSDP2)")
+    par.add_argument("--cpu-offload", action="store_true",
+                     help="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the "
+                     "optimizer step on the host; the estimate is of each GPU")
     par.add_argument("--reshard-after-forward", dest="reshard", action="store_true",
                      default=True, help="FSDP2 frees each block's gathered parameters after "
                      "its forward (default)")
@@ -148,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from modelsize.estimation.result import Source
     from modelsize.estimation.targets import (
         Options,
-        fit_target,
+        fit_both,
         resolve,
         suggestions_for,
         trace_target,
@@ -169,16 +184,17 @@ def run(args: argparse.Namespace) -> int:
     options = Options(args.mode, optimizer, args.impl, args.amp, device, args.accumulate,
                       checkpoint, args.optimize_frozen, sources)
     progress = Progress(target.name, sys.stderr.isatty())
-    if args.gpus is not None or args.strategy is not None or args.shard:
+    if (args.gpus is not None or args.strategy is not None or args.shard or args.tp
+            or args.fsdp_mp or args.cpu_offload or args.fit_dim == "gpus"):
         return _run_parallel(args, target, batch, seq, options, progress)
     try:
         est = trace_target(target, batch, seq, options, progress)
         if args.verify:
             est = verify_target(target, est, batch, seq, options, verify_budget)
-        fit_result = None
+        fits = []
         if args.fit:
-            fit_result = fit_target(target, batch, seq, options, _size(args.fit, "--fit"),
-                                    args.fit_dim, progress)
+            fits = fit_both(target, batch, seq, options, _size(args.fit, "--fit"),
+                            args.fit_dim, progress)
         want = args.suggest if args.suggest is not None else not args.json
         suggestions = suggestions_for(target, est, batch, seq, options, progress) if want else []
     finally:
@@ -188,13 +204,13 @@ def run(args: argparse.Namespace) -> int:
         data["description"] = target.description
         data["batch"], data["seq"] = batch, seq
         data["suggestions"] = [s.to_dict() for s in suggestions]
-        data["fit"] = fit_result.to_dict() if fit_result else None
+        data.update(_fit_json(fits))
         print(json.dumps(data))
     else:
         from modelsize.report.estimate_text import render_estimate
 
         sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
-                                         seq=seq, suggestions=suggestions, fit=fit_result))
+                                         seq=seq, suggestions=suggestions, fit=fits))
     _html(args, est)
     return 0
 
@@ -213,18 +229,50 @@ def _run_parallel(args: argparse.Namespace, target: Any, batch: int, seq: int,
 
     from modelsize.estimation import estimate
     from modelsize.estimation.parallel import Parallel
+    from modelsize.estimation.targets import fit_both, on_world
 
-    for flag, value in (("--verify", args.verify), ("--fit", args.fit)):
-        if value:
-            raise UsageError(f"{flag} is not available with --gpus yet")
     units = tuple(p.strip() for group in (args.shard or ()) for p in group.split(",")
                   if p.strip())
-    parallel = Parallel(args.gpus or 1, args.strategy or Strategy.FSDP,
-                        reshard_after_forward=args.reshard, units=units)
+    strategy = args.strategy or (Strategy.FSDP_TP if args.tp else Strategy.FSDP)
+    if args.fsdp_mp and not args.amp:
+        raise UsageError("--fsdp-mp chooses how FSDP2 runs --amp: give --amp bf16 or fp16")
+    if args.fsdp_mp and Strategy(strategy) not in SHARDED:
+        raise UsageError(f"--fsdp-mp chooses how FSDP2 runs --amp; strategy {strategy} runs "
+                         "no FSDP2 (its --amp is torch.autocast)")
+    if args.fit_dim == "gpus" and args.gpus:
+        raise UsageError("--fit-dim gpus searches the number of GPUs: leave out --gpus (or "
+                         "fit the batch per rank on --gpus N with --fit-dim batch)")
+    if args.fit_dim == "gpus" and not args.fit:
+        raise UsageError("--fit-dim gpus needs --fit BUDGET, the memory of one GPU")
+    world = args.gpus or (args.tp if args.tp else 1)
+    parallel = Parallel(world, strategy, reshard_after_forward=args.reshard,
+                        units=units, tp=args.tp,
+                        mixed_precision=args.fsdp_mp or FsdpPrecision.POLICY,
+                        cpu_offload=args.cpu_offload)
+    if args.verify:
+        from modelsize.estimation.parallel_trace import check_verifiable
+
+        check_verifiable(parallel)
+    inputs = target.make_inputs(batch, seq, options.mode == "train")
+    fits: list[Any] = []
     try:
-        est = estimate(target.model, target.make_inputs(batch, seq, options.mode == "train"),
-                       **options.settings().kwargs(), name=target.name, progress=progress,
-                       parallel=parallel)
+        if args.fit and args.fit_dim == "gpus":
+            fits = fit_both(target, batch, seq, options, _size(args.fit, "--fit"), "gpus",
+                            progress, parallel)
+            if fits[0].best:  # the report below describes the answer
+                parallel = on_world(parallel, fits[0].best)
+        est = estimate(target.model, inputs, **options.settings().kwargs(), name=target.name,
+                       progress=progress, parallel=parallel)
+        if args.fit and args.fit_dim != "gpus":
+            fits = fit_both(target, batch, seq, options, _size(args.fit, "--fit"),
+                            args.fit_dim, progress, parallel)
+        if args.verify:
+            from modelsize.estimation.parallel_trace import verify_rank
+
+            budget = _size(args.verify_budget, "--verify-budget") if args.verify_budget else None
+            est = replace(est, verification=verify_rank(target.model, inputs,
+                                                        options.settings(), parallel, est,
+                                                        budget))
     finally:
         progress.done()
     est = replace(est, setup=replace(est.setup, sources=dict(options.sources)))
@@ -232,14 +280,21 @@ def _run_parallel(args: argparse.Namespace, target: Any, batch: int, seq: int,
         data = est.to_dict()
         data["description"] = target.description
         data["batch"], data["seq"] = batch, seq
+        data.update(_fit_json(fits))
         print(json.dumps(data))
     else:
         from modelsize.report.estimate_text import render_estimate
 
         sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
-                                         seq=seq))
+                                         seq=seq, fit=fits))
     _html(args, est)
     return 0
+
+
+def _fit_json(fits: list[Any]) -> dict[str, Any]:
+    """``fit``: as asked; ``fit_checkpointed``: the same search with every block checkpointed."""
+    return {"fit": fits[0].to_dict() if fits else None,
+            "fit_checkpointed": fits[1].to_dict() if len(fits) > 1 else None}
 
 
 def _size(text: str, option: str) -> int:

@@ -125,6 +125,12 @@ def estimate(
     root) on a fake process group, collectives' buffers counted as ``communication``.
     ``ddp``, ``zero1`` and ``zero2`` are accounted from the single-GPU trace (DDP's gradient
     buckets added; the optimizer step, and for ZeRO-2 the gradients, divided by ``N``).
+    ``fsdp+tp`` (``Parallel(tp=...)``) applies the model's tensor-parallel plan on a
+    ``(dp, tp)`` mesh and FSDP2 over ``dp``; ``--amp`` with FSDP2 is its
+    ``MixedPrecisionPolicy`` unless ``Parallel(mixed_precision="autocast")``;
+    ``cpu_offload=True`` splits the rank's bytes between GPU and host (accounted). With
+    ``verify=True`` the traced rank is also run for real on the fake process group and
+    measured (at full size only).
     """
     require_torch()
     from modelsize.estimation import core

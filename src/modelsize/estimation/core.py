@@ -89,14 +89,19 @@ def estimate(
         if not isinstance(parallel, Parallel):
             raise UsageError(f"parallel must be a Parallel, not {type(parallel).__name__}")
         if verify:
-            raise UsageError("verify=True is not available with parallel= (the real run "
-                             "would need one process per rank)")
+            from modelsize.estimation.parallel_trace import check_verifiable
+
+            check_verifiable(parallel)
     try:
         if parallel is not None:
-            from modelsize.estimation.parallel_trace import estimate_parallel
+            from modelsize.estimation.parallel_trace import estimate_parallel, verify_rank
 
-            return estimate_parallel(model, inputs, program, parallel, label, described,
-                                     sources, progress)
+            est = estimate_parallel(model, inputs, program, parallel, label, described,
+                                    sources, progress)
+            if verify:
+                est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
+                                                            est, verify_budget))
+            return est
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise

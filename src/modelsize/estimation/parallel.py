@@ -5,7 +5,12 @@ backend (every collective returns at once, touching nothing) for a process group
 ranks, a ``DeviceMesh``, and FSDP2's ``fully_shard`` or a tensor-parallel plan of DTensor
 layers (:mod:`modelsize.estimation.parallel_trace`).
 Each traced rank's peak is the peak of live tensor bytes of that rank's program, its
-all-gather and reduce-scatter buffers included.
+all-gather and reduce-scatter buffers included. ``fsdp+tp`` runs both on a 2D mesh
+``(world / tp, tp)``. With ``amp``, FSDP2 runs its ``MixedPrecisionPolicy`` by default (as
+torchtitan does) or ``torch.autocast`` around float32 parameters when asked
+(:class:`FsdpPrecision`). CPU offload runs FSDP2's ``CPUOffloadPolicy`` too, but on the CPU
+mesh its host-device copies are no-ops: the GPU's and the host's shares are accounted from
+that trace.
 
 The accounted strategies start from the traced single-GPU program and replay its
 allocations: DDP adds the Reducer's gradient buckets (the fake backend's all-reduce future
@@ -44,13 +49,32 @@ class Strategy(str, Enum):
     """Parameters, gradients and optimizer state sharded: FSDP2 (traced)."""
     TP = "tp"
     """Tensor parallelism over all ``world`` ranks: the model's plan (traced, DTensor)."""
+    FSDP_TP = "fsdp+tp"
+    """A 2D mesh ``(dp, tp) = (world / tp, tp)``: the model's tensor-parallel plan on the tp
+    mesh, FSDP2 ``fully_shard`` on the dp mesh, as torchtitan does (traced)."""
 
     def __str__(self) -> str:
         return self.value
 
 
 #: Strategies whose per-rank numbers come from a trace of the real engine.
-TRACED = frozenset({Strategy.FSDP, Strategy.ZERO3, Strategy.TP})
+TRACED = frozenset({Strategy.FSDP, Strategy.ZERO3, Strategy.TP, Strategy.FSDP_TP})
+#: Strategies that run FSDP2 (mixed-precision policy, CPU offload).
+SHARDED = frozenset({Strategy.FSDP, Strategy.ZERO3, Strategy.FSDP_TP})
+
+
+class FsdpPrecision(str, Enum):
+    """How FSDP2 runs a mixed-precision (``amp``) program."""
+
+    POLICY = "policy"
+    """``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=float32))``
+    on every unit and the root, no autocast: what torchtitan and the FSDP2 docs do."""
+    AUTOCAST = "autocast"
+    """``torch.autocast`` around the FSDP2 model, fp32 parameters gathered: autocast keeps a
+    low-precision copy of every gathered parameter until the forward ends."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,12 @@ class Parallel:
     root; by default each block of the model's largest ``nn.ModuleList`` of repeated blocks.
     ``ranks``: the ranks to trace (default rank 0, the worst: :meth:`ranks_to_trace`); the
     worst of them is reported.
+    ``tp``: the tensor-parallel degree. ``fsdp+tp`` needs it (a divisor of ``world``: the mesh
+    is ``(world // tp, tp)``); ``tp`` takes it as ``world`` (a smaller one is refused: tp over
+    part of the ranks with replicas is ``fsdp+tp``'s job); other strategies have 1.
+    ``mixed_precision``: with ``amp``, how FSDP2 runs it (:class:`FsdpPrecision`; default its
+    ``MixedPrecisionPolicy``). ``cpu_offload``: FSDP2's ``CPUOffloadPolicy`` (sharded
+    parameters, gradients and the optimizer step on the host).
     """
 
     world: int
@@ -71,6 +101,9 @@ class Parallel:
     reshard_after_forward: bool = True
     units: tuple[str, ...] = ()
     ranks: tuple[int, ...] | None = None
+    tp: int | None = None
+    mixed_precision: FsdpPrecision | str = FsdpPrecision.POLICY
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.world, int) or self.world < 1:
@@ -84,11 +117,61 @@ class Parallel:
                              f"{names}") from None
         if isinstance(self.units, str):
             object.__setattr__(self, "units", (self.units,))
+        try:
+            object.__setattr__(self, "mixed_precision",
+                               FsdpPrecision(str(self.mixed_precision).lower()))
+        except ValueError:
+            raise UsageError(f"unknown FSDP mixed precision {self.mixed_precision!r}: expected "
+                             "policy or autocast") from None
+        object.__setattr__(self, "tp", self._tp_degree())
+        if self.cpu_offload and self.strategy not in SHARDED:
+            raise UsageError(f"CPU offload is FSDP2's: it needs strategy fsdp, zero3 or "
+                             f"fsdp+tp, not {self.strategy}")
         if self.ranks is not None:
             bad = [r for r in self.ranks if not 0 <= r < self.world]
             if bad or not self.ranks:
                 raise UsageError(f"parallel ranks must lie in 0..{self.world - 1}, not "
                                  f"{list(self.ranks)}")
+
+    def _tp_degree(self) -> int:
+        tp, world = self.tp, self.world
+        if tp is not None and (not isinstance(tp, int) or tp < 1):
+            raise UsageError(f"the tensor-parallel degree must be a positive number of GPUs, "
+                             f"not {tp!r}")
+        if tp is not None and tp > world:
+            raise UsageError(f"the tensor-parallel degree ({tp}) cannot exceed the number of "
+                             f"GPUs ({world})")
+        if self.strategy is Strategy.FSDP_TP:
+            if tp is None:
+                raise UsageError("strategy fsdp+tp needs a tensor-parallel degree (--tp N)")
+            if world % tp:
+                raise UsageError(f"fsdp+tp on {world} GPUs needs a tensor-parallel degree that "
+                                 f"divides {world}, not {tp}: the mesh is (world / tp, tp)")
+            return tp
+        if self.strategy is Strategy.TP:
+            if tp is not None and tp != world:
+                raise UsageError(f"strategy tp spreads the model over all {world} GPUs; for tp "
+                                 f"over {tp} with FSDP2 over the {world // tp} groups use "
+                                 "strategy fsdp+tp (--strategy fsdp+tp --tp N)")
+            return world
+        if tp not in (None, 1):
+            raise UsageError(f"a tensor-parallel degree applies to strategies tp and fsdp+tp, "
+                             f"not {self.strategy}")
+        return 1
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: ``world // tp`` (1 for tensor parallelism alone)."""
+        return 1 if self.strategy is Strategy.TP else self.world // (self.tp or 1)
+
+    @property
+    def mesh(self) -> tuple[tuple[str, int], ...]:
+        """The device mesh's dimensions, named: ``(("dp", 4), ("tp", 2))`` for fsdp+tp."""
+        if self.strategy is Strategy.FSDP_TP:
+            return (("dp", self.dp), ("tp", self.tp or 1))
+        if self.strategy is Strategy.TP:
+            return (("tp", self.world),)
+        return (("dp", self.world),)
 
     @property
     def traced(self) -> bool:

@@ -16,7 +16,9 @@ to name what they allocate ``communication``. DTensor computes each op's output 
 running it on fake tensors of the global shape in the current fake mode: that is left
 uncounted. The wrappers are put back when the trace ends.
 
-Known limitations: the program runs FSDP2's CPU path. On CUDA, FSDP2 gathers on a separate
+Known limitations: the program runs FSDP2's CPU path. With CPU offload that path makes
+no host-device copies, so what the GPU holds is accounted from the trace
+(:func:`offload_split`), not traced. On CUDA, FSDP2 gathers on a separate
 stream and frees a buffer only once the compute stream has used it, which can keep one more
 block's gathered parameters alive than a CPU run does; the CUDA caching allocator's rounding
 is not modelled per rank.
@@ -27,18 +29,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
 
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimation.optimizers import make_factory
-from modelsize.estimation.parallel import Parallel, Strategy, comparisons
+from modelsize.estimation.parallel import FsdpPrecision, Parallel, Strategy, comparisons
 from modelsize.estimation.result import (
     Comparison,
     Estimate,
@@ -46,6 +49,7 @@ from modelsize.estimation.result import (
     ParallelInfo,
     RankPeak,
     Source,
+    Verification,
 )
 from modelsize.estimation.trace import (
     Program,
@@ -76,11 +80,14 @@ class RankTrace:
     units: tuple[str, ...]
     communication: set[int] = field(default_factory=set)
     """``id()`` of the :class:`Allocation` records made by FSDP2's collectives."""
+    offload: _OffloadTicks | None = None
+    """With CPU offload: where FSDP2 copies between host and GPU, in ticks."""
 
 
 @contextlib.contextmanager
-def fake_process_group(world: int, rank: int) -> Iterator[Any]:
-    """A fake process group of ``world`` ranks, this process being ``rank``; yields a CPU mesh."""
+def fake_process_group(world: int, rank: int, tp: int = 1) -> Iterator[Any]:
+    """A fake process group of ``world`` ranks, this process being ``rank``; yields a CPU mesh:
+    one dimension, or ``(world // tp, tp)`` named ``("dp", "tp")`` when ``tp > 1``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -92,7 +99,10 @@ def fake_process_group(world: int, rank: int) -> Iterator[Any]:
                          "across GPUs makes its own (fake) one: call it outside distributed code")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,))
+        if tp > 1:
+            yield init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
 
@@ -154,7 +164,15 @@ class _Collectives:
         self._patch(prop, "_propagate_tensor_meta_non_cached",
                     self._uncounted(prop._propagate_tensor_meta_non_cached))
         self._patch(_sharding_prop, "_are_we_tracing", lambda: False)
+        # A foreach op's strategy has one child per tensor, and DTensor checks every child
+        # against all the op's arguments (quadratic: 8.6 of 18 s of sharding propagation on
+        # Llama-3-8B): the check is done once per op
+        self._patch(_sharding_prop, "_propagate_use_strided_shard_flag",
+                    _OncePerSchema(_sharding_prop._propagate_use_strided_shard_flag))
 
+        # FSDP2 chunks every parameter into ``world`` views to pick this rank's: only the
+        # chunks read are made (at world 1024, making the rest was most of the trace's time)
+        self._patch(_fsdp_param, "_chunk_with_empty", _LazyChunks)
         for mod in (_fsdp_param, _fsdp_param_group):
             self._patch(mod, "alloc_storage", self._alloc)
         self._patch(_fsdp_param, "free_storage", self._free)
@@ -226,7 +244,231 @@ class _Collectives:
             mode.live_bytes -= rec.nbytes
 
 
+@contextlib.contextmanager
+def _real_meshes() -> Iterator[None]:
+    """Build device meshes outside the fake mode: FSDP2 joins a 2D mesh's dp and tp meshes
+    (``DeviceMesh._concatenate``) inside ``fully_shard``, and a mesh finds its rank's
+    coordinates from the values of its rank tensor, which a fake tensor does not have."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+
+
+class _OffloadTicks:
+    """Record FSDP2's all-gathers and reduce-scatters (ticks, bytes) for the CPU-offload
+    accounting: on a CPU mesh ``CPUOffloadPolicy``'s host-device copies are no-ops, so the
+    trace has one memory; :func:`offload_split` divides it into the GPU's and the host's."""
+
+    def __init__(self, mode: CountingFakeMode) -> None:
+        self.mode = mode
+        self.gathers: list[tuple[int, int, int, int]] = []
+        """(first tick, last tick, bytes of the sharded parameters copied to the GPU, bytes of
+        the largest one when they are cast on the GPU, else 0)."""
+        self.reduces: list[tuple[int, int, int, int]] = []
+        """(first allocation index, end allocation index, last tick, bytes of the sharded
+        gradients copied to the host)."""
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> _OffloadTicks:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        for name, wrap in (("foreach_all_gather", self._gather),
+                           ("foreach_reduce", self._reduce)):
+            orig = getattr(group, name)
+            self._saved.append((group, name, orig))
+            setattr(group, name, wrap(orig))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mod, name, orig in reversed(self._saved):
+            setattr(mod, name, orig)
+        self._saved.clear()
+
+    def _gather(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        def run(fsdp_params: list[Any], *args: Any, **kwargs: Any) -> Any:
+            start = self.mode.tick + 1
+            shards = [p._sharded_param_data for p in fsdp_params
+                      if p.sharded_state is ShardedState.SHARDED]
+            sizes = [t.numel() * t.element_size() for t in shards]
+            cast = any(p.param_dtype not in (None, p.orig_dtype) for p in fsdp_params)
+            try:
+                return orig(fsdp_params, *args, **kwargs)
+            finally:
+                if sizes:
+                    self.gathers.append((start, self.mode.tick,
+                                         0 if cast else sum(sizes), max(sizes) if cast else 0))
+
+        return run
+
+    def _reduce(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def run(fsdp_params: list[Any], *args: Any, **kwargs: Any) -> Any:
+            first = len(self.mode.allocations)
+            grads = sum(math.prod(p.sharded_size) * p.orig_dtype.itemsize for p in fsdp_params)
+            try:
+                return orig(fsdp_params, *args, **kwargs)
+            finally:
+                self.reduces.append((first, len(self.mode.allocations), self.mode.tick, grads))
+
+        return run
+
+
+@dataclass
+class OffloadSplit:
+    """A traced rank's allocations divided between its GPU and the host (CPU offload)."""
+
+    gpu: list[Allocation]
+    gpu_scratch: dict[int, int]
+    host: list[Allocation]
+    host_scratch: dict[int, int]
+    communication: set[int]
+    """``id()`` of the GPU records that are communication buffers."""
+
+
+def offload_split(rank: RankTrace) -> OffloadSplit:
+    """What FSDP2's ``CPUOffloadPolicy`` keeps on the host and what the GPU holds (accounted).
+
+    The host: the sharded parameters, the sharded gradients (FSDP2 copies each parameter's
+    unpadded shard out of the reduce-scatter output), the optimizer state and the whole
+    optimizer step. The GPU: everything else in the trace, plus FSDP2's GPU copies of the
+    sharded parameters for each all-gather (alive through the all-gather: FSDP2 copies them
+    in together; cast one by one when a mixed-precision policy casts them, which the trace
+    has, and then the largest float32 copy is counted through the all-gather, a bound) and
+    each reduce-scatter output until its gradients are copied out.
+    """
+    mode = rank.trace.mode
+    ticks = rank.offload
+    assert ticks is not None
+    optimizer = [(p.start, p.end if p.end >= 0 else mode.tick)
+                 for p in mode.phases if p.name == "optimizer"]
+
+    def on_host(rec: Allocation) -> bool:
+        return (rec.origin in (Origin.PARAMETER, Origin.OPTIMIZER) or rec.is_state
+                or rec.is_grad)
+
+    gpu = [r for r in mode.allocations if not on_host(r)]
+    host = [r for r in mode.allocations if on_host(r) and not r.is_grad]
+    comm = {id(r) for r in gpu if id(r) in rank.communication}
+    for first, last, end, grads in ticks.reduces:
+        made = [r for r in mode.allocations[first:last] if r.is_grad]
+        for r in made:
+            out = Allocation(r.nbytes, Origin.BACKWARD, r.created, r.phase, r.module, end)
+            gpu.append(out)
+            comm.add(id(out))
+        if made:
+            host.append(Allocation(grads, Origin.BACKWARD, end + 1, made[0].phase,
+                                   made[0].module,
+                                   -1 if any(r.freed < 0 for r in made)
+                                   else max(r.freed for r in made),
+                                   is_grad=True))
+    for start, end, nbytes, largest in ticks.gathers:
+        copy_in = Allocation(nbytes or largest, Origin.FORWARD, start, 0, "", end)
+        gpu.append(copy_in)
+        comm.add(id(copy_in))
+    in_step = [t for t in mode.scratch_at if any(a <= t <= b for a, b in optimizer)]
+    host_scratch = {t: mode.scratch_at[t] for t in in_step}
+    gpu_scratch = {t: n for t, n in mode.scratch_at.items() if t not in host_scratch}
+    return OffloadSplit(gpu, gpu_scratch, host, host_scratch, comm)
+
+
+def live_bytes(allocations: Sequence[Allocation], scratch: Mapping[int, int],
+               ticks: int) -> list[int]:
+    """Live bytes after each op ``1..ticks`` (index ``t - 1``), scratch included."""
+    delta = [0] * (ticks + 3)
+    for rec in allocations:
+        if rec.created > ticks:
+            continue
+        delta[max(rec.created, 0)] += rec.nbytes
+        end = rec.freed + 1 if rec.freed >= 0 else ticks + 2
+        delta[end] -= rec.nbytes
+    out: list[int] = []
+    live = delta[0]
+    for t in range(1, ticks + 1):
+        live += delta[t]
+        out.append(live + scratch.get(t, 0))
+    return out
+
+
 _STATE_ORIGINS = frozenset({Origin.PARAMETER, Origin.BUFFER, Origin.INPUT})
+
+
+class _OncePerSchema:
+    """DTensor's ``_propagate_use_strided_shard_flag(op_strategy, op_schema)``, skipped for the
+    children of an op whose arguments hold no ``_StridedShard`` (where it does nothing).
+
+    It fixes up the specs of ``op_strategy`` only when some argument of ``op_schema`` is
+    placed with ``_StridedShard``; whether one is depends on ``op_schema`` alone, so it is
+    looked up once per schema (the last one, held so that its ``id`` stays its own).
+    """
+
+    def __init__(self, orig: Callable[[Any, Any], None]) -> None:
+        self.orig = orig
+        self._schema: Any = None
+        self._strided = False
+
+    def __call__(self, op_strategy: Any, op_schema: Any) -> None:
+        if op_schema is not self._schema:
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            self._schema = op_schema
+            self._strided = any(isinstance(p, _StridedShard)
+                                for spec in op_schema.args_spec for p in spec.placements)
+        if self._strided:
+            self.orig(op_strategy, op_schema)
+
+
+class _LazyChunks(Sequence[torch.Tensor]):
+    """FSDP2's ``_chunk_with_empty(tensor, num_chunks, dim)``, each chunk made when read.
+
+    The same views as ``torch.chunk`` (ATen's ``chunk`` then ``split``: chunks of
+    ``ceil(size / num_chunks)`` along ``dim``, the last one shorter), padded with empty
+    tensors (``chunks[0].new_empty(0)``) up to ``num_chunks``.
+    """
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        size = tensor.size(dim)
+        self.step = -(-size // num_chunks)
+        self.real = max(-(-size // self.step), 1) if self.step else num_chunks
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        if i < 0:
+            i += self.num_chunks
+        if not 0 <= i < self.num_chunks:
+            raise IndexError(i)
+        made = self._made.get(i)
+        if made is None:
+            if i < self.real:
+                start = i * self.step
+                made = self.tensor.narrow(self.dim, start,
+                                          min(self.step, self.tensor.size(self.dim) - start))
+            else:
+                made = self[0].new_empty(0)
+            self._made[i] = made
+        return made
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -261,6 +503,60 @@ def tp_plan(model: nn.Module, world: int) -> dict[str, Any]:
     return plan
 
 
+@dataclass
+class _Layout:
+    """How a rank's model is spread: the same for the trace and for the real run."""
+
+    names: list[str]
+    plan: dict[str, Any]
+    tensor_parallel: bool
+    tp: int
+    shard_kwargs: dict[str, Any]
+
+    @classmethod
+    def of(cls, model: nn.Module, world: int, units: Sequence[str],
+           reshard_after_forward: bool, tensor_parallel: bool, tp: int,
+           mp_dtype: torch.dtype | None, cpu_offload: bool) -> _Layout:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        if not 1 <= tp <= world or world % tp:
+            raise UsageError(f"the tensor-parallel degree must divide {world}, not {tp}")
+        two_d = tp > 1 and not tensor_parallel
+        plan = (tp_plan(model, world) if tensor_parallel else tp_plan(model, tp) if two_d
+                else {})
+        kwargs: dict[str, Any] = {
+            "reshard_after_forward": reshard_after_forward,
+            "mp_policy": (MixedPrecisionPolicy(param_dtype=mp_dtype,
+                                               reduce_dtype=torch.float32)
+                          if mp_dtype is not None else MixedPrecisionPolicy()),
+            "offload_policy": (CPUOffloadPolicy(pin_memory=False) if cpu_offload
+                               else OffloadPolicy()),
+        }
+        names = [] if tensor_parallel else shard_units(model, units)
+        return cls(names, plan, tensor_parallel, tp if two_d else 1, kwargs)
+
+    @property
+    def mesh_tp(self) -> int:
+        """The tp size of a 2D mesh, or 1 for a 1D one."""
+        return self.tp
+
+    def apply(self, model: nn.Module, mesh: Any) -> list[str]:
+        """Parallelize ``model`` on ``mesh`` (from :func:`fake_process_group`); the units."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if self.tensor_parallel:
+            parallelize_module(model, mesh, self.plan)
+            return sorted(self.plan)
+        if self.tp > 1:
+            parallelize_module(model, mesh["tp"], self.plan)
+            mesh = mesh["dp"]
+        for name in self.names:
+            fully_shard(model.get_submodule(name), mesh=mesh, **self.shard_kwargs)
+        fully_shard(model, mesh=mesh, **self.shard_kwargs)
+        return list(self.names)
+
+
 def run_rank_trace(
     model: nn.Module,
     inputs: tuple[Any, ...] | Mapping[str, Any],
@@ -272,15 +568,21 @@ def run_rank_trace(
     reshard_after_forward: bool = True,
     tensor_parallel: bool = False,
     progress: ProgressFn | None = None,
+    tp: int = 1,
+    mp_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
 ) -> RankTrace:
     """Trace ``program`` as rank ``rank`` of ``world`` running FSDP2 on a fake copy of ``model``
     (``tensor_parallel``: the model's tensor-parallel plan instead, over ``world`` ranks).
 
+    ``tp`` above 1 (a divisor of ``world``): a 2D mesh ``(world // tp, tp)``, the
+    tensor-parallel plan on its tp dimension and FSDP2 on its dp dimension. ``mp_dtype``: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=float32)`` on every
+    ``fully_shard`` and no autocast (``program.amp`` is then not used). ``cpu_offload``:
+    FSDP2's ``CPUOffloadPolicy`` (on the CPU mesh its host-device copies are no-ops).
     ``model`` is not touched: a deep copy holding fake twins of its parameters and buffers is
     sharded (each unit of :func:`shard_units`, then the root) and traced.
     """
-    from torch.distributed.fsdp import fully_shard
-
     from modelsize.estimation import scratch as scratch_models
 
     if program.mode not in ("train", "infer"):
@@ -305,39 +607,35 @@ def run_rank_trace(
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     work = copy.deepcopy(model, memo)  # the fake twins stand in for the tensors
     del memo
-    names = [] if tensor_parallel else shard_units(work, units)
-    plan = tp_plan(work, world) if tensor_parallel else {}
+    layout = _Layout.of(work, world, units, reshard_after_forward, tensor_parallel, tp,
+                        mp_dtype, cpu_offload)
+    amp = None if mp_dtype is not None and not tensor_parallel else program.amp
     train = program.mode == "train"
     if train and not n_train:
         raise EstimateError("the loss does not require grad: no parameter is trainable")
     loss_fn = program.loss or default_loss
     module_acts: dict[str, int] = {}
+    # outside the fake mode: an input's real twin (RealValues) must stay a real tensor
+    values = RealValues()
+    args, kwargs = _fake_inputs(inputs, copier, {}, mode, values)
     with contextlib.ExitStack() as stack:
-        mesh = stack.enter_context(fake_process_group(world, rank))
+        mesh = stack.enter_context(fake_process_group(world, rank, layout.mesh_tp))
+        if layout.mesh_tp > 1:
+            stack.enter_context(_real_meshes())
         stack.enter_context(warnings.catch_warnings())
         # FSDP2 warns when a wrapped module returns a view (an LM head's reshape): harmless
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         stack.enter_context(training_flags(work, train))
         stack.enter_context(checkpointed(work, program.checkpoint if train else ()))
         stack.enter_context(_Collectives(mode, comm))
+        offload = stack.enter_context(_OffloadTicks(mode)) if cpu_offload else None
         stack.enter_context(mode)
-        if tensor_parallel:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            parallelize_module(work, mesh, plan)
-            names = sorted(plan)
-        else:
-            for name in names:
-                fully_shard(work.get_submodule(name), mesh=mesh,
-                            reshard_after_forward=reshard_after_forward)
-            fully_shard(work, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        names = layout.apply(work, mesh)
         params = list(work.parameters())
         for p in params:
             mode.track(_local(p), Origin.PARAMETER)
         for b in work.buffers():
             mode.track(b, Origin.BUFFER)
-        values = RealValues()
-        args, kwargs = _fake_inputs(inputs, copier, {}, mode, values)
         stack.enter_context(_module_names(mode, work))
         stack.enter_context(values)
         scalars = _SavedScalars(mode)
@@ -347,7 +645,7 @@ def run_rank_trace(
             from modelsize.estimation.cuda_kernels import CudaKernelChoices
 
             stack.enter_context(CudaKernelChoices())
-        call = caller(work, args, kwargs, program.amp)
+        call = caller(work, args, kwargs, amp)
         label = ["forward"]
         if progress is not None:
             mode.progress = lambda tick: progress(label[0], tick)
@@ -392,7 +690,115 @@ def run_rank_trace(
         mode.counting = False
         seconds = time.perf_counter() - start
     trace = Trace(mode, n_params, n_train, seconds, module_acts)
-    return RankTrace(trace, rank, tuple(names), comm)
+    return RankTrace(trace, rank, tuple(names), comm, offload)
+
+
+def measure_rank(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
+                 program: Program, parallel: Parallel, rank: int) -> int:
+    """The real CPU peak of rank ``rank`` of ``parallel``: the program :func:`run_rank_trace`
+    traces, run on real tensors (a copy of ``model``, zeros for meta tensors) on the fake
+    process group, read from the allocator's events plus the bytes live before it started."""
+    from modelsize.estimation.verify import (
+        _real_copy,
+        _real_inputs,
+        allocator_events,
+        peak_of,
+        storage_bytes,
+    )
+
+    work = _real_copy(model)
+    args, kwargs = _real_inputs(inputs)
+    train = program.mode == "train"
+    tensor_parallel = parallel.strategy is Strategy.TP
+    policy = (not tensor_parallel and program.amp is not None
+              and parallel.mixed_precision is FsdpPrecision.POLICY)
+    layout = _Layout.of(work, parallel.world, parallel.units, parallel.reshard_after_forward,
+                        tensor_parallel, 1 if tensor_parallel else parallel.tp or 1,
+                        program.amp if policy else None, parallel.cpu_offload)
+    loss_fn = program.loss or default_loss
+    with contextlib.ExitStack() as stack:
+        mesh = stack.enter_context(fake_process_group(parallel.world, rank, layout.mesh_tp))
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        stack.enter_context(training_flags(work, train))
+        stack.enter_context(checkpointed(work, program.checkpoint if train else (), real=True))
+        layout.apply(work, mesh)
+        params = list(work.parameters())
+        before = storage_bytes([_local(p) for p in params] + list(work.buffers())
+                               + [v for v in (*args, *kwargs.values())
+                                  if isinstance(v, torch.Tensor)])
+        call = caller(work, args, kwargs, None if policy else program.amp)
+        events = stack.enter_context(allocator_events())
+        if not train:
+            with torch.no_grad():
+                out = call()
+            del out
+        else:
+            chosen = params if program.optimize_frozen else [p for p in params
+                                                             if p.requires_grad]
+            optimizer = make_factory(program.optimizer, program.implementation, "cpu")(chosen)
+            for _ in range(program.steps):
+                for _ in range(program.accumulate):
+                    loss = loss_fn(call())
+                    loss.backward()
+                    del loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            del optimizer
+    return before + peak_of(events)
+
+
+def check_verifiable(parallel: Parallel) -> None:
+    """Refuse (:class:`UsageError`) to verify what was accounted rather than traced."""
+    if not parallel.traced or parallel.cpu_offload:
+        what = "with CPU offload" if parallel.cpu_offload else f"of {parallel.strategy}"
+        raise UsageError(f"--verify checks a traced rank against the same program run for "
+                         f"real; the per-rank numbers {what} are accounted, not traced")
+
+
+def verify_rank(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
+                settings: Any, parallel: Parallel, est: Estimate,
+                budget: int | None = None) -> Verification:
+    """``--verify`` across GPUs: the worst traced rank of ``est`` run for real on CPU on the
+    fake process group (:func:`measure_rank`), beside the CPU estimate of that same rank.
+
+    ``settings``: the :class:`~modelsize.estimation.core.Settings` of ``est``. The run holds
+    the whole model before sharding it, so it happens only when the model's bytes plus the
+    rank's estimate fit ``budget`` (half of the available memory unless given).
+    """
+    from modelsize.estimation.core import estimate
+    from modelsize.estimation.optimizers import default_implementation
+    from modelsize.estimation.verify import _unrunnable, default_budget
+
+    check_verifiable(parallel)
+    began = time.perf_counter()
+    budget = default_budget() if budget is None else budget
+    assert est.parallel is not None
+    rank = est.parallel.worst_rank
+    program = settings.program()
+    impl = program.implementation
+    if str(impl) == "default":
+        impl = default_implementation(settings.device)
+    cpu = replace(settings, device="cpu", implementation=str(impl))
+    estimated = est.peak_bytes
+    if settings.device != "cpu":  # on CPU, "default" is the implementation the trace used
+        estimated = estimate(model, inputs, **cpu.kwargs(),
+                             parallel=replace(parallel, ranks=(rank,))).peak_bytes
+    whole = sum(t.numel() * t.element_size() for t in
+                {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    reason = _unrunnable(model, inputs)
+    if not reason and whole + estimated > budget:
+        reason = (f"the real run holds the whole model ({whole:,} bytes) before sharding it, "
+                  f"plus the rank's {estimated:,}: over the {budget:,}-byte budget")
+    measured = None
+    if not reason:
+        try:
+            measured = measure_rank(model, inputs, cpu.program(), parallel, rank)
+        except (RuntimeError, MemoryError, TypeError, ValueError) as exc:
+            reason = "the real run failed: " + (str(exc).strip().splitlines()
+                                                 or [type(exc).__name__])[0]
+    return Verification(measured, estimated, None, None, budget, time.perf_counter() - began,
+                        reason)
 
 
 def _mark_grads(mode: CountingFakeMode, params: list[nn.Parameter]) -> None:
@@ -427,36 +833,117 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
     from modelsize.estimation.core import summarize
 
     if parallel.traced:
+        strategy = parallel.strategy
+        fsdp = strategy is not Strategy.TP
+        policy = fsdp and program.amp is not None and (
+            parallel.mixed_precision is FsdpPrecision.POLICY)
         worst: Estimate | None = None
         peaks: list[RankPeak] = []
         units: tuple[str, ...] = ()
+        worst_host: tuple[int, int] | None = None
         for rank in parallel.ranks_to_trace():
             rt = run_rank_trace(model, inputs, program, parallel.world, rank,
                                 units=parallel.units,
                                 reshard_after_forward=parallel.reshard_after_forward,
-                                tensor_parallel=parallel.strategy is Strategy.TP,
-                                progress=progress)
+                                tensor_parallel=strategy is Strategy.TP,
+                                progress=progress, tp=(parallel.tp or 1) if fsdp else 1,
+                                mp_dtype=program.amp if policy else None,
+                                cpu_offload=parallel.cpu_offload)
             est = summarize(rt.trace, program, name, described, sources, is_communication(rt))
+            host: tuple[int, int] | None = None
+            if rt.offload is not None:
+                est, host = _offloaded(est, rt, program)
             units = rt.units
             peaks.append(RankPeak(rank, est.peak_bytes, est.phase.name, est.phase.step))
             if worst is None or est.peak_bytes > worst.peak_bytes:
-                worst, worst_rank = est, rank
+                worst, worst_rank, worst_host = est, rank, host
         assert worst is not None
-        if parallel.strategy is Strategy.TP:
-            notes = (*worst.notes, "traced: the model's tensor-parallel plan applied with "
-                     f"parallelize_module on a fake process group of {parallel.world} ranks")
-        else:
-            notes = (*worst.notes, "traced: FSDP2 fully_shard on a fake process group of "
-                     f"{parallel.world} ranks (CPU path; on CUDA a separate all-gather stream "
-                     "can keep one more block's gathered parameters alive)")
-        if not units and parallel.strategy is not Strategy.TP:
+        notes = (*worst.notes, _traced_note(parallel, worst_rank))
+        precision = ""
+        if fsdp and program.amp is not None:
+            precision = str(parallel.mixed_precision)
+            notes += (_precision_note(parallel, program.amp),)
+        if parallel.cpu_offload:
+            notes += ("accounted, not traced: CPU offload. FSDP2 ran with CPUOffloadPolicy on "
+                      "the CPU mesh, where its host-device copies are no-ops; the GPU's share "
+                      "is the trace less what the policy keeps on the host (sharded "
+                      "parameters, sharded gradients, optimizer state, the optimizer step), "
+                      "plus the GPU copies of each all-gather's sharded parameters and each "
+                      "reduce-scatter output until its gradients are copied out. Pinned "
+                      "memory and the copies' overlap are not modelled",)
+        if not units and fsdp:
             notes += ("no repeated blocks found: only the root was sharded, so each forward "
                       "gathers every parameter at once",)
-        info = ParallelInfo(parallel.world, str(parallel.strategy), "traced", worst_rank,
+        info = ParallelInfo(parallel.world, str(strategy), "traced", worst_rank,
                             tuple(peaks), units, parallel.reshard_after_forward,
-                            _comparisons(model, program, parallel.world))
+                            _comparisons(model, program, parallel.world), mesh=parallel.mesh,
+                            mixed_precision=precision, cpu_offload=parallel.cpu_offload,
+                            accounted=(("CPU offload: the GPU's and the host's shares",)
+                                       if parallel.cpu_offload else ()),
+                            host_bytes=worst_host[0] if worst_host else None,
+                            host_peak_bytes=worst_host[1] if worst_host else None)
         return replace(worst, parallel=info, notes=notes)
     return _accounted(model, inputs, program, parallel, name, described, sources, progress)
+
+
+def _offloaded(est: Estimate, rank: RankTrace, program: Program
+               ) -> tuple[Estimate, tuple[int, int]]:
+    """``est`` of the GPU alone under CPU offload (:func:`offload_split`), and the host's
+    bytes at the GPU's peak and at the host's own peak."""
+    from modelsize.estimation.core import TIMELINE_POINTS, classify, downsample
+    from modelsize.estimation.device import device_estimate
+
+    split = offload_split(rank)
+    ticks = rank.trace.mode.tick
+    gpu = live_bytes(split.gpu, split.gpu_scratch, ticks)
+    host = live_bytes(split.host, split.host_scratch, ticks)
+    at = max(range(len(gpu)), key=gpu.__getitem__) + 1 if gpu else 0
+    peak = gpu[at - 1] if at else 0
+    cats = dict.fromkeys(MemoryCategory, 0)
+    for rec in split.gpu:
+        if rec.live_at(at):
+            cat = (MemoryCategory.COMMUNICATION if id(rec) in split.communication
+                   else classify(rec))
+            cats[cat] += rec.nbytes
+    scratch = split.gpu_scratch.get(at, 0)
+    cats[MemoryCategory.TEMPORARIES] += scratch
+    phase = next((p for p in est.phases if p.start <= at <= p.end), est.phase)
+    dev = device_estimate(program.device, peak, scratch, split.gpu, split.gpu_scratch, ticks,
+                          any(d.name == "cublas_workspace" and d.nbytes
+                              for d in est.device_estimate.terms))
+    out = replace(est, peak_bytes=peak, phase=phase, categories=cats, scratch_bytes=scratch,
+                  timeline=downsample(gpu, TIMELINE_POINTS), device_estimate=dev)
+    return out, (host[at - 1] if at else 0, max(host, default=0))
+
+
+def _traced_note(parallel: Parallel, rank: int) -> str:
+    world = parallel.world
+    if parallel.strategy is Strategy.TP:
+        return ("traced: the model's tensor-parallel plan applied with parallelize_module on a "
+                f"fake process group of {world} ranks")
+    where = f"a fake process group of {world} ranks"
+    if parallel.strategy is Strategy.FSDP_TP:
+        tp = parallel.tp or 1
+        where = (f"the dp dimension of a 2D mesh (dp {parallel.dp}, tp {tp}) of {world} fake "
+                 f"ranks, after the model's tensor-parallel plan on its tp dimension; rank "
+                 f"{rank} is (dp {rank // tp}, tp {rank % tp})")
+    return (f"traced: FSDP2 fully_shard on {where} (CPU path; on CUDA a separate all-gather "
+            "stream can keep one more block's gathered parameters alive)")
+
+
+def _precision_note(parallel: Parallel, amp: torch.dtype) -> str:
+    dtype = str(amp).removeprefix("torch.")
+    if parallel.mixed_precision is FsdpPrecision.POLICY:
+        return (f"mixed precision: FSDP2's MixedPrecisionPolicy(param_dtype={dtype}, "
+                "reduce_dtype=float32) on every fully_shard, no autocast: parameters are "
+                f"gathered in {dtype}, gradients reduced in float32 (--fsdp-mp autocast traces "
+                "torch.autocast around fp32 FSDP2 instead)")
+    return (f"mixed precision: torch.autocast({dtype}) around FSDP2 with float32 parameters. "
+            f"Autocast caches a {dtype} copy of each float32 parameter it casts until the "
+            "autocast region ends, so every gathered parameter's copy stays alive through the "
+            "whole forward even after FSDP2 frees the gathered parameter; FSDP2's "
+            "MixedPrecisionPolicy (--fsdp-mp policy, the default) gathers in low precision "
+            "instead")
 
 
 def _accounted(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],

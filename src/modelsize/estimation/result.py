@@ -223,6 +223,15 @@ class ParallelInfo:
     reshard_after_forward: bool
     comparisons: tuple[Comparison, ...]
     accounted: tuple[str, ...] = field(default=())
+    mesh: tuple[tuple[str, int], ...] = field(default=())
+    """The device mesh, its dimensions named: ``(("dp", 4), ("tp", 2))``."""
+    mixed_precision: str = ""
+    """With ``amp`` and FSDP2: ``"policy"`` (``MixedPrecisionPolicy``) or ``"autocast"``."""
+    cpu_offload: bool = False
+    host_bytes: int | None = None
+    """With ``cpu_offload``: the host memory of the worst rank at its GPU peak's moment."""
+    host_peak_bytes: int | None = None
+    """With ``cpu_offload``: the worst rank's host peak over the program."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -230,7 +239,11 @@ class ParallelInfo:
                 "worst_rank": self.worst_rank, "ranks": [r.to_dict() for r in self.ranks],
                 "units": list(self.units), "reshard_after_forward": self.reshard_after_forward,
                 "comparisons": [c.to_dict() for c in self.comparisons],
-                "accounted": list(self.accounted)}
+                "accounted": list(self.accounted),
+                "mesh": {name: size for name, size in self.mesh},
+                "mixed_precision": self.mixed_precision or None,
+                "cpu_offload": self.cpu_offload, "host_bytes": self.host_bytes,
+                "host_peak_bytes": self.host_peak_bytes}
 
 
 @dataclass(frozen=True)
@@ -335,9 +348,15 @@ class FitResult:
     best_bytes: int
     limit: int
     probes: tuple[tuple[int, int], ...]
+    smallest: bool = False
+    """The search was for the smallest value that fits (GPUs: the peak falls as it grows):
+    ``best - 1`` was traced and does not fit (unless ``best`` is the first value searched)."""
+    label: str = ""
+    """What differs from the estimate's own settings, e.g. "with checkpointing on X"."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"dimension": self.dimension, "budget_bytes": self.budget_bytes,
                 "measure": self.measure, "best": self.best, "best_bytes": self.best_bytes,
-                "limit": self.limit, "probes": [list(p) for p in self.probes]}
+                "limit": self.limit, "probes": [list(p) for p in self.probes],
+                "smallest": self.smallest, "label": self.label}

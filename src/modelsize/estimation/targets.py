@@ -20,6 +20,7 @@ from modelsize.estimation.result import Estimate, FitResult, Source, Suggestion
 
 if TYPE_CHECKING:
     from modelsize.estimation.core import Settings
+    from modelsize.estimation.parallel import Parallel
 
 
 @dataclass
@@ -248,14 +249,15 @@ class Options:
 
 
 def trace_target(target: Target, batch: int, seq: int, options: Options,
-                 progress: Callable[[str, int], None] | None = None) -> Estimate:
-    """Estimate ``target`` at ``batch`` x ``seq``."""
+                 progress: Callable[[str, int], None] | None = None,
+                 parallel: Parallel | None = None) -> Estimate:
+    """Estimate ``target`` at ``batch`` x ``seq`` (per rank of ``parallel`` when given)."""
     from modelsize.estimation import estimate
 
     train = options.mode == "train"
     inputs = target.make_inputs(batch, seq, train)
     est = estimate(target.model, inputs, **options.settings().kwargs(), name=target.name,
-                   progress=progress)
+                   progress=progress, parallel=parallel)
     if options.sources:
         est = replace(est, setup=replace(est.setup, sources=dict(options.sources)))
     return est
@@ -293,17 +295,81 @@ def suggestions_for(target: Target, base: Estimate, batch: int, seq: int, option
 
 def fit_target(target: Target, batch: int, seq: int, options: Options, budget: int,
                dimension: str = "batch",
-               progress: Callable[[str, int], None] | None = None) -> FitResult:
-    """The largest batch (or sequence length) of ``target`` whose estimate fits ``budget``."""
-    from modelsize.estimation.fit import fit
+               progress: Callable[[str, int], None] | None = None,
+               parallel: Parallel | None = None, gpu_limit: int = 4096) -> FitResult:
+    """The largest batch (or sequence length) of ``target`` whose estimate fits ``budget``
+    (per rank of ``parallel`` when given), or with ``dimension="gpus"`` the fewest GPUs of
+    ``parallel``'s strategy whose worst rank fits it at ``batch`` per rank."""
+    from modelsize.estimation.fit import fewest, fit
 
     if dimension == "seq" and not seq:
         raise UsageError("--fit-dim seq: this model has no sequence dimension")
+    name = "device total" if options.device == "cuda" else "peak"
+    if name == "peak" and parallel is not None:
+        name = "per-rank peak"
+    elif parallel is not None:
+        name = "per-rank device total"
+    if dimension == "gpus":
+        from modelsize.estimation.parallel import Parallel as ParallelOf
+
+        layout = parallel if parallel is not None else ParallelOf(1)
+
+        def on(world: int) -> int:
+            est = trace_target(target, batch, seq, options, progress,
+                               on_world(layout, world))
+            return est.device_estimate.total_bytes
+
+        return fewest(on, budget, limit=gpu_limit, measure_name=name,
+                      allowed=lambda n: world_allowed(target.model, layout, n))
 
     def measure(n: int) -> int:
         b, s = (n, seq) if dimension == "batch" else (batch, n)
-        return trace_target(target, b, s, options, progress).device_estimate.total_bytes
+        est = trace_target(target, b, s, options, progress, parallel)
+        return est.device_estimate.total_bytes
 
-    name = "device total" if options.device == "cuda" else "peak"
     return fit(measure, budget, dimension=dimension, measure_name=name,
                limit=1 << 16 if dimension == "batch" else 1 << 22)
+
+
+def fit_both(target: Target, batch: int, seq: int, options: Options, budget: int,
+             dimension: str = "batch", progress: Callable[[str, int], None] | None = None,
+             parallel: Parallel | None = None) -> list[FitResult]:
+    """:func:`fit_target` as asked and, for a training step without checkpointing on a model
+    with a repeated block, again with every block checkpointed (labelled)."""
+    results = [fit_target(target, batch, seq, options, budget, dimension, progress, parallel)]
+    if options.mode == "train" and not options.checkpoint and target.repeated_block:
+        with_ckpt = replace(options, checkpoint=(target.repeated_block,))
+        other = fit_target(target, batch, seq, with_ckpt, budget, dimension, progress, parallel)
+        results.append(replace(other, label=f"with checkpointing on every "
+                                            f"{target.repeated_block}"))
+    return results
+
+
+def world_allowed(model: Any, parallel: Parallel, world: int) -> bool:
+    """Whether ``parallel``'s strategy can run on ``world`` GPUs: tensor parallelism splits
+    attention heads (its degree must divide them: ``world`` for ``tp``, ``parallel.tp`` for
+    ``fsdp+tp``, whose world must then be a multiple of it)."""
+    strategy = str(parallel.strategy)
+    if "tp" not in strategy:
+        return True
+    degree = world
+    if strategy != "tp":
+        degree = int(getattr(parallel, "tp", 0) or 1)
+        if world % degree:
+            return False
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % degree:
+            return False
+    return True
+
+
+def on_world(parallel: Parallel, world: int) -> Parallel:
+    """``parallel`` on ``world`` GPUs (plain tensor parallelism spans them all)."""
+    from dataclasses import fields
+
+    changes: dict[str, Any] = {"world": world, "ranks": None}
+    if str(parallel.strategy) == "tp" and any(f.name == "tp" for f in fields(parallel)):
+        changes["tp"] = world
+    return replace(parallel, **changes)

@@ -70,6 +70,8 @@ def _what(est: Estimate) -> str:
         what = (f"training step with {s.optimizer}{impl}{_source(est, 'optimizer')}"
                 f"{_frozen(est)}{acc}{ckpt}")
     amp = f", {s.amp} autocast" if s.amp else ""
+    if s.amp and est.parallel is not None and est.parallel.mixed_precision == "policy":
+        amp = f", {s.amp} parameters by FSDP2's MixedPrecisionPolicy"
     return what + amp
 
 
@@ -121,7 +123,8 @@ def module_groups(modules: dict[str, int]) -> list[tuple[str, int]]:
 
 def render_estimate(est: Estimate, *, description: str = "", batch: int | None = None,
                     seq: int | None = None, suggestions: Sequence[Suggestion] = (),
-                    fit: FitResult | None = None, modules: int = 6) -> str:
+                    fit: FitResult | Sequence[FitResult] | None = None,
+                    modules: int = 6) -> str:
     """The human report: peak, what it is made of, what dominates, what would shrink it."""
     s = est.setup
     peak = est.peak_bytes
@@ -172,8 +175,10 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
         lines += table(drows, "lrl")
     if est.parallel is not None:
         lines += ["", *render_comparisons(est)]
-    if fit is not None:
-        lines += ["", render_fit(fit).rstrip("\n")]
+    fits = [fit] if isinstance(fit, FitResult) else list(fit or ())
+    if fits:
+        lines.append("")
+        lines += [render_fit(f).rstrip("\n") for f in fits]
     for note in est.notes:
         lines.append(f"note: {printable(note, 300)}")
     return "\n".join(lines) + "\n"
@@ -183,9 +188,22 @@ def render_parallel_head(est: Estimate) -> str:
     """One line: which rank of how many GPUs, the strategy, and whether traced or accounted."""
     par = est.parallel
     assert par is not None
-    engine = "DTensor tensor parallelism" if par.strategy == "tp" else "FSDP2"
+    engine = {"tp": "DTensor tensor parallelism",
+              "fsdp+tp": "FSDP2 and DTensor tensor parallelism"}.get(par.strategy, "FSDP2")
     how = (f"traced with {engine} on a fake process group" if par.method == "traced"
            else "accounted from the single-GPU trace (" + "; ".join(par.accounted) + ")")
+    if par.method == "traced" and par.accounted:
+        how += " (" + "; ".join(par.accounted) + ")"
+    if len(par.mesh) > 1:
+        how += ", mesh " + " x ".join(f"{name} {size}" for name, size in par.mesh)
+    if par.mixed_precision:
+        how += (", mixed precision by FSDP2's MixedPrecisionPolicy"
+                if par.mixed_precision == "policy" else ", mixed precision by torch.autocast")
+    if par.cpu_offload:
+        host = (f" (host {human_mem(par.host_bytes)} at that moment, "
+                f"{human_mem(par.host_peak_bytes)} at most)"
+                if par.host_bytes is not None and par.host_peak_bytes is not None else "")
+        how += f", CPU offload: GPU memory{host}"
     ranks = ", ".join(f"rank {r.rank} {human_mem(r.peak_bytes)}" for r in par.ranks)
     reshard = "" if par.method != "traced" or par.reshard_after_forward else (
         ", no reshard after forward")
@@ -214,14 +232,45 @@ def render_comparisons(est: Estimate) -> list[str]:
 def render_fit(fit: FitResult, description: str = "") -> str:
     """One paragraph: the largest value that fits, and the traced value just above it."""
     head = f"{printable(description)}: " if description else ""
+    if fit.label:
+        head += f"{printable(fit.label)}: "
     traced = dict(fit.probes)
+    if fit.smallest:
+        return _render_fewest(fit, head, traced)
     if fit.best == 0:
         first = traced.get(1, 0)
         return (f"{head}nothing fits {human_mem(fit.budget_bytes)}: {fit.dimension} 1 already "
                 f"needs {human_mem(first)} ({fit.measure}). {len(fit.probes)} trace(s).\n")
     above = traced.get(fit.best + 1)
-    tail = (f"; {fit.best + 1} needs {human_mem(above)}" if above is not None
+    tail = (f"; {fit.best + 1} needs {_beside(above, fit.budget_bytes)}" if above is not None
             else f" (the search limit, {fit.limit})")
     return (f"{head}largest {fit.dimension} that fits {human_mem(fit.budget_bytes)}: "
             f"{fit.best} ({human_mem(fit.best_bytes)} {fit.measure}){tail}. "
             f"{len(fit.probes)} exact traces.\n")
+
+
+def _render_fewest(fit: FitResult, head: str, traced: dict[int, int]) -> str:
+    """The fewest GPUs that fit, and the traced count just below it."""
+    many = "GPUs" if fit.dimension == "gpus" else fit.dimension
+
+    def count(n: int) -> str:
+        return f"{n} {'GPU' if n == 1 else 'GPUs'}" if fit.dimension == "gpus" else str(n)
+
+    if fit.best == 0:
+        last = traced.get(fit.limit, 0)
+        return (f"{head}no number of {many} up to {fit.limit} fits "
+                f"{human_mem(fit.budget_bytes)}: {count(fit.limit)} still need "
+                f"{human_mem(last)} ({fit.measure}); what every rank holds whole does not "
+                f"shrink with more {many}. {len(fit.probes)} exact traces.\n")
+    below = max((n for n in traced if n < fit.best), default=None)
+    tail = (f"; {count(below)} {'needs' if below == 1 else 'need'} "
+            f"{_beside(traced[below], fit.budget_bytes)}" if below is not None else "")
+    return (f"{head}fewest {many} that fit {human_mem(fit.budget_bytes)}: {fit.best} "
+            f"({human_mem(fit.best_bytes)} {fit.measure}){tail}. "
+            f"{len(fit.probes)} exact traces.\n")
+
+
+def _beside(n: int, budget: int) -> str:
+    """``n`` for a reader comparing it with ``budget``: exact bytes where both round alike."""
+    return (f"{human_mem(n)} ({n:,} bytes > {budget:,})" if human_mem(n) == human_mem(budget)
+            else human_mem(n))

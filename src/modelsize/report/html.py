@@ -364,6 +364,16 @@ def _parallel_section(est: Estimate) -> str:
                     f"{_e(human_bytes(n))}</text>")
     method = ("traced on the real engine (fake process group)" if par.method == "traced"
               else "accounted from the single-GPU trace: " + ", ".join(par.accounted))
+    mesh = getattr(par, "mesh", ())
+    if len(mesh) > 1:
+        method += "; mesh " + " x ".join(f"{name} {size}" for name, size in mesh)
+    if getattr(par, "mixed_precision", ""):
+        method += ("; mixed precision by FSDP2's MixedPrecisionPolicy"
+                   if par.mixed_precision == "policy" else "; mixed precision by torch.autocast")
+    if getattr(par, "cpu_offload", False):
+        method += "; CPU offload (accounted): the bars are GPU memory"
+        if par.host_peak_bytes is not None:
+            method += f", the host holds up to {human_bytes(par.host_peak_bytes)}"
     return (f"<h2>Per rank: {par.world} GPUs, {_e(par.strategy)}</h2><p>{_e(method)}</p>"
             f"<svg viewBox=\"0 0 1000 {len(bars) * 24 + 6}\" width=\"100%\" role=\"img\">"
             f"{''.join(rows)}</svg>")
