@@ -88,3 +88,25 @@ def test_api_verify_across_gpus() -> None:
                    parallel=Parallel(2), verify=True)
     assert est.verification is not None
     assert est.verification.measured_bytes == est.peak_bytes
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_accounted_ranks_device_terms_follow_the_divided_peak(device: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    single = estimate(Stack(), (x,), optimizer="adamw", device=device)
+    zero2 = estimate(Stack(), (x,), optimizer="adamw", device=device,
+                     parallel=Parallel(4, "zero2"))
+    assert zero2.peak_bytes < single.peak_bytes
+    dev = zero2.device_estimate
+    terms = {t.name: t.nbytes for t in dev.terms}
+    assert terms["tensors"] + terms["kernel_scratch"] == zero2.peak_bytes
+    if device == "cpu":
+        assert dev.total_bytes == dev.allocated_bytes == zero2.peak_bytes
+    else:  # rounding of the rank's own allocations, same workspace and context
+        assert 0 <= terms["allocator_rounding"] < 512 * 400
+        single_terms = {t.name: t.nbytes for t in single.device_estimate.terms}
+        assert terms["cuda_context"] == single_terms["cuda_context"]
+        assert dev.total_bytes == (zero2.peak_bytes + terms["allocator_rounding"]
+                                   + terms["cublas_workspace"] + terms["cuda_context"])
+        assert dev.total_bytes < single.device_estimate.total_bytes

@@ -44,6 +44,7 @@ from modelsize.estimation.optimizers import make_factory
 from modelsize.estimation.parallel import FsdpPrecision, Parallel, Strategy, comparisons
 from modelsize.estimation.result import (
     Comparison,
+    DeviceEstimate,
     Estimate,
     MemoryCategory,
     ParallelInfo,
@@ -993,9 +994,38 @@ def _accounted(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
             + ("; ".join(divided) + f" divided by {world}" if divided else "nothing divided")
             + (" and DDP's gradient buckets added" if buckets else "")
             + "; ZeRO's own buckets and prefetching are not modelled")
+    scratch = mode.scratch_at.get(tick, 0)
     return replace(base, peak_bytes=peak + buckets, phase=phase, categories=cats,
-                   scratch_bytes=mode.scratch_at.get(tick, 0), parallel=info,
-                   notes=(*base.notes, note))
+                   scratch_bytes=scratch, parallel=info, notes=(*base.notes, note),
+                   device_estimate=_accounted_device(base.device_estimate, mode, share,
+                                                     peak + buckets, scratch, buckets))
+
+
+def _accounted_device(single: DeviceEstimate, mode: CountingFakeMode,
+                      share: Callable[[Allocation], int], peak: int, scratch: int,
+                      extra: int) -> DeviceEstimate:
+    """The device terms of an accounted rank: the single-GPU terms with the tensors and the
+    allocator's rounding of the rank's own (divided) allocations."""
+    from modelsize.estimation.device import CUDA_BLOCK, round_up
+
+    if single.device != "cuda":
+        return replace(single, terms=tuple(
+            replace(t, nbytes={"tensors": peak - scratch, "kernel_scratch": scratch}.get(
+                t.name, t.nbytes)) for t in single.terms), allocated_bytes=peak,
+            total_bytes=peak)
+    rounded = replay(mode, lambda rec: round_up(share(rec), CUDA_BLOCK))[0]
+    rounded += round_up(extra, CUDA_BLOCK)
+    terms = {t.name: t for t in single.terms}
+    named = [replace(terms["tensors"], nbytes=peak - scratch),
+             replace(terms["kernel_scratch"], nbytes=scratch),
+             replace(terms["allocator_rounding"], nbytes=max(rounded - peak, 0))]
+    rest = tuple(t for t in single.terms if t.name not in {"tensors", "kernel_scratch",
+                                                           "allocator_rounding"})
+    allocated = peak + named[2].nbytes + sum(t.nbytes for t in rest
+                                             if t.name == "cublas_workspace")
+    return replace(single, terms=(*named, *rest), allocated_bytes=allocated,
+                   total_bytes=allocated + sum(t.nbytes for t in rest
+                                               if t.name == "cuda_context"))
 
 
 def replay(mode: CountingFakeMode, size: Callable[[Allocation], int]) -> tuple[int, int]:
