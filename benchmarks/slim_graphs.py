@@ -1,6 +1,6 @@
 """Graph slimming side by side: modelsize's graph passes vs onnxslim, onnxsim, quantize_dynamic.
 
-    .venv/bin/python benchmarks/slim_graphs.py [--repeats N] [--image 224]
+    .venv/bin/python benchmarks/slim_graphs.py [--repeats N] [--image 224] [--only resnet]
 
 ResNet-50 (random weights, BatchNorm statistics drawn at random so folding matters; built in
 code below, the torchvision architecture, so no weights are downloaded) is exported twice: by
@@ -101,6 +101,7 @@ def resnet50() -> Any:
 
     nn = torch.nn
     block = _bottleneck(torch)
+    torch.manual_seed(0)  # before the layers: their initial weights are drawn as they are built
     layers: list[Any] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
                          nn.MaxPool2d(3, 2, 1)]
     cin = 64
@@ -109,7 +110,6 @@ def resnet50() -> Any:
             layers.append(block(cin, width, stride if i == 0 else 1))
             cin = width * 4
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000)]
-    torch.manual_seed(0)
     model = nn.Sequential(*layers)
     with torch.no_grad():
         for m in model.modules():
@@ -121,33 +121,43 @@ def resnet50() -> Any:
     return model.eval()
 
 
-def onnx_cases(tmp: Path, image: int) -> dict[str, Path]:
-    """The ONNX inputs: ResNet-50 from both exporters."""
+def onnx_cases(tmp: Path, image: int, only: str = "") -> dict[str, Path]:
+    """The ONNX inputs: ResNet-50 from both exporters, BERT-base (those whose name contains
+    ``only``, case-insensitive, when given)."""
     import warnings
 
     import torch
+
+    def wanted(case: str) -> bool:
+        return only.lower() in case.lower()
 
     model = resnet50()
     x = torch.randn(1, 3, image, image)
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = tmp / "resnet50_torchscript.onnx"
-        torch.onnx.export(model, (x,), str(p), dynamo=False, do_constant_folding=False,
-                          input_names=["x"])
-        out["ResNet-50, TorchScript exporter, no folding"] = p
-        try:
-            import onnxscript  # noqa: F401 (the dynamo exporter needs it)
+        case = "ResNet-50, TorchScript exporter, no folding"
+        if wanted(case):
+            p = tmp / "resnet50_torchscript.onnx"
+            torch.onnx.export(model, (x,), str(p), dynamo=False, do_constant_folding=False,
+                              input_names=["x"])
+            out[case] = p
+        case = "ResNet-50, dynamo exporter (default)"
+        if wanted(case):
+            try:
+                import onnxscript  # noqa: F401 (the dynamo exporter needs it)
 
-            p = tmp / "resnet50_dynamo.onnx"
-            torch.onnx.export(model, (x,), str(p), dynamo=True, input_names=["x"])
-            out["ResNet-50, dynamo exporter (default)"] = p
-        except ImportError:
-            pass
-        p = tmp / "bert_base.onnx"
-        bert, feeds = bert_base()
-        torch.onnx.export(bert, feeds, str(p), input_names=["input_ids", "attention_mask"])
-        out["BERT-base encoder, seq 128, dynamo exporter"] = p
+                p = tmp / "resnet50_dynamo.onnx"
+                torch.onnx.export(model, (x,), str(p), dynamo=True, input_names=["x"])
+                out[case] = p
+            except ImportError:
+                pass
+        case = "BERT-base encoder, seq 128, dynamo exporter"
+        if wanted(case):
+            p = tmp / "bert_base.onnx"
+            bert, feeds = bert_base()
+            torch.onnx.export(bert, feeds, str(p), input_names=["input_ids", "attention_mask"])
+            out[case] = p
     return out
 
 
@@ -258,11 +268,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--only", default="", metavar="TEXT",
+                    help="only the models whose name contains TEXT (e.g. resnet, dynamo); "
+                    "the table is printed, RESULTS.md is left alone")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="slim-graphs-") as t:
         tmp = Path(t)
-        for case, src in onnx_cases(tmp, args.image).items():
+        for case, src in onnx_cases(tmp, args.image, args.only).items():
             before, nodes_before = _files_bytes(src), _nodes(src)
             results: dict[str, dict[str, Any]] = {}
             for tool, available in TOOLS.items():
@@ -307,7 +320,8 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
         *rows,
     ])
-    write_section("slim_graphs_onnx", md)
+    if not args.only:
+        write_section("slim_graphs_onnx", md)
     print(md)
 
 

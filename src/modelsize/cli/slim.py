@@ -15,6 +15,7 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Define the ``slim`` sub-command's arguments (choices come from the registries)."""
     from modelsize.slimming.cast import CASTABLE
+    from modelsize.slimming.graph.onnx_slim import ExternalData
     from modelsize.slimming.plan import QUANTIZE_CHOICES, drop_choices
     from modelsize.slimming.writers import CONVERSIONS
 
@@ -37,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="freeze variables into constants (graph formats with variables)")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="ONNX: no graph passes, only initializer-level changes")
+    p.add_argument("--external-data", choices=[e.value for e in ExternalData], default=None,
+                   help="ONNX: where the output's tensors go: auto (default: one file when "
+                   "it fits under protobuf's 2 GB limit, OUT.data beside it when not), always "
+                   "(OUT.data), never (one file, or an error)")
     p.add_argument("--tolerance", type=float, default=None, metavar="REL",
                    help="graph passes: largest relative output difference accepted "
                    "(default 1e-5 exact, 1e-2 float16, 0.1 int8, 0.2 dynamic)")
@@ -103,13 +108,15 @@ def run(args: argparse.Namespace) -> int:
     from modelsize.slimming import slim
 
     bar = _Bar(sys.stderr.isatty() and not args.json)
+    # Passed only when given: the default (auto) is the library's own.
+    layout = {} if args.external_data is None else {"external_data": args.external_data}
     try:
         with _interruptible():
             report = slim(
                 args.path, args.out, drop=args.drop, dedupe=args.dedupe, cast=args.cast,
                 to=args.to, keep=args.keep, dry_run=args.dry_run, force=args.force,
                 progress=bar, graph=args.graph, quantize=args.quantize, freeze=args.freeze,
-                tolerance=args.tolerance,
+                tolerance=args.tolerance, **layout,
             )
     finally:
         bar.clear()

@@ -76,6 +76,7 @@ def slim(
     quantize: str | None = None,
     freeze: bool = False,
     tolerance: float | None = None,
+    external_data: str = "auto",
 ) -> SlimReport:
     """Write a smaller copy of the checkpoint at ``path`` and verify it.
 
@@ -97,6 +98,8 @@ def slim(
     (``int8``, ``float16``, ``dynamic``) adds an approximate one; the original and the output
     are then run on the same seeded inputs, and an output further than ``tolerance``
     (relative, default by pass) is not written (:mod:`modelsize.slimming.graph`).
+    ``external_data`` (``auto``, ``always``, ``never``) places an ONNX output's tensors: one
+    file when it fits under protobuf's 2 GB limit, ``OUT.data`` when not (``auto``).
     """
     options = SlimOptions(
         drop=parse_drop(drop) if drop is not None else None, dedupe=dedupe, cast=cast, to=to,
@@ -110,7 +113,8 @@ def slim(
     if _graph_slim(inv, options):
         from modelsize.slimming.graph.onnx_slim import slim_onnx
 
-        return slim_onnx(inv, out, options, dry_run=dry_run, force=force)
+        return slim_onnx(inv, out, options, dry_run=dry_run, force=force,
+                         external_data=external_data)
     if options.quantize is not None or options.freeze:
         flag = "--quantize" if options.quantize is not None else "--freeze"
         raise UsageError(f"{printable(str(inv.path))}: {flag} does not apply to "

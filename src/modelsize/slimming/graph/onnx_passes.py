@@ -18,6 +18,9 @@ The exact passes (:data:`EXACT`) compute the same function up to float rounding:
   (evaluated by ``onnx.reference`` under the model's own opsets);
 * ``dead-nodes``: nodes no output, node or subgraph reads;
 * ``unused-initializers``: initializers nothing reads (with their graph input and value_info);
+* ``initializer-value-info``: ``value_info`` entries that repeat the type and shape of a
+  top-level initializer, which declares both itself (the dynamo exporter writes one for every
+  weight);
 * ``duplicate-initializers``: initializers with the same dtype, shape and bytes stored once,
   readers renamed (no ``Identity`` node: it would cost bytes for small tensors).
 
@@ -69,6 +72,7 @@ class PassName(str, Enum):
     CONSTANT_FOLDING = "constant-folding"
     DEAD_NODES = "dead-nodes"
     UNUSED_INITIALIZERS = "unused-initializers"
+    INITIALIZER_VALUE_INFO = "initializer-value-info"
     DUPLICATE_INITIALIZERS = "duplicate-initializers"
     CAST_FLOAT16 = "cast-float16"
     QUANTIZE_INT8 = "quantize-int8"
@@ -80,11 +84,12 @@ class PassName(str, Enum):
 
 #: Passes that only delete nodes or initializers (run in place: nothing to measure against).
 _ONLY_REMOVE = frozenset({PassName.DEBUG_INFO, PassName.DEAD_NODES,
-                          PassName.UNUSED_INITIALIZERS})
+                          PassName.UNUSED_INITIALIZERS, PassName.INITIALIZER_VALUE_INFO})
 #: The passes that apply with no option, in order.
 EXACT: tuple[PassName, ...] = (
     PassName.DEBUG_INFO, PassName.IDENTITY, PassName.FOLD_BATCHNORM, PassName.CONSTANT_FOLDING,
-    PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS, PassName.DUPLICATE_INITIALIZERS,
+    PassName.DEAD_NODES, PassName.UNUSED_INITIALIZERS, PassName.INITIALIZER_VALUE_INFO,
+    PassName.DUPLICATE_INITIALIZERS,
 )
 #: Approximate passes: they change values.
 APPROXIMATE = frozenset({PassName.CAST_FLOAT16, PassName.QUANTIZE_INT8,
@@ -127,11 +132,32 @@ def _vlen(n: int) -> int:
     return max(1, (n.bit_length() + 6) // 7)
 
 
+def copy_except(src: Any, dst: Any, *skip: str) -> Any:
+    """``dst`` with every field of ``src`` set but those named in ``skip`` (never copied)."""
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        if hasattr(value, "extend"):
+            getattr(dst, fd.name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+    return dst
+
+
+def field_bytes(n: int) -> int:
+    """Bytes of a length-delimited field of ``n`` bytes with a one-byte tag."""
+    return 1 + _vlen(n) + n
+
+
 def model_bytes(model: onnx.ModelProto) -> int:
     """The model's serialized bytes plus the external data its tensors point at (each range
-    counted once). Exact, without serializing the weights: the top-level initializers'
-    ``raw_data`` is set aside while protobuf sizes the rest, then added back with the length
-    prefixes it needs (protobuf's ``ByteSize`` would copy every weight to size it)."""
+    counted once). Exact, without serializing or copying the weights into the model: protobuf
+    sizes the model and graph without their initializers and each initializer without its
+    ``raw_data``, whose length is added back with the prefixes it needs. (``ByteSize`` on the
+    model serializes every weight to size it; clearing and setting ``raw_data`` back would
+    leave a copy of every weight in the message's arena on each call.)"""
     ranges = set()
     for t in all_tensors(model.graph):
         ext = external_info(t)
@@ -139,28 +165,18 @@ def model_bytes(model: onnx.ModelProto) -> int:
             ranges.add((ext.get("location", ""), int(ext.get("offset", 0) or 0),
                         int(ext.get("length", 0) or 0)))
     external = sum(n for _, _, n in ranges)
-    stash: list[tuple[onnx.TensorProto, bytes]] = []
-    try:
-        for t in model.graph.initializer:
-            if t.HasField("raw_data"):
-                data = t.raw_data
-                if len(data) >= 4096:
-                    stash.append((t, data))
-                    t.ClearField("raw_data")
-        if not stash:
-            return model.ByteSize() + external
-        grow = 0
-        for t, data in stash:
-            bare = t.ByteSize()
-            full = bare + 1 + _vlen(len(data)) + len(data)
-            grow += full + _vlen(full) - bare - _vlen(bare)
-        graph_bare = model.graph.ByteSize()
-        graph_full = graph_bare + grow
-        total = model.ByteSize() - _vlen(graph_bare) - graph_bare
-        return total + _vlen(graph_full) + graph_full + external
-    finally:
-        for t, data in stash:
-            t.raw_data = data
+    if not model.HasField("graph"):
+        return model.ByteSize() + external
+    graph = copy_except(model.graph, onnx.GraphProto(), "initializer").ByteSize()
+    for t in model.graph.initializer:
+        raw = next((len(v) for fd, v in t.ListFields() if fd.name == "raw_data"), None)
+        if raw is None:
+            graph += field_bytes(t.ByteSize())
+        else:
+            header = copy_except(t, onnx.TensorProto(), "raw_data").ByteSize()
+            graph += field_bytes(header + field_bytes(raw))
+    rest = copy_except(model, onnx.ModelProto(), "graph").ByteSize()
+    return rest + field_bytes(graph) + external
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -232,6 +248,21 @@ def _rename_reads(graph: onnx.GraphProto, renames: dict[str, str]) -> None:
             for i, name in enumerate(node.input):
                 if name in renames:
                     node.input[i] = renames[name]
+
+
+def _delete_at(field: Any, indices: list[int]) -> None:
+    """Remove items of a repeated field by index, in place, order kept. (Clearing the field
+    and adding the kept items back would copy each into the message's arena, which protobuf
+    never shrinks: a copy of every kept weight, each time.)"""
+    for i in sorted(set(indices), reverse=True):
+        del field[i]
+
+
+def _delete_where(field: Any, drop: Callable[[Any], bool]) -> int:
+    """Remove the items of a repeated field for which ``drop`` is true (see :func:`_delete_at`)."""
+    doomed = [i for i, item in enumerate(field) if drop(item)]
+    _delete_at(field, doomed)
+    return len(doomed)
 
 
 class _Fresh:
@@ -335,23 +366,21 @@ def remove_identity(model: onnx.ModelProto, values: Values) -> int:
     outputs = {o.name for o in g.output}
     sub = _sub_reads(g)
     renames: dict[str, str] = {}
-    keep = []
-    for node in g.node:
+    gone: list[int] = []
+    for i, node in enumerate(g.node):
         if (node.op_type == "Identity" and node.domain in ("", "ai.onnx")
                 and len(node.input) == 1 and len(node.output) == 1
                 and node.output[0] not in outputs and node.output[0] not in sub):
             src = node.input[0]
             renames[node.output[0]] = renames.get(src, src)
-            continue
-        keep.append(node)
+            gone.append(i)
     if not renames:
         return 0
     for k, v in list(renames.items()):
         while v in renames:
             v = renames[v]
         renames[k] = v
-    del g.node[:]
-    g.node.extend(keep)
+    _delete_at(g.node, gone)
     _rename_reads(g, renames)
     return len(renames)
 
@@ -371,19 +400,54 @@ def _set_float_attr(node: onnx.NodeProto, name: str, value: float) -> None:
     node.attribute.append(onnx.helper.make_attribute(name, value))
 
 
+#: Weight dtypes whose Conv + BatchNormalization fold repeats onnxruntime's own arithmetic.
+_ORT_FOLD_TYPES = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def _fold_conv_as_ort(w: np.ndarray, scale: np.ndarray, b: np.ndarray, mean: np.ndarray,
+                      var: np.ndarray, conv_b: np.ndarray | None,
+                      eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Conv weight and bias with a BatchNormalization folded in exactly as onnxruntime's
+    ``ConvBNFusion`` does when it loads the unfolded model (``conv_bn_fusion.cc`` and
+    ``Initializer``'s element-wise ops): the same steps in the same order, each computed in
+    float32 (float64 for double) and rounded to the tensors' dtype, epsilon a float32. So
+    onnxruntime runs the folded model bit for bit as it runs the original."""
+    t = w.dtype
+    n = np.float64 if t == np.float64 else np.float32
+
+    def op(f: Callable[..., np.ndarray], *xs: np.ndarray) -> np.ndarray:
+        return np.asarray(f(*(np.asarray(x).astype(n) for x in xs))).astype(t)
+
+    std = op(np.sqrt, op(np.add, var, np.float32(eps)))
+    s = op(np.divide, scale, std)
+    new_w = op(np.multiply, w, s.reshape((-1,) + (1,) * (w.ndim - 1)))
+    if conv_b is not None:
+        new_b = op(np.add, op(np.multiply, op(np.subtract, conv_b, mean), s), b)
+    else:
+        new_b = op(np.subtract, b, op(np.multiply, mean, s))
+    return new_w, new_b
+
+
 def fold_batchnorm(model: onnx.ModelProto, values: Values) -> int:
-    """Fold inference ``BatchNormalization`` into the ``Conv`` or ``Gemm`` before it."""
+    """Fold inference ``BatchNormalization`` into the ``Conv`` or ``Gemm`` before it.
+
+    Into a Conv with float16, float32 or float64 tensors of one dtype it folds with
+    onnxruntime's own arithmetic (:func:`_fold_conv_as_ort`): onnxruntime folds the pair
+    itself when it loads the original, so the outputs stay bitwise equal. Otherwise (mixed
+    dtypes, and Gemm, which onnxruntime leaves unfolded) it computes in float64 and rounds
+    once."""
     g = model.graph
     consts = _constants(g, values)
     uses = _uses(g)
     outputs = {o.name for o in g.output}
     producer = {o: n for n in g.node for o in n.output}
     fresh = _Fresh(g)
-    removed: set[int] = set()
-    new_inits: list[onnx.TensorProto] = []
+    removed: list[int] = []
+    first_new = len(g.initializer)
+    fresh_names: set[str] = set()
     replaced: set[str | None] = set()
     folded = 0
-    for bn in g.node:
+    for index, bn in enumerate(g.node):
         if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx"):
             continue
         if _attr(bn, "training_mode", 0) or len(bn.input) != 5 \
@@ -403,21 +467,29 @@ def fold_batchnorm(model: onnx.ModelProto, values: Values) -> int:
         w_t = consts[prev.input[1]]
         w_raw = values.array(w_t)
         dtype = w_raw.dtype
-        w = w_raw.astype(np.float64)
-        scale, b, mean, var = (values.array(consts[n]).astype(np.float64) for n in bn.input[1:])
-        s = scale / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
         if not np.issubdtype(dtype, np.floating):
             continue
+        eps = float(_attr(bn, "epsilon", 1e-5))
+        raw = [values.array(consts[n]) for n in bn.input[1:]]
+        raw_b = values.array(consts[bias_name]) if bias_name else None
+        scale, b, mean, var = (a.astype(np.float64) for a in raw)
+        s = scale / np.sqrt(var + eps)
         if prev.op_type == "Conv":
-            if w.ndim < 3 or w.shape[0] != s.shape[0]:
+            if w_raw.ndim < 3 or w_raw.shape[0] != s.shape[0] or any(a.ndim != 1 for a in raw):
                 continue
-            new_w = w * s.reshape((-1,) + (1,) * (w.ndim - 1))
-            old_b = values.array(consts[bias_name]).astype(np.float64) if bias_name else 0.0
-            new_b = (old_b - mean) * s + b
+            if dtype in _ORT_FOLD_TYPES and all(
+                    a.dtype == dtype for a in [*raw, *([raw_b] if raw_b is not None else [])]):
+                new_w, new_b = _fold_conv_as_ort(w_raw, raw[0], raw[1], raw[2], raw[3],
+                                                 raw_b, eps)
+            else:
+                new_w = w_raw.astype(np.float64) * s.reshape((-1,) + (1,) * (w_raw.ndim - 1))
+                old_b = raw_b.astype(np.float64) if raw_b is not None else 0.0
+                new_b = (old_b - mean) * s + b
         else:
             # alpha scales A @ B; the per-column factor commutes with it.
             beta = float(_attr(prev, "beta", 1.0))
             trans_b = int(_attr(prev, "transB", 0))
+            w = w_raw.astype(np.float64)
             if w.ndim != 2 or w.shape[0 if trans_b else 1] != s.shape[0] or beta == 0.0:
                 continue
             new_w = w * (s[:, None] if trans_b else s[None, :])
@@ -431,22 +503,22 @@ def fold_batchnorm(model: onnx.ModelProto, values: Values) -> int:
             and bias_name not in replaced and bias_name != w_name \
             else fresh(f"{bn.output[0]}_bias")
         replaced.update((w_name, b_name))
-        new_inits.append(numpy_helper.from_array(new_w.astype(dtype), w_name))
-        new_inits.append(numpy_helper.from_array(np.asarray(new_b, dtype=dtype), b_name))
+        # Into the model one by one: never a second copy of every folded weight at once.
+        g.initializer.add().CopyFrom(numpy_helper.from_array(new_w.astype(dtype), w_name))
+        g.initializer.add().CopyFrom(
+            numpy_helper.from_array(np.asarray(new_b, dtype=dtype), b_name))
+        fresh_names.update((w_name, b_name))
+        del new_w, new_b
         inputs = [prev.input[0], w_name, b_name]
         del prev.input[:]
         prev.input.extend(inputs)
         prev.output[0] = bn.output[0]
-        removed.add(id(bn))
+        removed.append(index)
         folded += 1
     if folded:
-        keep = [n for n in g.node if id(n) not in removed]
-        del g.node[:]
-        g.node.extend(keep)
-        fresh_names = {t.name for t in new_inits}
-        kept = [t for t in g.initializer if t.name not in fresh_names]
-        del g.initializer[:]
-        g.initializer.extend([*kept, *new_inits])
+        _delete_at(g.node, removed)
+        _delete_at(g.initializer, [i for i, t in enumerate(g.initializer)
+                                   if i < first_new and t.name in fresh_names])
     return folded
 
 
@@ -566,12 +638,11 @@ def remove_dead_nodes(model: onnx.ModelProto, values: Values) -> int:
     removed = 0
     while True:
         uses = _uses(g)
-        keep = [n for n in g.node if any(uses[o] for o in n.output if o)]
-        if len(keep) == len(g.node):
+        dead = [i for i, n in enumerate(g.node) if not any(uses[o] for o in n.output if o)]
+        if not dead:
             return removed
-        removed += len(g.node) - len(keep)
-        del g.node[:]
-        g.node.extend(keep)
+        _delete_at(g.node, dead)
+        removed += len(dead)
 
 
 def remove_unused_initializers(model: onnx.ModelProto, values: Values) -> int:
@@ -581,14 +652,33 @@ def remove_unused_initializers(model: onnx.ModelProto, values: Values) -> int:
     gone = {t.name for t in g.initializer if not uses[t.name]}
     if not gone:
         return 0
-    keep = [t for t in g.initializer if t.name not in gone]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    _delete_where(g.initializer, lambda t: t.name in gone)
     for field in (g.input, g.value_info):
         kept = [v for v in field if v.name not in gone]
         del field[:]
         field.extend(kept)
     return len(gone)
+
+
+def remove_initializer_value_info(model: onnx.ModelProto, values: Values) -> int:
+    """``value_info`` entries of top-level initializers whose element type and static shape
+    are the initializer's own (one that disagrees is left for the runtime to judge)."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    keep = []
+    for v in g.value_info:
+        t = inits.get(v.name)
+        tt = v.type.tensor_type if v.type.HasField("tensor_type") else None
+        if t is not None and tt is not None and tt.elem_type == t.data_type and (
+                not tt.HasField("shape") or [d.dim_value if d.HasField("dim_value") else None
+                                             for d in tt.shape.dim] == list(t.dims)):
+            continue
+        keep.append(v)
+    removed = len(g.value_info) - len(keep)
+    if removed:
+        del g.value_info[:]
+        g.value_info.extend(keep)
+    return removed
 
 
 def _digest(t: onnx.TensorProto, values: Values) -> tuple[object, ...]:
@@ -612,26 +702,34 @@ def _digest(t: onnx.TensorProto, values: Values) -> tuple[object, ...]:
     return (t.data_type, tuple(t.dims), h.hexdigest())
 
 
-def merge_duplicates(model: onnx.ModelProto, values: Values) -> int:
-    """Initializers with equal dtype, shape and bytes stored once; readers renamed."""
+def _duplicates(model: onnx.ModelProto, values: Values) -> dict[str, str]:
+    """Initializers to rename to an equal one (dtype, shape, bytes) that holds their values;
+    only tensors whose dtype and shape another shares are hashed."""
     g = model.graph
     protected = {o.name for o in g.output} | _sub_defines(g)
     uses = _uses(g)
+    inits = {n: t for n, t in values.initializers().items() if n not in protected}
+    shapes = Counter((t.data_type, tuple(t.dims)) for t in inits.values())
     holders: dict[tuple[object, ...], str] = {}
     renames: dict[str, str] = {}
-    for name, t in values.initializers().items():
-        if name in protected:
+    for name, t in inits.items():
+        if shapes[(t.data_type, tuple(t.dims))] < 2:
             continue
         key = _digest(t, values)
         holder = holders.setdefault(key, name)
         if holder != name and (len(holder) - len(name)) * uses[name] < _tensor_nbytes(t):
             renames[name] = holder
+    return renames
+
+
+def merge_duplicates(model: onnx.ModelProto, values: Values) -> int:
+    """Initializers with equal dtype, shape and bytes stored once; readers renamed."""
+    g = model.graph
+    renames = _duplicates(model, values)
     if not renames:
         return 0
     _rename_reads(g, renames)
-    keep = [t for t in g.initializer if t.name not in renames]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    _delete_where(g.initializer, lambda t: t.name in renames)
     kept = [v for v in g.value_info if v.name not in renames]
     del g.value_info[:]
     g.value_info.extend(kept)
@@ -765,6 +863,7 @@ PASSES: dict[PassName, Callable[[onnx.ModelProto, Values], int]] = {
     PassName.CONSTANT_FOLDING: fold_constants,
     PassName.DEAD_NODES: remove_dead_nodes,
     PassName.UNUSED_INITIALIZERS: remove_unused_initializers,
+    PassName.INITIALIZER_VALUE_INFO: remove_initializer_value_info,
     PassName.DUPLICATE_INITIALIZERS: merge_duplicates,
     PassName.CAST_FLOAT16: cast_float16,
     PassName.QUANTIZE_INT8: quantize_int8,
@@ -790,19 +889,23 @@ def select(cast: str | None, quantize: str | None) -> list[PassName]:
 def run_passes(model: onnx.ModelProto, base_dir: Path, names: list[PassName],
                rounds: int = 4) -> tuple[onnx.ModelProto, list[PassResult]]:
     """Run ``names`` in order on copies of ``model``; keep each only if it did not grow it.
-    The exact ones run again while a round made the model smaller (a fold opens another)."""
+    The exact ones run again while a round made the model smaller (a fold opens another).
+    A model a pass replaced is released at once (pass ``model`` as a temporary, not a name
+    the caller keeps, and no more than two copies are ever held)."""
     first = next((i for i, n in enumerate(names) if n in APPROXIMATE), len(names))
-    size = model_bytes(model)
+    box = [model]
+    del model
+    size = model_bytes(box[0])
     results: list[PassResult] = []
     for _ in range(rounds):
         before = size
-        model, size, done = _round(model, base_dir, names[:first], size)
+        size, done = _round(box, base_dir, names[:first], size)
         results = done if not results else [
             _merge(a, b) for a, b in zip(results, done, strict=True)]
         if size == before:
             break
-    model, size, done = _round(model, base_dir, names[first:], size)
-    return model, results + done
+    size, done = _round(box, base_dir, names[first:], size)
+    return box.pop(), results + done
 
 
 def _merge(first: PassResult, later: PassResult) -> PassResult:
@@ -815,18 +918,20 @@ def _merge(first: PassResult, later: PassResult) -> PassResult:
                       first.bytes_before - first.saved_bytes - later.saved_bytes, True)
 
 
-def _round(model: onnx.ModelProto, base_dir: Path, names: list[PassName],
-           size: int) -> tuple[onnx.ModelProto, int, list[PassResult]]:
+def _round(box: list[onnx.ModelProto], base_dir: Path, names: list[PassName],
+           size: int) -> tuple[int, list[PassResult]]:
+    """One round of ``names`` on the model in ``box``, replaced there by each kept copy."""
     results: list[PassResult] = []
     for name in names:
-        if not _may_apply(name, model):
+        if not _may_apply(name, box[0], base_dir):
             results.append(PassResult(name, 0, size, size, False, "nothing to do"))
             continue
+        model_before = box[0]
         if name in _ONLY_REMOVE:
-            candidate = model  # it only deletes: the model cannot grow, no copy to go back to
+            candidate = box[0]  # it only deletes: the model cannot grow, no copy to go back to
         else:
             candidate = onnx.ModelProto()
-            candidate.CopyFrom(model)
+            candidate.CopyFrom(box[0])
         was_read = {n for n, k in _uses(candidate.graph).items() if k}
         changes = PASSES[name](candidate, Values(candidate, base_dir))
         if changes:
@@ -834,17 +939,23 @@ def _round(model: onnx.ModelProto, base_dir: Path, names: list[PassName],
         after = model_bytes(candidate) if changes else size
         if changes and after <= size:
             results.append(PassResult(name, changes, size, after, True))
-            model, size = candidate, after
+            box[0], size = candidate, after
+            if candidate is not model_before:
+                # What the pass replaced stays in the copy's arena (protobuf never shrinks
+                # one): a fresh copy holds only what is left.
+                box[0] = onnx.ModelProto()
+                box[0].CopyFrom(candidate)
         else:
             note = "nothing to do" if not changes else (
                 f"skipped: it would add {after - size:,} bytes")
             results.append(PassResult(name, changes, size, after if changes else size, False,
                                       note))
-    return model, size, results
+        del candidate, model_before
+    return size, results
 
 
-def _may_apply(name: PassName, model: onnx.ModelProto) -> bool:
-    """A cheap look for something the pass could change (spares copying the model)."""
+def _may_apply(name: PassName, model: onnx.ModelProto, base_dir: Path) -> bool:
+    """A look for something the pass could change (spares copying the model)."""
     g = model.graph
     ops = {n.op_type for n in g.node}
     if name == PassName.IDENTITY:
@@ -860,6 +971,8 @@ def _may_apply(name: PassName, model: onnx.ModelProto) -> bool:
     if name == PassName.CAST_FLOAT16:
         return any(t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
                    for t in g.initializer)
+    if name == PassName.DUPLICATE_INITIALIZERS:
+        return bool(_duplicates(model, Values(model, base_dir)))
     return True
 
 
@@ -868,16 +981,13 @@ def _drop_orphans(g: onnx.GraphProto, was_read: set[str]) -> None:
     what it made useless removed, not with what was useless before."""
     while True:
         uses = _uses(g)
-        nodes = [n for n in g.node if any(uses[o] for o in n.output if o)
-                 or not any(o in was_read for o in n.output if o)]
-        inits = [t for t in g.initializer if uses[t.name] or t.name not in was_read]
-        if len(nodes) == len(g.node) and len(inits) == len(g.initializer):
+        gone = {t.name for t in g.initializer if not uses[t.name] and t.name in was_read}
+        nodes = [i for i, n in enumerate(g.node) if not any(uses[o] for o in n.output if o)
+                 and any(o in was_read for o in n.output if o)]
+        if not nodes and not gone:
             return
-        gone = {t.name for t in g.initializer} - {t.name for t in inits}
-        del g.node[:]
-        g.node.extend(nodes)
-        del g.initializer[:]
-        g.initializer.extend(inits)
+        _delete_at(g.node, nodes)
+        _delete_at(g.initializer, [i for i, t in enumerate(g.initializer) if t.name in gone])
         for field in (g.input, g.value_info):
             kept = [v for v in field if v.name not in gone]
             del field[:]
