@@ -536,6 +536,10 @@ class RealValues(TorchDispatchMode):
         for x in args:  # fast path: most ops take an activation or a weight first
             if isinstance(x, FakeTensor) and (not values or x not in values):
                 return None
+            if isinstance(x, (list, tuple)):  # a foreach op's tensor list
+                for y in x:
+                    if isinstance(y, FakeTensor) and (not values or y not in values):
+                        return None
         flat, spec = tree_flatten((args, kwargs))
         real: list[Any] = []
         tensors = 0
