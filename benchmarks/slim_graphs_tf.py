@@ -18,7 +18,19 @@ it records the output's bytes and the median wall time of ``--repeats`` runs (Te
 already imported; the source loaded by each run), beside the peer that does the same job with
 TensorFlow alone:
 
-* SavedModel rows: ``tf.saved_model.save(tf.saved_model.load(src))``, re-saving as it is;
+* prune-to-signatures: ``tf.saved_model.save(tf.saved_model.load(src))``, re-saving as it is;
+* freeze: TensorFlow's own freezing for inference, per signature:
+  ``convert_variables_to_constants_v2`` on the signature's concrete function,
+  ``optimize_for_inference_lib.optimize_for_inference``
+  (strip unused nodes, remove training nodes, fuse a decomposed BatchNorm, fold FusedBatchNorm
+  into the convolution before it), then grappler with its default passes
+  (``tf_optimizer.OptimizeGraph``, an empty ``ConfigProto``: constant folding, arithmetic,
+  dependency, remapper...), wrapped back into a SavedModel (``wrap_function`` of the GraphDef,
+  pruned to the signature's inputs and outputs; signatures with identical graphs share one
+  function, as modelsize's do). The best of what TensorFlow offers here: on these models
+  ``optimize_for_inference`` alone leaves every BatchNorm of Keras 3 unfolded (its patterns
+  want ``Add`` and ``FusedBatchNorm*``; Keras 3 writes ``AddV2``, ``Rsqrt``, ``Mul``), and
+  grappler after it folds what constant folding can;
 * TFLite rows: ``TFLiteConverter.from_saved_model`` with defaults; for ``quantize`` dynamic
   ``optimizations=[tf.lite.Optimize.DEFAULT]``, for float16 also
   ``target_spec.supported_types=[tf.float16]``, for int8 also the representative dataset and
@@ -150,13 +162,45 @@ def tree_bytes(path: Path) -> int:
 
 def batchnorm_ops(path: Path) -> int:
     """Ops of an unfolded inference BatchNorm (Mul, Rsqrt, FusedBatchNorm*) in a SavedModel."""
+    return sum(batchnorm_op_types(path).values())
+
+
+def batchnorm_op_types(path: Path) -> dict[str, int]:
+    """:func:`batchnorm_ops` by op type."""
+    from collections import Counter
+
     from tensorflow.core.protobuf import saved_model_pb2
 
     sm = saved_model_pb2.SavedModel()
     sm.ParseFromString((path / "saved_model.pb").read_bytes())
     graph = sm.meta_graphs[0].graph_def
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    return sum(n.op in ("Mul", "Rsqrt") or n.op.startswith("FusedBatchNorm") for n in nodes)
+    return dict(sorted(Counter(n.op for n in nodes if n.op in ("Mul", "Rsqrt")
+                               or n.op.startswith("FusedBatchNorm")).items()))
+
+
+def same_graphs(a: Path, b: Path) -> bool:
+    """Whether two SavedModels' ``saved_model.pb`` are equal once the numbers TensorFlow's
+    process-wide counter appends to function names (``__inference_serve_472``) are taken
+    out and the function library is in name order: the same graphs, whose bytes differ only
+    by those digits."""
+    import re
+
+    from google.protobuf import text_format
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    def text(path: Path) -> str:
+        sm = saved_model_pb2.SavedModel()
+        sm.ParseFromString((path / "saved_model.pb").read_bytes())
+        for meta in sm.meta_graphs:
+            library = meta.graph_def.library
+            functions = sorted(library.function,
+                               key=lambda f: re.sub(r"_\d+\b", "", f.signature.name))
+            del library.function[:]
+            library.function.extend(functions)
+        return re.sub(r"_\d+\b", "", text_format.MessageToString(sm))
+
+    return text(a) == text(b)
 
 
 def seeded_inputs(fn: Any, seed: int) -> dict[str, Any]:
@@ -218,7 +262,7 @@ def _numpy(outputs: dict[str, Any]) -> dict[str, Any]:
 #: The peer each mode is held to (see the module docstring).
 PEER_OF = {
     "prune-to-signatures": "tf.saved_model.save(loaded)",
-    "freeze": "tf.saved_model.save(loaded)",
+    "freeze": "TF freeze + optimize_for_inference + grappler",
     "tflite": "TFLiteConverter defaults",
     "tflite dynamic": "TFLiteConverter Optimize.DEFAULT",
     "tflite float16": "TFLiteConverter Optimize.DEFAULT + float16",
@@ -226,13 +270,66 @@ PEER_OF = {
 }
 
 
-def run_peer(peer: str, src: Path, out: Path, reference: Reference) -> None:
-    """Write ``out`` the peer's way, TensorFlow alone."""
+def tf_freeze(src: Path, out: Path) -> int:
+    """Write ``out``, the SavedModel of TensorFlow's own freezing for inference (the module
+    docstring); the bytes of its serialized frozen GraphDefs, one per distinct graph."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+    from tensorflow.python.grappler import tf_optimizer
+    from tensorflow.python.tools import optimize_for_inference_lib
+
+    loaded = tf.saved_model.load(str(src))
+    root, by_graph, exported = tf.Module(), {}, {}
+    for key, fn in loaded.signatures.items():
+        frozen = convert_variables_to_constants_v2(fn)
+        graph_def = optimize_for_inference_lib.optimize_for_inference(
+            frozen.graph.as_graph_def(), [t.op.name for t in frozen.inputs],
+            [t.op.name for t in frozen.outputs],
+            [t.dtype.as_datatype_enum for t in frozen.inputs])
+        with tf.Graph().as_default() as graph:
+            tf.graph_util.import_graph_def(graph_def, name="")
+        meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def, graph=graph)
+        keep = meta_graph_pb2.CollectionDef()
+        keep.node_list.value.extend(t.name for t in list(frozen.inputs) + list(frozen.outputs))
+        meta.collection_def["train_op"].CopyFrom(keep)  # what grappler must keep
+        graph_def = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
+        serialized = graph_def.SerializeToString(deterministic=True)
+        if serialized not in by_graph:
+            by_graph[serialized] = _serve(tf, graph_def, fn, frozen)
+        exported[key] = by_graph[serialized]
+    root.functions = list(by_graph.values())
+    tf.saved_model.save(root, str(out), signatures=exported)
+    return sum(map(len, by_graph))
+
+
+def _serve(tf: Any, graph_def: Any, fn: Any, frozen: Any) -> Any:
+    """A concrete function with ``fn``'s named inputs and outputs, running ``graph_def``."""
+    wrapped = tf.compat.v1.wrap_function(
+        lambda: tf.compat.v1.import_graph_def(graph_def, name=""), [])
+    pruned = wrapped.prune(feeds=[t.name for t in frozen.inputs],
+                           fetches=[t.name for t in frozen.outputs])
+    specs = fn.structured_input_signature[1]
+    names = sorted(specs)  # the order of frozen.inputs: tf.nest flattens dicts by key
+
+    def serve(**kwargs: Any) -> Any:
+        return tf.nest.pack_sequence_as(fn.structured_outputs,
+                                        list(pruned(*[kwargs[n] for n in names])))
+
+    return tf.function(serve, autograph=False).get_concrete_function(**specs)
+
+
+def run_peer(peer: str, src: Path, out: Path, reference: Reference) -> int | None:
+    """Write ``out`` the peer's way, TensorFlow alone (the freeze peer: its GraphDefs' bytes)."""
     import tensorflow as tf
 
     if peer == "tf.saved_model.save(loaded)":
         tf.saved_model.save(tf.saved_model.load(str(src)), str(out))
-        return
+        return None
+    if peer == PEER_OF["freeze"]:
+        return tf_freeze(src, out)
     converter = tf.lite.TFLiteConverter.from_saved_model(str(src))
     if peer != "TFLiteConverter defaults":
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -249,6 +346,7 @@ def run_peer(peer: str, src: Path, out: Path, reference: Reference) -> None:
         converter.representative_dataset = dataset
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
     out.write_bytes(converter.convert())
+    return None
 
 
 def verdict(mine: tuple[int, float], peer: tuple[int, float], before: int,
@@ -280,6 +378,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", nargs="*", help="only these (default: all three)")
+    parser.add_argument("--modes", nargs="*", choices=[m for m, _ in MODES],
+                        help="only these (default: all)")
     args = parser.parse_args()
 
     import tensorflow as tf
@@ -319,6 +419,8 @@ def main() -> None:
                       "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
             notes = []
             for mode, kwargs in MODES:
+                if args.modes and mode not in args.modes:
+                    continue
                 suffix = ".tflite" if kwargs.get("to") == "tflite" else ""
                 stem = f"{name}-{mode.replace(' ', '-')}"
                 out_dir = root / "out"
@@ -341,9 +443,14 @@ def main() -> None:
                 mine = (tree_bytes(out), reference.max_rel(out))
                 peer = PEER_OF[mode]
                 peer_outs = [out_dir / f"{stem}-peer-{i}{suffix}" for i in range(args.repeats)]
-                peer_seconds, _ = timed(
+                peer_seconds, peer_result = timed(
                     functools.partial(run_peer, peer, src, reference=reference), peer_outs)
                 theirs = (tree_bytes(peer_outs[-1]), reference.max_rel(peer_outs[-1]))
+                if mode == "freeze":
+                    left = batchnorm_op_types(peer_outs[-1])
+                    peer += (" (BatchNorm ops left unfolded: "
+                             + ", ".join(f"{n} {op}" for op, n in left.items()) + ")"
+                             if left else " (no BatchNorm op left)")
                 lines.append(
                     f"| {mode} | {mine[0]:,} | {1 - mine[0] / before:.0%} | {seconds:.2f} | "
                     f"{mine[1]:.2e} | {peer} | {theirs[0]:,} | {peer_seconds:.2f} | "
@@ -352,9 +459,22 @@ def main() -> None:
                     notes.append(
                         f"freeze: Mul, Rsqrt and FusedBatchNorm ops in saved_model.pb (its "
                         f"functions included): {batchnorm_ops(src)} in the source, "
-                        f"{batchnorm_ops(out)} in the output; {result.folded_batchnorms} "
-                        "chains folded by modelsize's fold-batchnorm (grappler's constant "
-                        "folding merges a bias-free Conv2D's scale itself).")
+                        f"{batchnorm_ops(out)} in modelsize's output, "
+                        f"{batchnorm_ops(peer_outs[-1])} in the peer's; "
+                        f"{result.folded_batchnorms} chains folded by modelsize's "
+                        "fold-batchnorm (grappler's constant folding merges a bias-free "
+                        "Conv2D's scale itself). The peer's frozen GraphDef(s) serialized: "
+                        f"{peer_result:,} bytes."
+                        + (f" modelsize folds the {sum(left.values())} op(s) the peer leaves: "
+                           f"{theirs[0] - mine[0]:,} B smaller, max rel {mine[1]:.2e} against "
+                           f"the peer's {theirs[1]:.2e} (float32 rounding of the folded "
+                           "weights; modelsize's bound for its exact passes: "
+                           f"{tolerance_for(Target.SAVED_MODEL, None):g})." if left else "")
+                        + (" The two saved_model.pb hold the same graphs (equal once "
+                           "TensorFlow's process-wide counter suffixes of function names, "
+                           "`__inference_serve_<n>`, are taken out): their bytes differ by "
+                           "those digits and by fingerprint.pb's hash varints, which vary "
+                           "from run to run." if same_graphs(out, peer_outs[-1]) else ""))
                 print(name, mode, mine, f"{seconds:.2f}s", "own max rel",
                       result.worst.max_rel if result.worst else 0, "| peer", theirs,
                       f"{peer_seconds:.2f}s", flush=True)
