@@ -1,17 +1,20 @@
 """Per-rank memory across GPUs: Llama-3-8B and -70B under FSDP2, traced on a fake process group.
 
 Run from the repository root: ``python benchmarks/estimate_distributed.py [--quick]
-[--only STRATEGY] [--resume]``. Writes the ``estimate_distributed`` section of
-benchmarks/RESULTS.md after each row, replacing rows of the same settings (``--quick``: the
-8-GPU rows only; ``--only tp``: the rows of one strategy; ``--resume``: skip rows already in
-the table).
+[--only STRATEGY] [--precision policy|autocast] [--resume]``. Writes the
+``estimate_distributed`` section of benchmarks/RESULTS.md after each row, replacing rows of
+the same settings (``--quick``: the 8-GPU rows only; ``--only tp``: the rows of one
+strategy; ``--resume``: skip rows already in the table).
 
-The program: batch 1 x 2048 tokens per rank, bf16 CPU autocast, AdamW with PyTorch's CUDA
-default implementation (foreach), two steps, traced with CPU kernels (``device="cpu"``: the
-CUDA kernel choices of ``device="cuda"`` do not yet compose with activation checkpointing);
-FSDP2 ``fully_shard`` on each ``LlamaDecoderLayer`` then the root, resharding after forward,
-with and without activation checkpointing of every decoder layer; and Llama-3-70B with
-tensor parallelism over 8 GPUs (its transformers ``base_model_tp_plan``). Each row runs in a
+The program: batch 1 x 2048 tokens per rank, fp32 weights with bf16 mixed precision run two
+ways: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (modelsize's
+default, ``policy``) or ``torch.autocast`` around the fp32 FSDP2 model (``autocast``); AdamW
+with PyTorch's CUDA default implementation (foreach), two steps, traced with CPU kernels
+(``device="cpu"``, the kernels validated against the allocator); FSDP2 ``fully_shard`` on each
+``LlamaDecoderLayer`` then the root, resharding after forward, with and without activation
+checkpointing of every decoder layer; Llama-3-70B with tensor parallelism over 8 GPUs (its
+transformers ``base_model_tp_plan``), and with FSDP2 over 8 x tensor parallelism over 8
+(``fsdp+tp``, 64 GPUs). Each row runs in a
 fresh Python process: wall time includes building the model on the meta device, RSS is the
 process's ``ru_maxrss``. Beside the traced worst rank: the ZeRO paper's stage-3 formula
 (mixed-precision Adam, 16 bytes a parameter over the GPUs) and DeepSpeed's
@@ -29,17 +32,21 @@ import time
 
 from _results import write_section
 
-#: Ordered so that an interrupted run has the most telling rows first.
+#: (model, GPUs, checkpointing, strategy); ordered so that an interrupted run has the most
+#: telling rows first. Each runs with each mixed precision of ``PRECISIONS``.
 ROWS = [("llama-3-8b", 8, False, "fsdp"), ("llama-3-8b", 8, True, "fsdp"),
         ("llama-3-70b", 64, True, "fsdp"), ("llama-3-70b", 8, False, "tp"),
+        ("llama-3-70b", 64, True, "fsdp+tp"), ("llama-3-70b", 64, False, "fsdp+tp"),
         ("llama-3-8b", 1024, False, "fsdp"), ("llama-3-70b", 1024, True, "fsdp"),
         ("llama-3-8b", 64, False, "fsdp"), ("llama-3-8b", 64, True, "fsdp"),
         ("llama-3-8b", 1024, True, "fsdp"), ("llama-3-70b", 8, True, "fsdp"),
         ("llama-3-70b", 64, False, "fsdp"), ("llama-3-70b", 1024, False, "fsdp"),
         ("llama-3-70b", 8, False, "fsdp")]
+PRECISIONS = ("policy", "autocast")
+TP = 8  # the tensor-parallel degree of the fsdp+tp rows
 
 
-def _child(name: str, gpus: int, ckpt: bool, strategy: str) -> None:
+def _child(name: str, gpus: int, ckpt: bool, strategy: str, precision: str) -> None:
     import warnings
 
     import torch
@@ -55,13 +62,15 @@ def _child(name: str, gpus: int, ckpt: bool, strategy: str) -> None:
     est = estimate(model, {"input_ids": ids, "labels": ids}, optimizer="adamw", amp="bf16",
                    device="cpu", implementation="for-loop" if strategy == "tp" else "foreach",
                    checkpoint=("LlamaDecoderLayer",) if ckpt else (),
-                   parallel=Parallel(gpus, strategy))
+                   parallel=Parallel(gpus, strategy, tp=TP if strategy == "fsdp+tp" else None,
+                                     mixed_precision=precision))
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert est.parallel is not None
     comparisons = {c.name: c.nbytes for c in est.parallel.comparisons}
     print(json.dumps({
-        "seconds": seconds, "rss": rss, "peak": est.peak_bytes,
+        "seconds": seconds, "cpu_seconds": time.process_time(), "rss": rss,
+        "peak": est.peak_bytes,
         "phase": f"{est.phase.name} {est.phase.step}", "rank": est.parallel.worst_rank,
         "ops": est.op_count,
         "categories": {str(k): v for k, v in est.categories.items()},
@@ -74,27 +83,35 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f}"
 
 
-def main(quick: bool, only: str | None, resume: bool) -> None:
+HEADER = ["model", "GPUs", "strategy", "checkpointing", "mixed precision",
+          "per-rank peak GiB", "phase", "communication GiB", "activations GiB",
+          "ZeRO-3 formula GiB", "DeepSpeed zero3 GiB", "wall s", "CPU s", "RSS MiB"]
+KEY = 5  # the cells that name a row
+
+
+def main(quick: bool, only: str | None, resume: bool, precisions: tuple[str, ...]) -> None:
     """Run every row in its own process and write the RESULTS.md section after each."""
     rows: list[list[str]] = []
-    header = ["model", "GPUs", "strategy", "checkpointing", "per-rank peak GiB",
-              "phase", "communication GiB", "activations GiB", "ZeRO-3 formula GiB",
-              "DeepSpeed zero3 GiB", "wall s", "RSS MiB"]
-    done = {tuple(r[:4]) for r in _merged([]) if not r[4].startswith("failed")}
-    for name, gpus, ckpt, strategy in ROWS:
+    header = HEADER
+    done = {tuple(r[:KEY]) for r in _merged([]) if not r[KEY].startswith("failed")}
+    for (name, gpus, ckpt, strategy), precision in ((r, p) for r in ROWS for p in precisions):
         if (quick and gpus != 8) or (only and strategy != only):
             continue
-        if resume and (name, str(gpus), strategy, "every layer" if ckpt else "none") in done:
+        if strategy == "tp" and precision != "autocast":
+            continue  # no FSDP2: --amp is autocast
+        shown = f"fsdp+tp (tp {TP})" if strategy == "fsdp+tp" else strategy
+        label = [name, str(gpus), shown, "every layer" if ckpt else "none",
+                 "autocast" if strategy == "tp" else precision]
+        if resume and tuple(label) in done:
             continue
         t0 = time.time()
         proc = subprocess.run([sys.executable, __file__, "--child", name, str(gpus),
-                               str(int(ckpt)), strategy],
+                               str(int(ckpt)), strategy, precision],
                               capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        label = [name, str(gpus), strategy, "every layer" if ckpt else "none"]
         if proc.returncode != 0 or not lines:
             tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:120]
-            rows.append([*label, "failed: " + tail, *("-" * (len(header) - 5))])
+            rows.append([*label, "failed: " + tail, *("-" * (len(header) - KEY - 1))])
             print(name, gpus, ckpt, strategy, "failed:", tail, flush=True)
             _write(header, rows, done=False)
             continue
@@ -102,7 +119,8 @@ def main(quick: bool, only: str | None, resume: bool) -> None:
         cats = r["categories"]
         rows.append([*label, _gib(r["peak"]), r["phase"],
                      _gib(cats["communication"]), _gib(cats["activations"]), _gib(r["zero3"]),
-                     _gib(r["deepspeed"]), f"{r['seconds']:.1f}", f"{r['rss'] / 2**20:,.0f}"])
+                     _gib(r["deepspeed"]), f"{r['seconds']:.1f}", f"{r['cpu_seconds']:.1f}",
+                     f"{r['rss'] / 2**20:,.0f}"])
         print(name, gpus, ckpt, strategy, r, f"({time.time() - t0:.0f} s with startup)",
               flush=True)
         _write(header, rows, done=False)
@@ -121,10 +139,13 @@ def _merged(rows: list[list[str]]) -> list[list[str]]:
     if start >= 0 and end > start:
         for line in text[start:end].splitlines()[1:]:
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if line.startswith("| llama") and len(cells) >= 4:
+            if line.startswith("| llama") and len(cells) == len(HEADER):
                 old.append(cells)
-    new = {tuple(r[:4]): r for r in rows}
-    out = [new.pop(tuple(r[:4]), r) for r in old]
+            elif line.startswith("| llama") and len(cells) == len(HEADER) - 2:
+                # a row of the table before the mixed precision and CPU columns: autocast
+                old.append([*cells[:4], "autocast", *cells[4:-1], "-", cells[-1]])
+    new = {tuple(r[:KEY]): r for r in rows}
+    out = [new.pop(tuple(r[:KEY]), r) for r in old]
     return out + list(new.values())
 
 
@@ -139,7 +160,10 @@ def _write(header: list[str], rows: list[list[str]], done: bool) -> None:
         "Command: `python benchmarks/estimate_distributed.py`. One rank of FSDP2 (`fully_shard` "
         "on each LlamaDecoderLayer, then the root) or of tensor parallelism (the model's "
         "transformers plan) traced on torch.distributed's fake process group: batch 1 x 2048 "
-        "tokens per rank, bf16 CPU autocast, fp32 weights, AdamW "
+        "tokens per rank, fp32 weights, bf16 mixed precision as FSDP2's MixedPrecisionPolicy "
+        "(`policy`, modelsize's default) or torch.autocast around the fp32 FSDP2 model "
+        "(`autocast`, whose cache holds a bf16 copy of each gathered weight until the "
+        "forward ends); fsdp+tp: FSDP2 over 8 x the tensor-parallel plan over 8; AdamW "
         "(foreach; for-loop for tensor parallelism, where PyTorch's foreach refuses to mix "
         "DTensor and plain parameters), two steps, CPU kernels (the peak of live tensors of "
         "one rank). The worst rank is rank 0 in every row. The formulas count model states "
@@ -160,9 +184,11 @@ def _write(header: list[str], rows: list[list[str]], done: bool) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5])
+    if len(sys.argv) == 7 and sys.argv[1] == "--child":
+        _child(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5], sys.argv[6])
     else:
         main("--quick" in sys.argv,
              sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None,
-             "--resume" in sys.argv)
+             "--resume" in sys.argv,
+             (sys.argv[sys.argv.index("--precision") + 1],) if "--precision" in sys.argv
+             else PRECISIONS)

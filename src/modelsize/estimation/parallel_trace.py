@@ -704,6 +704,7 @@ def measure_rank(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
         _real_inputs,
         allocator_events,
         peak_of,
+        run_program,
         storage_bytes,
     )
 
@@ -730,22 +731,7 @@ def measure_rank(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
                                   if isinstance(v, torch.Tensor)])
         call = caller(work, args, kwargs, None if policy else program.amp)
         events = stack.enter_context(allocator_events())
-        if not train:
-            with torch.no_grad():
-                out = call()
-            del out
-        else:
-            chosen = params if program.optimize_frozen else [p for p in params
-                                                             if p.requires_grad]
-            optimizer = make_factory(program.optimizer, program.implementation, "cpu")(chosen)
-            for _ in range(program.steps):
-                for _ in range(program.accumulate):
-                    loss = loss_fn(call())
-                    loss.backward()
-                    del loss
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            del optimizer
+        run_program(call, params, program, loss_fn, program.implementation)
     return before + peak_of(events)
 
 

@@ -195,22 +195,29 @@ def measure(model: nn.Module, inputs: Inputs, program: Program) -> int:
         stack.enter_context(checkpointed(work, program.checkpoint if train else (), real=True))
         call = caller(work, args, kwargs, program.amp)
         events = stack.enter_context(allocator_events())
-        if not train:
-            with torch.no_grad():
-                out = call()
-            del out
-        else:
-            chosen = params if program.optimize_frozen else [p for p in params if p.requires_grad]
-            optimizer = make_factory(program.optimizer, impl, "cpu")(chosen)
-            for _ in range(program.steps):
-                for _ in range(program.accumulate):
-                    loss = loss_fn(call())
-                    loss.backward()
-                    del loss
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            del optimizer
+        run_program(call, params, program, loss_fn, impl)
     return before + peak_of(events)
+
+
+def run_program(call: Callable[[], Any], params: list[nn.Parameter], program: Program,
+                loss_fn: Callable[[Any], torch.Tensor], implementation: Any) -> None:
+    """``program`` on real tensors: one forward under ``no_grad``, or its training steps
+    (forward, loss, backward per micro-batch, then the optimizer's step and zero_grad)."""
+    if program.mode != "train":
+        with torch.no_grad():
+            out = call()
+        del out
+        return
+    chosen = params if program.optimize_frozen else [p for p in params if p.requires_grad]
+    optimizer = make_factory(program.optimizer, implementation, "cpu")(chosen)
+    for _ in range(program.steps):
+        for _ in range(program.accumulate):
+            loss = loss_fn(call())
+            loss.backward()
+            del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    del optimizer
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
