@@ -59,14 +59,12 @@ from modelsize.estimation.trace import (
     Trace,
     _fake_inputs,
     _FakeCopier,
-    _forward_loss,
-    _mark_saved,
-    _module_bytes,
     _module_names,
     _SavedScalars,
     caller,
     checkpointed,
     default_loss,
+    trace_program,
     training_flags,
 )
 from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin
@@ -615,7 +613,6 @@ def run_rank_trace(
     if train and not n_train:
         raise EstimateError("the loss does not require grad: no parameter is trainable")
     loss_fn = program.loss or default_loss
-    module_acts: dict[str, int] = {}
     # outside the fake mode: an input's real twin (RealValues) must stay a real tensor
     values = RealValues()
     args, kwargs = _fake_inputs(inputs, copier, {}, mode, values)
@@ -647,47 +644,12 @@ def run_rank_trace(
 
             stack.enter_context(CudaKernelChoices())
         call = caller(work, args, kwargs, amp)
-        label = ["forward"]
-        if progress is not None:
-            mode.progress = lambda tick: progress(label[0], tick)
         start = time.perf_counter()
-        mode.counting = True
-        if not train:
-            mode.begin_phase("forward", 1)
-            mode.origin = Origin.FORWARD
-            with torch.no_grad():
-                out = call()
-            _mark_saved(mode, scalars)
-            module_acts = _module_bytes(mode)
-            del out
-            mode.end_phase()
-        else:
-            optimized = [p for p in params if program.optimize_frozen or p.requires_grad]
-            optimizer = make_factory(program.optimizer, program.implementation,
-                                     device.type)(optimized)
-            for step in range(1, program.steps + 1):
-                for micro in range(1, program.accumulate + 1):
-                    label[0] = f"step {step}/{program.steps}"
-                    mode.begin_phase("forward", step, micro)
-                    mode.origin = Origin.FORWARD
-                    loss = _forward_loss(call, loss_fn)
-                    _mark_saved(mode, scalars)
-                    if step == 1 and micro == 1:
-                        module_acts = _module_bytes(mode)
-                    mode.begin_phase("backward", step, micro)
-                    mode.origin = Origin.BACKWARD
-                    loss.backward()
-                    del loss
-                    scalars.release_all()
-                    _mark_grads(mode, params)
-                mode.begin_phase("optimizer", step)
-                mode.origin = Origin.OPTIMIZER
-                optimizer.step()
-                _mark_state(mode, optimizer)
-                mode.begin_phase("zero_grad", step)
-                optimizer.zero_grad(set_to_none=True)
-                mode.end_phase()
-            del optimizer
+        module_acts = trace_program(
+            mode, program, call, loss_fn, scalars, progress,
+            lambda: make_factory(program.optimizer, program.implementation, device.type)(
+                [p for p in params if program.optimize_frozen or p.requires_grad]),
+            after_backward=lambda: _mark_grads(mode, params), local=_local)
         mode.counting = False
         seconds = time.perf_counter() - start
     trace = Trace(mode, n_params, n_train, seconds, module_acts)
@@ -794,13 +756,6 @@ def _mark_grads(mode: CountingFakeMode, params: list[nn.Parameter]) -> None:
             rec = mode.allocation_of(_local(p.grad))
             if rec is not None:
                 rec.is_grad = True
-
-
-def _mark_state(mode: CountingFakeMode, optimizer: torch.optim.Optimizer) -> None:
-    for st in optimizer.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                mode.track(_local(v), Origin.OPTIMIZER).is_state = True
 
 
 def is_communication(rank: RankTrace) -> Callable[[Allocation], bool]:

@@ -287,7 +287,6 @@ def run_trace(
         raise EstimateError("the loss does not require grad: no parameter is trainable")
     loss_fn = program.loss or default_loss
     start = time.perf_counter()
-    module_acts: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(training_flags(model, train))
         stack.enter_context(_swapped_state(model, state))
@@ -303,50 +302,70 @@ def run_trace(
 
             stack.enter_context(CudaKernelChoices())
         call = caller(model, args, kwargs, program.amp)
-        label = ["forward"]
-        if progress is not None:
-            mode.progress = lambda tick: progress(label[0], tick)
-        mode.counting = True
-        if not train:
-            mode.begin_phase("forward", 1)
-            mode.origin = Origin.FORWARD
-            with torch.no_grad():
-                out = call()
-            _mark_saved(mode, scalars)
-            module_acts = _module_bytes(mode)
-            del out
-            mode.end_phase()
-        else:
-            factory = make_factory(program.optimizer, program.implementation, device.type)
-            optimizer = factory(optimized)
+        if train:
             for leaf in unique_params:
                 if leaf.requires_grad:
                     leaf.register_post_accumulate_grad_hook(_grad_marker(mode))
-            for step in range(1, program.steps + 1):
-                for micro in range(1, program.accumulate + 1):
-                    label[0] = f"step {step}/{program.steps}"
-                    mode.begin_phase("forward", step, micro)
-                    mode.origin = Origin.FORWARD
-                    loss = _forward_loss(call, loss_fn)
-                    _mark_saved(mode, scalars)
-                    if step == 1 and micro == 1:
-                        module_acts = _module_bytes(mode)
-                    mode.begin_phase("backward", step, micro)
-                    mode.origin = Origin.BACKWARD
-                    loss.backward()
-                    del loss
-                    scalars.release_all()
-                mode.begin_phase("optimizer", step)
-                mode.origin = Origin.OPTIMIZER
-                optimizer.step()
-                _mark_state(mode, optimizer)
-                mode.begin_phase("zero_grad", step)
-                optimizer.zero_grad(set_to_none=True)
-                mode.end_phase()
-            del optimizer
+        module_acts = trace_program(
+            mode, program, call, loss_fn, scalars, progress,
+            lambda: make_factory(program.optimizer, program.implementation,
+                                 device.type)(optimized))
         mode.counting = False
     seconds = time.perf_counter() - start
     return Trace(mode, n_params, n_train, seconds, module_acts)
+
+
+def trace_program(mode: CountingFakeMode, program: Program, call: Callable[[], Any],
+                  loss_fn: LossFn, scalars: _SavedScalars, progress: ProgressFn | None,
+                  make_optimizer: Callable[[], torch.optim.Optimizer], *,
+                  after_backward: Callable[[], None] = lambda: None,
+                  local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                  ) -> dict[str, int]:
+    """Run ``program`` under ``mode``, counting: one forward under ``no_grad``, or its
+    training steps (forward and loss, backward and ``after_backward`` per micro-batch, then
+    the optimizer's step and ``zero_grad``), each a phase. Returns the forward activations by
+    module. ``local`` maps an optimizer state tensor to the tensor it allocates (a DTensor's
+    local shard)."""
+    label = ["forward"]
+    if progress is not None:
+        mode.progress = lambda tick: progress(label[0], tick)
+    mode.counting = True
+    module_acts: dict[str, int] = {}
+    if program.mode != "train":
+        mode.begin_phase("forward", 1)
+        mode.origin = Origin.FORWARD
+        with torch.no_grad():
+            out = call()
+        _mark_saved(mode, scalars)
+        module_acts = _module_bytes(mode)
+        del out
+        mode.end_phase()
+        return module_acts
+    optimizer = make_optimizer()
+    for step in range(1, program.steps + 1):
+        for micro in range(1, program.accumulate + 1):
+            label[0] = f"step {step}/{program.steps}"
+            mode.begin_phase("forward", step, micro)
+            mode.origin = Origin.FORWARD
+            loss = _forward_loss(call, loss_fn)
+            _mark_saved(mode, scalars)
+            if step == 1 and micro == 1:
+                module_acts = _module_bytes(mode)
+            mode.begin_phase("backward", step, micro)
+            mode.origin = Origin.BACKWARD
+            loss.backward()
+            del loss
+            scalars.release_all()
+            after_backward()
+        mode.begin_phase("optimizer", step)
+        mode.origin = Origin.OPTIMIZER
+        optimizer.step()
+        _mark_state(mode, optimizer, local)
+        mode.begin_phase("zero_grad", step)
+        optimizer.zero_grad(set_to_none=True)
+        mode.end_phase()
+    del optimizer
+    return module_acts
 
 
 def _forward_loss(call: Callable[[], Any], loss_fn: LossFn) -> torch.Tensor:
@@ -783,8 +802,9 @@ def _module_bytes(mode: CountingFakeMode) -> dict[str, int]:
     return out
 
 
-def _mark_state(mode: CountingFakeMode, optimizer: torch.optim.Optimizer) -> None:
+def _mark_state(mode: CountingFakeMode, optimizer: torch.optim.Optimizer,
+                local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
     for st in optimizer.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor):
-                mode.track(v, Origin.OPTIMIZER).is_state = True
+                mode.track(local(v), Origin.OPTIMIZER).is_state = True
