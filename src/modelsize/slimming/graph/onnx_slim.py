@@ -17,23 +17,19 @@ nothing is committed and the slim fails.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from modelsize import formats
 from modelsize.errors import CorruptFileError, UsageError, VerificationError, printable
 from modelsize.formats.onnx import ONNX_DTYPES
 from modelsize.inventory import Inventory
+from modelsize.slimming.graph.report import Comparison, GraphSlimReport
 from modelsize.slimming.output import Output, write_verified
 from modelsize.slimming.plan import SlimOptions
-from modelsize.slimming.result import Dropped, KeptTensor, SlimReport
+from modelsize.slimming.result import Dropped, KeptTensor
 from modelsize.slimming.writers.base import slim_name
-
-if TYPE_CHECKING:
-    from modelsize.slimming.graph.onnx_passes import PassResult
-    from modelsize.slimming.graph.verify_onnx import Comparison
 
 #: The largest one-file output: protobuf's 2 GiB limit less a 1 MiB margin.
 MAX_PROTO = (1 << 31) - (1 << 20)
@@ -65,21 +61,6 @@ def choose_layout(choice: ExternalData, nbytes: int, path: Path) -> bool:
                          f"the {MAX_PROTO:,} one protobuf file can hold; use --external-data "
                          "auto or always")
     return True
-
-
-@dataclass(frozen=True)
-class GraphSlimReport(SlimReport):
-    """A :class:`SlimReport` with the graph passes run and the outputs compared."""
-
-    passes: tuple[PassResult, ...] = ()
-    comparison: Comparison | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: the slim report plus ``passes`` and ``outputs_compared``."""
-        out = super().to_dict()
-        out["passes"] = [p.to_dict() for p in self.passes]
-        out["outputs_compared"] = None if self.comparison is None else self.comparison.to_dict()
-        return out
 
 
 def _load(path: Path) -> Any:

@@ -64,11 +64,11 @@ from modelsize.errors import (
     printable,
 )
 from modelsize.inventory import Inventory
-from modelsize.slimming.graph.verify_onnx import Comparison
-from modelsize.slimming.graph.verify_onnx import OutputDiff as NamedDiff
+from modelsize.slimming.graph.report import Comparison, GraphSlimReport
+from modelsize.slimming.graph.report import OutputDiff as NamedDiff
 from modelsize.slimming.output import Output, staged
 from modelsize.slimming.plan import SlimOptions
-from modelsize.slimming.result import Dropped, KeptTensor, SlimReport
+from modelsize.slimming.result import Dropped, KeptTensor
 
 FORMAT = "tensorflow SavedModel"
 #: Seed of the verification (and int8 calibration) inputs.
@@ -348,22 +348,7 @@ class PassRow:
                 "applied": self.applied, "saved_bytes": self.saved_bytes, "note": self.note}
 
 
-@dataclass(frozen=True)
-class SavedModelSlimReport(SlimReport):
-    """A :class:`SlimReport` of a SavedModel slim: the mode run and the outputs compared."""
-
-    passes: tuple[PassRow, ...] = ()
-    comparison: Comparison | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: the slim report plus ``passes`` and ``outputs_compared``."""
-        out = super().to_dict()
-        out["passes"] = [p.to_dict() for p in self.passes]
-        out["outputs_compared"] = None if self.comparison is None else self.comparison.to_dict()
-        return out
-
-
-def to_slim_report(result: GraphSlimResult) -> SavedModelSlimReport:
+def to_slim_report(result: GraphSlimResult) -> GraphSlimReport:
     """``result`` as the :class:`SlimReport` every ``slim`` returns (kept and dropped tensors
     named by their checkpoint keys in the source)."""
     records = {t.name: t for t in result.source_inventory.tensors}
@@ -390,7 +375,7 @@ def to_slim_report(result: GraphSlimResult) -> SavedModelSlimReport:
         tuple(NamedDiff(f"{d.signature}/{d.output}", d.max_abs, d.max_rel)
               for d in result.diffs), result.tolerance, kind, runner)
     files = ((result.target, after),) if after is not None else ()
-    return SavedModelSlimReport(
+    return GraphSlimReport(
         source=result.source_inventory, target=result.target,
         output_format=("tensorflow" if result.output_format == "saved_model" else "tflite"),
         dry_run=result.dry_run, predicted_bytes=None, kept=kept, dropped=dropped,
@@ -400,7 +385,7 @@ def to_slim_report(result: GraphSlimResult) -> SavedModelSlimReport:
 
 
 def slim_from_options(inv: Inventory, out: str | Path | None, options: SlimOptions, *,
-                      dry_run: bool, force: bool) -> SavedModelSlimReport:
+                      dry_run: bool, force: bool) -> GraphSlimReport:
     """What :func:`modelsize.slim` calls for a SavedModel kept as one (``to="same"``) or
     converted to TFLite (``to="tflite"``); the options that pick tensors do not apply."""
     flags = [flag for flag, used in (

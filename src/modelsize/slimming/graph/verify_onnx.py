@@ -10,13 +10,13 @@ a relative difference exceeds the tolerance: :data:`TOLERANCES` per kind of pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from modelsize.errors import UsageError, VerificationError, printable
+from modelsize.slimming.graph.report import Comparison, OutputDiff
 
 #: Largest relative output difference accepted, by the most approximate pass applied.
 TOLERANCES: dict[str, float] = {
@@ -26,46 +26,6 @@ TOLERANCES: dict[str, float] = {
     "quantize-dynamic": 2e-1,  # int8 weights and activations quantized at run time
 }
 SEED = 0
-
-
-@dataclass(frozen=True)
-class OutputDiff:
-    """One output of the model compared."""
-
-    name: str
-    max_abs: float
-    max_rel: float
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"name": self.name, "max_abs": self.max_abs, "max_rel": self.max_rel}
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Every output compared, the tolerance, what ran them and the verdict (ONNX and TF)."""
-
-    outputs: tuple[OutputDiff, ...]
-    tolerance: float
-    kind: str
-    runner: str = "onnxruntime"
-    """What ran both models (the report's "Verified: ... ran")."""
-
-    @property
-    def max_rel(self) -> float:
-        """The worst relative difference over all outputs."""
-        return max((o.max_rel for o in self.outputs), default=0.0)
-
-    @property
-    def ok(self) -> bool:
-        """Whether every output is within the tolerance."""
-        return self.max_rel <= self.tolerance
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"outputs": [o.to_dict() for o in self.outputs], "tolerance": self.tolerance,
-                "kind": self.kind, "runner": self.runner, "max_rel": self.max_rel,
-                "ok": self.ok}
 
 
 _NUMPY = {
