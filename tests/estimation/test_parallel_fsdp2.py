@@ -19,6 +19,7 @@ from modelsize.estimation import MemoryCategory, estimate
 from modelsize.estimation.parallel import Parallel, Strategy
 from tests.estimation.groundtruth import allocator_events, first_float_sum, peak_of, storage_bytes
 from tests.estimation.models import Stack, tiny_llama
+from tests.estimation.test_parallel import _cli
 
 STACK_UNITS = ["blocks.0", "blocks.1", "blocks.2"]
 LLAMA_UNITS = ["model.layers.0", "model.layers.1"]
@@ -241,15 +242,6 @@ def test_cpu_offload_runs_the_real_engine_and_splits_gpu_and_host() -> None:
 
 
 # -- the command -------------------------------------------------------------------------------
-
-
-def _cli(capsys: Any, *args: str) -> tuple[int, str, str]:
-    from modelsize.cli import main
-
-    code = main(["estimate", "tests.estimation.models:Stack", "--input", "2x16x32",
-                 "--device", "cpu", "--no-suggest", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_mixed_precision_and_offload(capsys: Any) -> None:
