@@ -4,9 +4,7 @@ process group against the same program run for real and measured, and the accoun
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import warnings
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ from modelsize.estimation.parallel import (
     deepspeed_zero3_gpu_bytes,
     zero_model_states,
 )
-from tests.estimation.groundtruth import allocator_events, first_float_sum, peak_of, storage_bytes
+from tests.estimation.groundtruth import allocator_events, measured, peak_of, storage_bytes
 from tests.estimation.models import Block, Stack, tiny_llama
 
 # The ZeRO paper (Rajbhandari et al., SC 2020), figure 1: a 7.5B-parameter model on 64 GPUs
@@ -80,40 +78,7 @@ def measured_fsdp(model: nn.Module, inputs: dict[str, Any] | tuple[Any, ...], wo
                   checkpoint: tuple[str, ...] = ()) -> int:
     """Rank ``rank``'s real CPU peak: FSDP2 on real tensors, a fake process group of ``world``,
     two AdamW steps, read from the allocator's events (the estimator is not used)."""
-    import torch.distributed as dist
-    import torch.utils.checkpoint as cp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    work = copy.deepcopy(model)
-    for name in checkpoint:
-        block = work.get_submodule(name)
-        block.forward = functools.partial(cp.checkpoint, block.forward, use_reentrant=False)
-    args, kwargs = (((), inputs) if isinstance(inputs, dict) else (inputs, {}))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for name in units:
-            fully_shard(work.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(work, mesh=mesh, reshard_after_forward=reshard)
-        params = list(work.parameters())
-        before = storage_bytes([p._local_tensor for p in params] + list(work.buffers())
-                               + [v for v in (*args, *kwargs.values())])
-        opt = torch.optim.AdamW(params)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # FSDP2: "returned a view tensor"
-            with allocator_events() as events:
-                for _ in range(2):
-                    loss = first_float_sum(work(*args, **kwargs))
-                    loss.backward()
-                    del loss
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                del opt
-    finally:
-        dist.destroy_process_group()
-    return before + peak_of(events)
+    return measured(model, inputs, world, rank, units, reshard=reshard, checkpoint=checkpoint)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -4,10 +4,6 @@ measured by the allocator's profiler (the estimator is not used on the measured 
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
-import warnings
 from typing import Any
 
 import pytest
@@ -17,93 +13,12 @@ from torch import nn
 from modelsize.errors import UsageError
 from modelsize.estimation import MemoryCategory, estimate
 from modelsize.estimation.parallel import Parallel, Strategy
-from tests.estimation.groundtruth import allocator_events, first_float_sum, peak_of, storage_bytes
+from tests.estimation.groundtruth import measured
 from tests.estimation.models import Stack, tiny_llama
 from tests.estimation.test_parallel import _cli
 
 STACK_UNITS = ["blocks.0", "blocks.1", "blocks.2"]
 LLAMA_UNITS = ["model.layers.0", "model.layers.1"]
-
-
-def llama_tp_plan() -> dict[str, Any]:
-    """Llama's tensor-parallel plan written out: q, k, v, gate, up column-wise; o, down row-wise."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan: dict[str, Any] = {f"model.layers.*.{name}": ColwiseParallel() for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-        "mlp.up_proj")}
-    plan |= {f"model.layers.*.{name}": RowwiseParallel() for name in (
-        "self_attn.o_proj", "mlp.down_proj")}
-    return plan
-
-
-def measured(model: nn.Module, inputs: dict[str, Any] | tuple[Any, ...], world: int,
-             rank: int, units: list[str], *, tp: int = 1, mp: torch.dtype | None = None,
-             autocast: torch.dtype | None = None, cache: bool = True, offload: bool = False,
-             checkpoint: tuple[str, ...] = (), forward_only: bool = False) -> int:
-    """Rank ``rank``'s real CPU peak: FSDP2 (on the dp dimension of a ``(world // tp, tp)`` mesh
-    after Llama's tensor-parallel plan when ``tp > 1``) on real tensors, a fake process group,
-    two AdamW steps (or one forward), read from the allocator's events."""
-    import torch.distributed as dist
-    import torch.utils.checkpoint as cp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-    from torch.distributed.tensor.parallel import parallelize_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    work = copy.deepcopy(model)
-    for name in checkpoint:
-        block = work.get_submodule(name)
-        block.forward = functools.partial(cp.checkpoint, block.forward, use_reentrant=False)
-    args, kwargs = (((), inputs) if isinstance(inputs, dict) else (inputs, {}))
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        if tp > 1:
-            mesh2 = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-            parallelize_module(work, mesh2["tp"], llama_tp_plan())
-            mesh = mesh2["dp"]
-        else:
-            mesh = init_device_mesh("cpu", (world,))
-        policy = (MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32)
-                  if mp is not None else MixedPrecisionPolicy())
-        offloading = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
-        for name in units:
-            fully_shard(work.get_submodule(name), mesh=mesh, mp_policy=policy,
-                        offload_policy=offloading)
-        fully_shard(work, mesh=mesh, mp_policy=policy, offload_policy=offloading)
-        params = list(work.parameters())
-        before = storage_bytes([p._local_tensor for p in params] + list(work.buffers())
-                               + [v for v in (*args, *kwargs.values())])
-
-        def forward() -> Any:
-            ctx = (torch.autocast("cpu", dtype=autocast, cache_enabled=cache)
-                   if autocast is not None else contextlib.nullcontext())
-            with ctx:
-                return work(*args, **kwargs)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # FSDP2: "returned a view tensor"
-            with allocator_events() as events:
-                if forward_only:
-                    out = forward()
-                    del out
-                else:
-                    opt = torch.optim.AdamW(params)
-                    for _ in range(2):
-                        loss = first_float_sum(forward())
-                        loss.backward()
-                        del loss
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                    del opt
-    finally:
-        dist.destroy_process_group()
-    return before + peak_of(events)
 
 
 # -- 1. FSDP2 mixed precision ----------------------------------------------------------------
