@@ -191,6 +191,18 @@ class Parallel:
         return (0,)
 
 
+def unsplit_heads(model: object, degree: int) -> tuple[str, int] | None:
+    """The first of the model config's attention head counts (``num_attention_heads``,
+    ``num_key_value_heads``) that tensor parallelism of ``degree`` cannot split, with its
+    value; None when both split (or the model has no such config)."""
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % degree:
+            return attr, heads
+    return None
+
+
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes of model states per rank, as the ZeRO paper counts them."""

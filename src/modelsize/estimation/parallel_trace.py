@@ -41,7 +41,13 @@ from torch import nn
 
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimation.optimizers import make_factory
-from modelsize.estimation.parallel import FsdpPrecision, Parallel, Strategy, comparisons
+from modelsize.estimation.parallel import (
+    FsdpPrecision,
+    Parallel,
+    Strategy,
+    comparisons,
+    unsplit_heads,
+)
 from modelsize.estimation.result import (
     Comparison,
     DeviceEstimate,
@@ -482,13 +488,11 @@ def tp_plan(model: nn.Module, world: int) -> dict[str, Any]:
     as ``parallelize_module`` takes it: module patterns to Colwise / Rowwise styles."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    config = getattr(model, "config", None)
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
-        if isinstance(heads, int) and heads % world:
-            raise UsageError(f"tensor parallelism over {world} ranks splits attention heads: "
-                             f"the model's {attr} ({heads}) must be a multiple of {world}")
-    base = getattr(config, "base_model_tp_plan", None) or {}
+    unsplit = unsplit_heads(model, world)
+    if unsplit is not None:
+        raise UsageError(f"tensor parallelism over {world} ranks splits attention heads: "
+                         f"the model's {unsplit[0]} ({unsplit[1]}) must be a multiple of {world}")
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not hasattr(model, prefix):

@@ -304,11 +304,8 @@ def fit_target(target: Target, batch: int, seq: int, options: Options, budget: i
 
     if dimension == "seq" and not seq:
         raise UsageError("--fit-dim seq: this model has no sequence dimension")
-    name = "device total" if options.device == "cuda" else "peak"
-    if name == "peak" and parallel is not None:
-        name = "per-rank peak"
-    elif parallel is not None:
-        name = "per-rank device total"
+    name = ("per-rank " if parallel is not None else "") + (
+        "device total" if options.device == "cuda" else "peak")
     if dimension == "gpus":
         from modelsize.estimation.parallel import Parallel as ParallelOf
 
@@ -357,12 +354,9 @@ def world_allowed(model: Any, parallel: Parallel, world: int) -> bool:
         degree = int(getattr(parallel, "tp", 0) or 1)
         if world % degree:
             return False
-    config = getattr(model, "config", None)
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
-        if isinstance(heads, int) and heads % degree:
-            return False
-    return True
+    from modelsize.estimation.parallel import unsplit_heads
+
+    return unsplit_heads(model, degree) is None
 
 
 def on_world(parallel: Parallel, world: int) -> Parallel:
