@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import warnings
 from collections import deque
@@ -292,6 +293,7 @@ def slim_saved_model(
                 notes.append(f"kept the {len(variables)} variables the signatures read; "
                              f"dropped {len(dropped)} other tensors")
             tf.saved_model.save(root, str(stage), signatures=exported)
+            renumber_functions(stage)
             _fsync_tree(stage)
             reloaded = _load(tf, stage)
             got = {k: _run_signature(reloaded.signatures[k], inputs[k]) for k in signatures}
@@ -895,6 +897,118 @@ def _quiet() -> Iterator[None]:
 # --------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------
+_NUMBERED = re.compile(r"(.*_)(\d+)")
+
+
+def renumber_functions(path: Path) -> int:
+    """Number the functions of the SavedModel at ``path`` from 0, in the order TensorFlow
+    numbered them; how many were renamed.
+
+    ``tf.saved_model.save`` names each function after a process-wide counter
+    (``__inference_serve_27341``), names captured inputs after it too, and writes the
+    function library in no fixed order, so the same model saved after other work in the
+    process gives other bytes and another size. Renumbered, and the library in name order,
+    a slim's ``saved_model.pb`` is the same for the same input whatever ran before it
+    (``fingerprint.pb`` is rewritten for it, with TensorFlow's random ``uuid``). Every
+    string of the proto equal to an old name is replaced (library, calls, function
+    attributes, the object graph's keys); TensorFlow renames functions again when it loads
+    them. Left as it is when the new names would collide with a name that stays.
+    """
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    pb = path / "saved_model.pb"
+    model = saved_model_pb2.SavedModel()
+    model.ParseFromString(pb.read_bytes())
+    names = [f.signature.name for meta in model.meta_graphs
+             for f in meta.graph_def.library.function]
+    numbered = sorted((int(m.group(2)), m.group(1), name) for name in set(names)
+                      if (m := _NUMBERED.fullmatch(name)))
+    rename = {old: f"{stem}{i}" for i, (_, stem, old) in enumerate(numbered)}
+    if not rename or len(set(rename.values()) | (set(names) - set(rename))) != len(set(names)):
+        return 0
+    _rename_strings(model, rename)
+    for meta in model.meta_graphs:  # TensorFlow writes the library in no fixed order
+        library = meta.graph_def.library
+        functions = sorted(library.function, key=lambda f: f.signature.name)
+        del library.function[:]
+        library.function.extend(functions)
+    # A captured input's placeholder is named after a counter too ("18305"), in no fixed
+    # order; the name only names the placeholder when the function is loaded. Numbered in
+    # the order they appear.
+    numbers: dict[bytes, bytes] = {}
+    for key, m in _messages(model):
+        if key == "_user_specified_name" and m.WhichOneof("value") == "s" and m.s.isdigit():
+            m.s = numbers.setdefault(m.s, str(len(numbers)).encode())
+    pb.write_bytes(model.SerializeToString(deterministic=True))
+    fingerprint = path / "fingerprint.pb"
+    if fingerprint.exists():
+        from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
+
+        fingerprint.write_bytes(fingerprinting.CreateFingerprintDef(str(path)))
+    return len(rename)
+
+
+def _messages(message: Any, key: Any = None) -> Iterator[tuple[Any, Any]]:
+    """Every message inside ``message`` (itself first), with the map key it is under."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    yield key, message
+    for desc, value in message.ListFields():
+        if desc.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        if desc.message_type.GetOptions().map_entry:
+            if desc.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+                for k in sorted(value):
+                    yield from _messages(value[k], k)
+        elif _repeated(desc):
+            for item in value:
+                yield from _messages(item)
+        else:
+            yield from _messages(value)
+
+
+def _repeated(desc: Any) -> bool:
+    # protobuf 5.26+ says is_repeated; label is gone from 6.
+    if hasattr(desc, "is_repeated"):
+        return bool(desc.is_repeated)
+    return bool(desc.label == desc.LABEL_REPEATED)
+
+
+def _rename_strings(message: Any, rename: dict[str, str]) -> None:
+    """Replace, everywhere in ``message``, each string (and string map key) in ``rename``."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for desc, value in message.ListFields():
+        repeated = _repeated(desc)
+        if desc.type == FieldDescriptor.TYPE_STRING:
+            if repeated:
+                value[:] = [rename.get(v, v) for v in value]
+            elif value in rename:
+                setattr(message, desc.name, rename[value])
+        elif desc.type != FieldDescriptor.TYPE_MESSAGE:
+            continue
+        elif desc.message_type.GetOptions().map_entry:
+            entry = desc.message_type.fields_by_name["value"]
+            messages = entry.type == FieldDescriptor.TYPE_MESSAGE
+            strings = entry.type == FieldDescriptor.TYPE_STRING
+            for key in list(value):
+                if messages:
+                    _rename_strings(value[key], rename)
+                elif strings and value[key] in rename:
+                    value[key] = rename[value[key]]
+                if isinstance(key, str) and key in rename:
+                    if messages:
+                        value[rename[key]].CopyFrom(value[key])
+                    else:
+                        value[rename[key]] = value[key]
+                    del value[key]
+        elif repeated:
+            for item in value:
+                _rename_strings(item, rename)
+        else:
+            _rename_strings(value, rename)
+
+
 def _tree_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
