@@ -37,11 +37,17 @@ TensorFlow alone:
   ``TFLITE_BUILTINS_INT8`` (the converter's documented recipe for each).
 
 The max relative output difference of modelsize's output and of the peer's is measured here
-in the same way: both run on the same seeded inputs as the source (:func:`seeded_inputs`, the
-rule of the slim's own verification), max |a - b| / max |a| per output, the largest over the
-outputs and signatures the output serves. The verdict is the issue's target: "yes" when
-modelsize's output is at most the peer's bytes, at most the source's, and its outputs at least
-as close as the peer's; otherwise "no: why".
+in the same way: both run on the same ``--seeds`` seeded input batches as the source
+(:func:`seeded_inputs`, the rule of the slim's own verification, whose seed is the first),
+max |a - b| / max |a| per output, the largest over the outputs and signatures the output
+serves; the table gives the worst over the batches and their median. One batch is not
+enough: at float32 rounding level which of two graphs is closer changes from batch to batch.
+The verdict is the issue's target: "yes" when modelsize's output is at most the peer's bytes,
+at most the source's, and its worst max rel at most the peer's, two max rels within half a
+float32 ulp of the largest output (:data:`FLOAT32_RESOLUTION`) counting as equal; otherwise
+"no: why". A mode modelsize refuses by default (its verification over the tolerance: exit 1,
+nothing written, as the issue asks) is measured with the bound lifted, and is a miss only
+when the peer's output meets that tolerance.
 
 Run it with the Python that has TensorFlow, modelsize's source on the path:
 
@@ -220,19 +226,30 @@ def seeded_inputs(fn: Any, seed: int) -> dict[str, Any]:
     return feed
 
 
+#: Seeded input batches every output is measured on: the slim's own verification seed and
+#: the next ones (a float32 rounding difference is a coin flip on any one batch).
+SEEDS = 20
+#: Half a float32 ulp of the largest output, as a fraction of it: two max rels closer than
+#: this are equally close (the outputs themselves are only known to that).
+FLOAT32_RESOLUTION = 2.0 ** -24
+
+
 class Reference:
     """The source's signatures, their seeded inputs and outputs: what every output is held to."""
 
-    def __init__(self, src: Path) -> None:
+    def __init__(self, src: Path, seeds: int = SEEDS) -> None:
         import tensorflow as tf
 
         self.loaded = tf.saved_model.load(str(src))
-        self.inputs = {k: seeded_inputs(fn, SEED) for k, fn in self.loaded.signatures.items()}
-        self.expected = {k: _numpy(fn(**self.inputs[k]))
-                         for k, fn in self.loaded.signatures.items()}
+        signatures = self.loaded.signatures
+        self.inputs = [{k: seeded_inputs(fn, SEED + i) for k, fn in signatures.items()}
+                       for i in range(seeds)]
+        self.expected = [{k: _numpy(fn(**feed[k])) for k, fn in signatures.items()}
+                         for feed in self.inputs]
 
-    def max_rel(self, out: Path) -> float:
-        """Largest max |a - b| / max |a| over the outputs of the signatures ``out`` serves."""
+    def max_rel(self, out: Path) -> list[float]:
+        """The largest max |a - b| / max |a| over the outputs of the signatures ``out``
+        serves, for each seeded batch."""
         import numpy as np
         import tensorflow as tf
 
@@ -240,19 +257,20 @@ class Reference:
             interpreter = tf.lite.Interpreter(model_content=out.read_bytes())
             runners = {k: interpreter.get_signature_runner(k)
                        for k in interpreter.get_signature_list()}
-            got = {k: _numpy(r(**self.inputs[k])) for k, r in runners.items()}
         else:
-            loaded = tf.saved_model.load(str(out))
-            got = {k: _numpy(fn(**self.inputs[k])) for k, fn in loaded.signatures.items()}
-        if not got:
+            runners = dict(tf.saved_model.load(str(out)).signatures)
+        if not runners:
             raise RuntimeError(f"{out} serves none of the source's signatures")
-        worst = 0.0
-        for key, outputs in got.items():
-            for name, b in outputs.items():
-                a = np.asarray(self.expected[key][name], np.float64)
-                worst = max(worst, float(np.max(np.abs(a - np.asarray(b, np.float64)))
-                                         / np.max(np.abs(a))))
-        return worst
+        per_batch = []
+        for feed, expected in zip(self.inputs, self.expected, strict=True):
+            worst = 0.0
+            for key, run in runners.items():
+                for name, b in _numpy(run(**feed[key])).items():
+                    a = np.asarray(expected[key][name], np.float64)
+                    worst = max(worst, float(np.max(np.abs(a - np.asarray(b, np.float64)))
+                                             / np.max(np.abs(a))))
+            per_batch.append(worst)
+        return per_batch
 
 
 def _numpy(outputs: dict[str, Any]) -> dict[str, Any]:
@@ -350,17 +368,28 @@ def run_peer(peer: str, src: Path, out: Path, reference: Reference) -> int | Non
 
 
 def verdict(mine: tuple[int, float], peer: tuple[int, float], before: int,
-            refused: str = "") -> str:
+            refused: float | None = None) -> str:
     """The issue's target for one row: at most the peer's bytes and the source's, outputs at
-    least as close as the peer's (``refused``: why modelsize wrote nothing by default)."""
-    why = [refused.rstrip("; ")] if refused else []
+    least as close as the peer's (worst max rel over the seeded batches, equal within
+    :data:`FLOAT32_RESOLUTION`). ``refused``: the default tolerance modelsize's output broke,
+    so that by default it wrote nothing; that is the verification the issue asks for (exit
+    1, OUT not written) and not a miss when the peer's output breaks the bound as well."""
+    why = []
     if mine[0] > before:
         why.append(f"{mine[0] - before:,} B larger than the input")
     if mine[0] > peer[0]:
         why.append(f"{mine[0] - peer[0]:,} B larger than the peer")
-    if mine[1] > peer[1]:
+    if mine[1] > peer[1] + FLOAT32_RESOLUTION:
         why.append(f"max rel {mine[1]:.2e} > the peer's {peer[1]:.2e}")
-    return "yes" if not why else "no: " + "; ".join(why)
+    if refused is not None and peer[1] <= refused:
+        why.append(f"refused by the default tolerance {refused:g}, which the peer's output "
+                   "meets")
+    if why:
+        return "no: " + "; ".join(why)
+    if refused is not None:
+        return (f"yes: refused by default (over the tolerance {refused:g}, as is the peer's "
+                "output); with the bound lifted, as above")
+    return "yes"
 
 
 def timed(write: Any, outs: list[Path]) -> tuple[float, Any]:
@@ -377,6 +406,8 @@ def main() -> None:
     """Build, slim every way, run the peers, write the RESULTS.md section."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=SEEDS,
+                        help=f"seeded input batches to measure on (default {SEEDS})")
     parser.add_argument("--models", nargs="*", help="only these (default: all three)")
     parser.add_argument("--modes", nargs="*", choices=[m for m, _ in MODES],
                         help="only these (default: all)")
@@ -399,9 +430,13 @@ def main() -> None:
         f"{args.repeats}`. TensorFlow {tf.__version__}, {platform.machine()}, Python "
         f"{platform.python_version()}; seconds: median of {args.repeats} runs, TensorFlow "
         "already imported (modelsize's include its verification run). max rel: the largest "
-        "max |a - b| / max |a| over the outputs, both tools' outputs measured here on the same "
-        "seeded inputs as the source. Verdict: at most the peer's bytes and the source's, "
-        "outputs at least as close as the peer's.",
+        "max |a - b| / max |a| over the outputs, per seeded input batch, both tools' outputs "
+        f"measured here on the same {args.seeds} batches as the source (seeds {SEED}.."
+        f"{SEED + args.seeds - 1}; the first is the slim's own verification input): the "
+        "worst over the batches, and their median. Verdict: at most the peer's bytes and the "
+        "source's, and a worst max rel at most the peer's; two max rels within half a float32 "
+        "ulp of the largest output (2^-24 = 5.96e-08 of it) are equal, since the outputs "
+        "themselves are only known to that.",
         "",
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -412,10 +447,11 @@ def main() -> None:
                 continue
             src = root / name
             before = tree_bytes(src)
-            reference = Reference(src)
+            reference = Reference(src, args.seeds)
             lines += [f"### {name}: {text}", "", f"source: {before:,} bytes", "",
-                      "| mode | modelsize bytes | saved | seconds | max rel | peer | peer bytes "
-                      "| peer seconds | peer max rel | verdict |",
+                      "| mode | modelsize bytes | saved | seconds | max rel worst / median "
+                      "| peer | peer bytes | peer seconds | peer max rel worst / median "
+                      "| verdict |",
                       "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
             notes = []
             for mode, kwargs in MODES:
@@ -426,7 +462,7 @@ def main() -> None:
                 out_dir = root / "out"
                 out_dir.mkdir(exist_ok=True)
                 outs = [out_dir / f"{stem}-{i}{suffix}" for i in range(args.repeats)]
-                refused = ""
+                refused = None
                 try:
                     seconds, result = timed(
                         functools.partial(slim_saved_model, src, **kwargs), outs)
@@ -436,16 +472,19 @@ def main() -> None:
                     bound = tolerance_for(Target(kwargs.get("to", "saved_model")),
                                           Quantize(kwargs["quantize"])
                                           if "quantize" in kwargs else None)
-                    refused = f"refused by the default tolerance {bound:g}; "
+                    refused = bound
                     seconds, result = timed(functools.partial(
                         slim_saved_model, src, tolerance=float("inf"), **kwargs), outs)
                 out = outs[-1]
-                mine = (tree_bytes(out), reference.max_rel(out))
+                mine_rels = reference.max_rel(out)
+                mine = (tree_bytes(out), max(mine_rels))
                 peer = PEER_OF[mode]
                 peer_outs = [out_dir / f"{stem}-peer-{i}{suffix}" for i in range(args.repeats)]
                 peer_seconds, peer_result = timed(
                     functools.partial(run_peer, peer, src, reference=reference), peer_outs)
-                theirs = (tree_bytes(peer_outs[-1]), reference.max_rel(peer_outs[-1]))
+                their_rels = reference.max_rel(peer_outs[-1])
+                theirs = (tree_bytes(peer_outs[-1]), max(their_rels))
+                mine_median, their_median = map(statistics.median, (mine_rels, their_rels))
                 if mode == "freeze":
                     left = batchnorm_op_types(peer_outs[-1])
                     peer += (" (BatchNorm ops left unfolded: "
@@ -453,8 +492,9 @@ def main() -> None:
                              if left else " (no BatchNorm op left)")
                 lines.append(
                     f"| {mode} | {mine[0]:,} | {1 - mine[0] / before:.0%} | {seconds:.2f} | "
-                    f"{mine[1]:.2e} | {peer} | {theirs[0]:,} | {peer_seconds:.2f} | "
-                    f"{theirs[1]:.2e} | {verdict(mine, theirs, before, refused)} |")
+                    f"{mine[1]:.2e} / {mine_median:.2e} | {peer} | {theirs[0]:,} | "
+                    f"{peer_seconds:.2f} | {theirs[1]:.2e} / {their_median:.2e} | "
+                    f"{verdict(mine, theirs, before, refused)} |")
                 if mode == "freeze":
                     notes.append(
                         f"freeze: Mul, Rsqrt and FusedBatchNorm ops in saved_model.pb (its "
@@ -466,15 +506,21 @@ def main() -> None:
                         "Conv2D's scale itself). The peer's frozen GraphDef(s) serialized: "
                         f"{peer_result:,} bytes."
                         + (f" modelsize folds the {sum(left.values())} op(s) the peer leaves: "
-                           f"{theirs[0] - mine[0]:,} B smaller, max rel {mine[1]:.2e} against "
-                           f"the peer's {theirs[1]:.2e} (float32 rounding of the folded "
-                           "weights; modelsize's bound for its exact passes: "
-                           f"{tolerance_for(Target.SAVED_MODEL, None):g})." if left else "")
-                        + (" The two saved_model.pb hold the same graphs (equal once "
-                           "TensorFlow's process-wide counter suffixes of function names, "
-                           "`__inference_serve_<n>`, are taken out): their bytes differ by "
-                           "those digits and by fingerprint.pb's hash varints, which vary "
-                           "from run to run." if same_graphs(out, peer_outs[-1]) else ""))
+                           f"{theirs[0] - mine[0]:,} B smaller; max rel worst {mine[1]:.2e} "
+                           f"against the peer's {theirs[1]:.2e}, median {mine_median:.2e} "
+                           f"against {their_median:.2e}, closer than the peer's on "
+                           f"{sum(m < t for m, t in zip(mine_rels, their_rels, strict=True))}"
+                           f" of {len(mine_rels)} batches and equal on "
+                           f"{sum(m == t for m, t in zip(mine_rels, their_rels, strict=True))}"
+                           " (float32 rounding of the folded weights; modelsize's bound for "
+                           f"its exact passes: {tolerance_for(Target.SAVED_MODEL, None):g})."
+                           if left else "")
+                        + (" The two saved_model.pb hold the same graphs (equal once the "
+                           "numbers in function names, `__inference_serve_<n>`, are taken "
+                           "out): modelsize numbers its functions from 0, the peer's carry "
+                           "TensorFlow's process-wide counter, and fingerprint.pb's random "
+                           "uuid is a decimal of varying length."
+                           if same_graphs(out, peer_outs[-1]) else ""))
                 print(name, mode, mine, f"{seconds:.2f}s", "own max rel",
                       result.worst.max_rel if result.worst else 0, "| peer", theirs,
                       f"{peer_seconds:.2f}s", flush=True)
