@@ -76,6 +76,23 @@ def tf_python() -> str:
     raise AssertionError("unreachable")
 
 
+def run_printed_in_tf(command: str, cwd: Path,
+                      timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """Run a ``modelsize ...`` command line as printed, with the TensorFlow venv's Python
+    and this checkout's source (skips when there is no TF venv); its exit code is not
+    checked."""
+    import shlex
+
+    argv = shlex.split(command)
+    assert argv[0] == "modelsize", command
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'src')!r}); "
+            "from modelsize.cli import main; sys.exit(main())")
+    return subprocess.run(
+        [tf_python(), "-c", code, *argv[1:]], capture_output=True, text=True, cwd=cwd,
+        timeout=timeout, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin",
+                              "HOME": tempfile.gettempdir()})
+
+
 def run_in_tf(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     """Run ``code`` with the TensorFlow venv's Python (skips when there is none)."""
     proc = subprocess.run(

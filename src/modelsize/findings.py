@@ -133,8 +133,17 @@ SLIM_FLAGS: dict[FindingKind, tuple[str, ...]] = {
 }
 
 
+def _saved_model(inv: Inventory) -> bool:
+    return inv.facts.get("layout") == "saved_model"
+
+
 def _slim(inv: Inventory, *flags: str) -> str:
     path = inv.path
+    if _saved_model(inv) and "safetensors" not in flags:
+        # A SavedModel's slim keeps what the serving signatures read: optimizer state,
+        # Keras' second copies and anything else no signature reads go without flags (which
+        # pick tensors, and do not apply to it).
+        flags = ()
     suffix = ".safetensors" if "safetensors" in flags else None
     args = ["modelsize", "slim", str(path), *flags, "-o", str(slim_target(path, suffix))]
     return shlex.join(args)
@@ -188,8 +197,10 @@ def find(inv: Inventory) -> list[Finding]:
         out.append(Finding(
             FindingKind.DUPLICATES, by[Category.DUPLICATES],
             f"{human_bytes(by[Category.DUPLICATES])} is second copies of identical tensors "
-            f"stored separately ({pairs}{', ...' if len(dups) > 3 else ''}); tied weights "
-            "cloned before saving are the usual cause",
+            f"stored separately ({pairs}{', ...' if len(dups) > 3 else ''}); "
+            + ("the SavedModel's bundle stores these values twice under two names, as Keras' "
+               "model.export does with variables and _all_variables"
+               if _saved_model(inv) else "tied weights cloned before saving are the usual cause"),
             _slim(inv, *SLIM_FLAGS[FindingKind.DUPLICATES]),
         ))
     ema = [t for t in inv.tensors if "ema" in t.tags and t.category == Category.WEIGHTS]
@@ -212,7 +223,10 @@ def find(inv: Inventory) -> list[Finding]:
             FindingKind.WIDE_DTYPE, n // 2,
             f"{which} float64 ({human_bytes(n)}); deep-learning models train and serve in float32 "
             "or narrower, and float32 halves these bytes",
-            _slim(inv, *SLIM_FLAGS[FindingKind.WIDE_DTYPE]),
+            "export the model again from float32 variables (a SavedModel's graph fixes its "
+            "dtypes, so modelsize slim cannot cast it; --to safetensors --cast float32 writes "
+            "its tensors alone)" if _saved_model(inv)
+            else _slim(inv, *SLIM_FLAGS[FindingKind.WIDE_DTYPE]),
         ))
     first = out[:1] if out and out[0].kind == FindingKind.UNSAFE_CODE else []
     rest = sorted(out[len(first):], key=lambda f: -f.bytes)
@@ -221,11 +235,17 @@ def find(inv: Inventory) -> list[Finding]:
 
 def fix_command(inv: Inventory, findings: list[Finding]) -> str | None:
     """The one ``modelsize slim`` command that fixes every finding that saves bytes."""
-    fixable = [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE]
+    fixable = _fixable(inv, findings)
     if not fixable:
         return None
     flags = [flag for finding in fixable for flag in SLIM_FLAGS[finding.kind]]
     return _slim(inv, *_merge_drops(flags))
+
+
+def _fixable(inv: Inventory, findings: list[Finding]) -> list[Finding]:
+    """The findings that save bytes and that ``modelsize slim`` fixes in place."""
+    return [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE
+            and not (_saved_model(inv) and f.kind == FindingKind.WIDE_DTYPE)]
 
 
 def _merge_drops(flags: list[str]) -> list[str]:
@@ -286,7 +306,7 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     unsafe = [f for f in findings if f.kind == FindingKind.UNSAFE_CODE]
     if unsafe:
         sentences.insert(0, f"Warning: {unsafe[0].message}.")
-    fixable = [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE]
+    fixable = _fixable(inv, findings)
     command = fix_command(inv, findings)
     if fixable and command:
         saved = sum(f.bytes for f in fixable)

@@ -398,3 +398,37 @@ def test_slim_output_loads_with_equal_tensors(wheel: Wheel, mf: ModelFile,
             return sorted(w["digest"] for w in truth["tensors"])
 
         assert weights(truths.of("keras", out)) == weights(truths.of("keras", path))
+
+
+# -- a SavedModel's printed fix, run as printed (TF venv) -------------------------------------
+@pytest.mark.parametrize(("wheel", "mf"), [
+    p for p in _params("printed-fix") if p.values[1].format == "tensorflow"
+    and p.values[1].member.endswith("/")])
+def test_saved_model_printed_fix_runs_as_printed(wheel: Wheel, mf: ModelFile,
+                                                 tmp_path: Path) -> None:
+    # basic-pitch's SavedModel holds a Keras 2 Adam whose slots TensorFlow 2.16+ cannot
+    # revive ('_UserObject' object has no attribute 'add_slot'): slim reads it without the
+    # links to the slots, keeps what the signature reads and verifies it.
+    import shutil
+
+    from modelsize import formats
+    from modelsize.findings import fix_command
+    from tests.conftest import run_printed_in_tf
+
+    src = tmp_path / _path(wheel, mf).name
+    shutil.copytree(_path(wheel, mf), src)
+    report = modelsize.inspect(src)
+    command = fix_command(report.inventory, list(report.findings))
+    assert command is not None and "--drop" not in command
+    proc = run_printed_in_tf(command, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Verified" in proc.stdout
+    out = formats.read(src.with_name(src.name + ".slim")).bytes_by_category
+    assert out[Category.OPTIMIZER_STATE] == 0
+    for kept in (Category.WEIGHTS, Category.BUFFERS):
+        assert out[kept] == report.inventory.bytes_by_category[kept]
+    # Frozen, no larger than pruned: constant folding computes basic-pitch's CQT kernels once
+    # for each of its convolutions (746 kB of constants, 145 kB distinct).
+    proc = run_printed_in_tf(f"modelsize slim {src} --freeze -o {src}.frozen", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _on_disk(Path(f"{src}.frozen")) <= _on_disk(Path(f"{src}.slim"))

@@ -28,7 +28,7 @@ from modelsize.errors import (
 )
 from modelsize.slimming.graph.tf_savedmodel import TOLERANCES, slim_from_options, slim_saved_model
 from modelsize.slimming.plan import SlimOptions
-from tests.conftest import REPO, run_in_tf
+from tests.conftest import REPO, run_in_tf, run_printed_in_tf
 
 #: Builds the two SavedModels under sys.argv[1]; prints what the test needs to know of them.
 _BUILD = r"""
@@ -470,6 +470,149 @@ def test_through_slim_options_with_the_default_name(slimmed: Any) -> None:
 # ------------------------------------------------------------------------------------------
 # Refusals (main venv: they happen before TensorFlow is needed)
 # ------------------------------------------------------------------------------------------
+def test_printed_fix_of_a_saved_model_runs_as_printed(tmp_path: Path) -> None:
+    # inspect's fix for a SavedModel (here Keras' second copy of every variable) is a plain
+    # `modelsize slim DIR -o DIR.slim`: the flags that pick tensors do not apply to one.
+    import shutil
+
+    from modelsize.findings import fix_command
+    from modelsize.inspection import inspect
+
+    src = tmp_path / "saved_model"
+    shutil.copytree(REPO / "tests/fixtures/tensorflow/saved_model", src)
+    report = inspect(src)
+    assert report.inventory.bytes_by_category[Category.DUPLICATES] > 0
+    command = fix_command(report.inventory, list(report.findings))
+    assert command == f"modelsize slim {src} -o {src}.slim"
+    before = _tree_digest(src)
+    proc = run_printed_in_tf(command, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Verified" in proc.stdout
+    assert _tree_digest(src) == before
+    after = formats.read(tmp_path / "saved_model.slim").bytes_by_category
+    assert after[Category.DUPLICATES] == 0
+    assert after[Category.WEIGHTS] == report.inventory.bytes_by_category[Category.WEIGHTS]
+
+
+#: A copy of module_adam whose object graph links its optimizer to a slot variable, as a Keras 2
+#: optimizer's does: TensorFlow then revives the slot with Optimizer.add_slot, which the
+#: revived optimizer lacks. Prints what plain TensorFlow and the slim make of it.
+_KERAS2_SLOTS = r"""
+import json, shutil, sys
+from pathlib import Path
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
+from modelsize.slimming.graph.tf_savedmodel import slim_saved_model
+
+root = Path(sys.argv[1])
+src = root / "keras2_slots"
+shutil.copytree(root / "module_adam", src)
+model = saved_model_pb2.SavedModel()
+model.ParseFromString((src / "saved_model.pb").read_bytes())
+nodes = model.meta_graphs[0].object_graph_def.nodes
+child = lambda node, name: next(c.node_id for c in node.children if c.local_name == name)
+optimizer = nodes[child(nodes[0], "optimizer")]
+slot = next(c.node_id for c in optimizer.children
+            if nodes[c.node_id].WhichOneof("kind") == "variable")
+ref = optimizer.slot_variables.add()
+ref.original_variable_node_id, ref.slot_name, ref.slot_variable_node_id = (
+    child(nodes[0], "w"), "m", slot)
+(src / "saved_model.pb").write_bytes(model.SerializeToString())
+try:
+    tf.saved_model.load(str(src))
+    plain = "loaded"
+except Exception as exc:
+    plain = str(exc)
+result = slim_saved_model(src, root / "out" / "keras2_slots_out")
+x = np.ones((2, 4), "float32")
+a = tf.saved_model.load(str(root / "module_adam")).signatures["serving_default"](x=x)
+b = tf.saved_model.load(str(root / "out" / "keras2_slots_out")).signatures["serving_default"](x=x)
+print(json.dumps({"plain": plain, "notes": list(result.notes), "verified": result.verified,
+                  "same": bool(np.array_equal(a["y"].numpy(), b["y"].numpy())),
+                  "kept": sorted(result.kept),
+                  "view_left": [p.name for p in Path(src).iterdir()]}))
+"""
+
+
+def test_keras2_optimizer_slots_are_read_without_reviving_the_optimizer(built: Any) -> None:
+    root, _ = built
+    (root / "out").mkdir(exist_ok=True)
+    proc = run_in_tf(_tf_env_code(_KERAS2_SLOTS), str(root))
+    case = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "add_slot" in case["plain"]  # what TensorFlow alone says of it
+    assert case["verified"] and case["same"]
+    assert case["kept"] == ["b/.ATTRIBUTES/VARIABLE_VALUE", "w/.ATTRIBUTES/VARIABLE_VALUE"]
+    assert any("Optimizer.add_slot" in n for n in case["notes"])
+    # The input is as it was: no view left inside it.
+    assert sorted(case["view_left"]) == sorted(p.name for p in (root / "module_adam").iterdir())
+
+
+#: Two SavedModels whose constant folding grows the graph, frozen. ``table``: a 512x512 table
+#: computed from a fill and a range (folded, 1 MB of constant). ``kernels``: one 64x36 kernel,
+#: scaled, read by four conv1d, each of which expands it (folded, four equal constants).
+_FOLDING_GROWS = r"""
+import json, sys
+from collections import Counter
+from pathlib import Path
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
+from modelsize.slimming.graph.tf_savedmodel import slim_saved_model
+
+root = Path(sys.argv[1])
+
+class Table(tf.Module):
+    def __init__(self):
+        self.v = tf.Variable(tf.ones([1, 512]))
+    @tf.function(input_signature=[tf.TensorSpec([None, 512], tf.float32, name="x")])
+    def serve(self, x):
+        table = tf.fill([512, 512], 0.5) * self.v + tf.range(512, dtype=tf.float32)[:, None]
+        return {"y": tf.matmul(x, table)}
+
+class Kernels(tf.Module):
+    def __init__(self):
+        self.k = tf.Variable(tf.cos(tf.range(64.0)[:, None] * tf.range(36.0)[None, :] / 9.0))
+    @tf.function(input_signature=[tf.TensorSpec([None, 100, 1], tf.float32, name="x")])
+    def serve(self, x):
+        k = (self.k * 0.5)[:, None, :]
+        ys = [tf.nn.conv1d(x[:, i:i + 90], k, 1, "VALID") for i in range(4)]
+        return {"y": tf.add_n(ys)}
+
+out = {}
+for name, module in (("table", Table()), ("kernels", Kernels())):
+    tf.saved_model.save(module, str(root / name), signatures={"serving_default": module.serve})
+    result = slim_saved_model(root / name, root / "out" / (name + "_frozen"), freeze=True)
+    model = saved_model_pb2.SavedModel()
+    model.ParseFromString((root / "out" / (name + "_frozen") / "saved_model.pb").read_bytes())
+    library = model.meta_graphs[0].graph_def.library.function
+    values = Counter(n.attr["value"].SerializeToString(deterministic=True)
+                     for f in library for n in f.node_def if n.op == "Const")
+    out[name] = {"notes": list(result.notes), "verified": result.verified,
+                 "worst": max(d.max_rel for d in result.diffs),
+                 "pb": (root / "out" / (name + "_frozen") / "saved_model.pb").stat().st_size,
+                 "largest_const": max(len(v) for v in values),
+                 "repeated_consts": sum(n - 1 for v, n in values.items() if len(v) > 1024)}
+print(json.dumps(out))
+"""
+
+
+def test_freeze_never_keeps_what_constant_folding_grew(built: Any) -> None:
+    root, _ = built
+    (root / "out").mkdir(exist_ok=True)
+    proc = run_in_tf(_tf_env_code(_FOLDING_GROWS), str(root))
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    table, kernels = cases["table"], cases["kernels"]
+    # The 1 MB table is not written: the frozen graph stays unfolded, and says so.
+    assert table["verified"] and table["worst"] <= TOLERANCES["exact"]
+    assert table["largest_const"] < 512 * 4 * 2 and table["pb"] < 100_000
+    assert any("constant folding made the frozen graph larger" in n for n in table["notes"])
+    # The folded kernel is written once, not once for each convolution.
+    assert kernels["verified"] and kernels["worst"] <= TOLERANCES["exact"]
+    assert kernels["largest_const"] >= 64 * 36 * 4 and kernels["repeated_consts"] == 0
+    assert "merged" in kernels["notes"][0], kernels["notes"]
+    assert not any("made the frozen graph larger" in n for n in kernels["notes"])
+
+
 def test_missing_or_not_a_saved_model(tmp_path: Path) -> None:
     with pytest.raises(PathNotFoundError):
         slim_saved_model(tmp_path / "nope", tmp_path / "out")

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import tempfile
 import time
 import warnings
 from collections import deque
@@ -242,7 +243,21 @@ def slim_saved_model(
     output.check([] if target is Target.SAVED_MODEL else [out.name])
     tf = _import_tensorflow(src)
 
-    loaded = _load(tf, src)
+    with contextlib.ExitStack() as stack:
+        return _slim(tf, src, out, stack, output=output, source_inventory=source_inventory,
+                     freeze=freeze, target=target, mode=mode, bound=bound, dry_run=dry_run,
+                     started=started)
+
+
+def _slim(tf: Any, src: Path, out: Path, stack: contextlib.ExitStack, *, output: Output,
+          source_inventory: Inventory, freeze: bool, target: Target, mode: Quantize | None,
+          bound: float, dry_run: bool, started: float) -> GraphSlimResult:
+    loaded, readable = _load_source(tf, src, stack)
+    notes: list[str] = []
+    if readable != src:
+        notes.append("TensorFlow cannot revive this SavedModel's optimizer (saved by Keras 2: "
+                     "its slot variables need Optimizer.add_slot); read without the links "
+                     "from the optimizer to its slots, which are dropped anyway")
     signatures = dict(loaded.signatures)
     if not signatures:
         raise UsageError(f"{printable(str(src))}: the SavedModel has no signatures; nothing "
@@ -265,11 +280,10 @@ def slim_saved_model(
 
     inputs = {k: _seeded_inputs(tf, fn, SEED) for k, fn in signatures.items()}
     expected = {k: _run_signature(fn, inputs[k]) for k, fn in signatures.items()}
-    notes: list[str] = []
     folded = 0
     with staged(output):
         if target is Target.TFLITE:
-            flatbuffer = _to_tflite(tf, src, list(signatures), mode, signatures)
+            flatbuffer = _to_tflite(tf, readable, list(signatures), mode, signatures)
             output.open(out.name).write(flatbuffer)
             output.seal()
             got = _run_tflite(tf, flatbuffer, inputs)
@@ -285,9 +299,13 @@ def slim_saved_model(
         else:
             stage = output.staged_path()
             if freeze:
-                root, exported, folded = _frozen(tf, signatures)
+                frozen = _frozen(tf, signatures)
+                root, exported, folded = frozen.root, frozen.exported, frozen.folded
                 notes.append(f"froze {len(variables)} variables into constants; folded "
-                             f"{folded} BatchNorm(s) into the weights before them")
+                             f"{folded} BatchNorm(s) into the weights before them"
+                             + (f"; merged {frozen.merged} constants equal to another"
+                                if frozen.merged else ""))
+                notes += frozen.notes
             else:
                 root, exported = _pruned_root(tf, variables), signatures
                 notes.append(f"kept the {len(variables)} variables the signatures read; "
@@ -462,6 +480,40 @@ def _import_tensorflow(src: Path) -> Any:
     return tf
 
 
+def _load_source(tf: Any, src: Path, stack: contextlib.ExitStack) -> tuple[Any, Path]:
+    """``src`` loaded, and the path TensorFlow loads it from: ``src``, or, when TensorFlow
+    cannot revive the optimizer whose slot variables the object graph names (a Keras 2
+    optimizer under Keras 3: ``'_UserObject' object has no attribute 'add_slot'``), a
+    temporary view of it whose ``saved_model.pb`` has those links taken out and whose other
+    files are links to ``src``'s (kept until ``stack`` closes). The slots are then read as
+    plain variables that no signature reads. ``src`` is not written."""
+    try:
+        return _load(tf, src), src
+    except CorruptFileError as exc:
+        if "add_slot" not in str(exc):
+            raise
+        first = exc
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    model = saved_model_pb2.SavedModel()
+    model.ParseFromString((src / "saved_model.pb").read_bytes())
+    nodes = [n for meta in model.meta_graphs for n in meta.object_graph_def.nodes
+             if n.slot_variables]
+    if not nodes:
+        raise first
+    for node in nodes:
+        del node.slot_variables[:]
+    view = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="modelsize-view-")))
+    (view / "saved_model.pb").write_bytes(model.SerializeToString())
+    for entry in src.iterdir():
+        if entry.name not in ("saved_model.pb", "fingerprint.pb"):
+            (view / entry.name).symlink_to(entry.resolve(), entry.is_dir())
+    try:
+        return _load(tf, view), view
+    except CorruptFileError:
+        raise first from None
+
+
 def _load(tf: Any, path: Path) -> Any:
     try:
         return tf.saved_model.load(str(path))
@@ -586,35 +638,104 @@ def _pruned_root(tf: Any, variables: list[Any]) -> Any:
 _GRAPPLER_PASSES = ("pruning", "constfold", "arithmetic", "dependency")
 
 
-def _frozen(tf: Any, signatures: dict[str, Any]) -> tuple[Any, dict[str, Any], int]:
-    """A root and signature functions computing each signature from constants."""
+@dataclass
+class _Frozen:
+    """What :func:`_frozen` made: the root and its signature functions, how many BatchNorms it
+    folded and constants it merged, and what it has to say."""
+
+    root: Any
+    exported: dict[str, Any]
+    folded: int = 0
+    merged: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _frozen(tf: Any, signatures: dict[str, Any]) -> _Frozen:
+    """Signature functions computing each signature from constants, optimized; a signature
+    whose optimized graph is larger than the frozen graph only pruned keeps that one
+    (constant folding can materialise a broadcast or a computed table)."""
     from tensorflow.python.framework.convert_to_constants import (
         convert_variables_to_constants_v2,
     )
 
-    root = tf.Module()
+    result = _Frozen(tf.Module(), {})
     functions: list[Any] = []
     by_graph: dict[bytes, Any] = {}
-    exported: dict[str, Any] = {}
-    folded_total = 0
     for key, fn in signatures.items():
         frozen = convert_variables_to_constants_v2(fn)
         ends = [t.name for t in list(frozen.inputs) + list(frozen.outputs)]
+        fetches = [t.name for t in frozen.outputs]
+        plain = frozen.graph.as_graph_def()
         # Constant folding first makes a BatchNorm's scale and shift constants; they are
         # folded before the arithmetic optimizer regroups the adds around them (residuals).
-        graph_def = _grappler(tf, frozen.graph.as_graph_def(), ends, ("constfold",))
-        graph_def, folded = fold_batchnorm(tf, graph_def, [t.name for t in frozen.outputs])
+        graph_def = _grappler(tf, plain, ends, ("constfold",))
+        graph_def, folded = fold_batchnorm(tf, graph_def, fetches)
         graph_def = _grappler(tf, graph_def, ends, _GRAPPLER_PASSES)
+        graph_def, merged = merge_constants(graph_def, fetches)
+        # Each pass must pay for itself: measured against the same graph only pruned.
+        pruned, pruned_merged = merge_constants(
+            _grappler(tf, plain, ends, ("pruning", "dependency")), fetches)
+        if graph_def.ByteSize() > pruned.ByteSize():
+            result.notes.append(
+                f"{key}: constant folding made the frozen graph larger "
+                f"({pruned.ByteSize():,} -> {graph_def.ByteSize():,} bytes); kept it "
+                "unfolded, pruned")
+            graph_def, merged, folded = pruned, pruned_merged, 0
         signature = graph_def.SerializeToString(deterministic=True)
         if signature in by_graph:
-            exported[key] = by_graph[signature]
+            result.exported[key] = by_graph[signature]
             continue
-        folded_total += folded
+        result.folded += folded
+        result.merged += merged
         concrete = _function_from_graph(tf, graph_def, fn, frozen)
         functions.append(concrete)
-        by_graph[signature] = exported[key] = concrete
-    root.functions = functions
-    return root, exported, folded_total
+        by_graph[signature] = result.exported[key] = concrete
+    result.root.functions = functions
+    return result
+
+
+def merge_constants(graph_def: Any, fetches: list[str]) -> tuple[Any, int]:
+    """One ``Const`` node for each distinct constant: equal ``dtype`` and ``value`` (and no
+    inputs), read through the first of them; how many were merged away.
+
+    Constant folding evaluates what the variables made constant feed: a kernel computed once
+    and expanded for each of 20 convolutions becomes 20 equal constants (basic-pitch's CQT
+    layer: 746 kB of constants, 145 kB of them distinct). Fetched nodes stay as they are.
+    """
+    graph = type(graph_def)()
+    graph.CopyFrom(graph_def)
+    kept: set[str] = {f.split(":")[0] for f in fetches}
+    first: dict[bytes, str] = {}
+    alias: dict[str, str] = {}
+    for node in graph.node:
+        if node.op != "Const" or node.input or node.name in kept:
+            continue
+        key = (node.attr["dtype"].SerializeToString(deterministic=True)
+               + node.attr["value"].SerializeToString(deterministic=True))
+        if key in first:
+            alias[node.name] = first[key]
+        else:
+            first[key] = node.name
+    if not alias:
+        return graph, 0
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            control = name.startswith("^")
+            src, _, port = name.lstrip("^").partition(":")
+            if src in alias:
+                node.input[i] = ("^" if control else "") + alias[src] + (f":{port}" if port
+                                                                        else "")
+        if len(set(node.input)) < len(node.input):  # ^a and ^b both became ^a
+            unique: list[str] = []
+            for i in node.input:
+                if not i.startswith("^") or i not in unique:
+                    unique.append(i)
+            del node.input[:]
+            node.input.extend(unique)
+    nodes = [n for n in graph.node if n.name not in alias]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return graph, len(alias)
 
 
 def _grappler(tf: Any, graph_def: Any, ends: list[str], passes: tuple[str, ...]) -> Any:
