@@ -412,3 +412,73 @@ def test_model_bytes_is_exact(tmp_path: Path, dynamo: bool) -> None:
     bare = onnx.load(str(ext), load_external_data=False)
     assert onnx_passes.model_bytes(bare) == sum(
         (tmp_path / n).stat().st_size for n in ("e.onnx", "w.bin"))
+
+
+def _branchy_model(path: Path) -> Path:
+    """silero-vad's shape of problem: ``If(sr == 16000)`` picks a branch; the one for 16 kHz
+    reflect-pads the samples by 4 (it needs 5 of them), the other reshapes them into rows of
+    7 (no made-up length fits). Weights are ``Constant`` nodes, as paddle2onnx writes them,
+    and one initializer nobody reads."""
+    pad = helper.make_graph(
+        [helper.make_node("Pad", ["X", "pads"], ["P"], mode="reflect"),
+         helper.make_node("Mul", ["P", "w"], ["T"])],
+        "then", [], [helper.make_tensor_value_info("T", TensorProto.FLOAT, [None, None])])
+    rows = helper.make_graph(
+        [helper.make_node("Reshape", ["X", "seven"], ["E"])],
+        "else", [], [helper.make_tensor_value_info("E", TensorProto.FLOAT, [None, None])])
+    nodes = [
+        helper.make_node("Constant", [], ["rate"], value=numpy_helper.from_array(
+            np.array(16000, np.int64))),
+        helper.make_node("Constant", [], ["pads"], value=numpy_helper.from_array(
+            np.array([0, 4, 0, 4], np.int64))),
+        helper.make_node("Constant", [], ["seven"], value=numpy_helper.from_array(
+            np.array([-1, 7], np.int64))),
+        helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(
+            np.float32(0.5))),
+        helper.make_node("Equal", ["sr", "rate"], ["is16k"]),
+        helper.make_node("If", ["is16k"], ["Y"], then_branch=pad, else_branch=rows),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "samples"]),
+         helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, None])],
+        [numpy_helper.from_array(np.ones(300, np.float32), "unused")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_inputs_the_original_runs_on_are_searched(tmp_path: Path, capfd: Any) -> None:
+    # Free dimensions of 1 and a sample rate of 0 or 1 run neither branch; the verification
+    # tries longer dimensions and the sample rate the graph compares with.
+    src = _branchy_model(tmp_path / "vad.onnx")
+    out = tmp_path / "vad.slim.onnx"
+    report = modelsize.slim(src, out, graph=True)
+    assert report.verified
+    cmp = report.comparison  # type: ignore[attr-defined]
+    assert cmp.inputs == "free dimensions 64, sr = 16000" and cmp.max_rel == 0
+    assert "onnxruntime" not in capfd.readouterr().err  # its failed runs are not printed
+    x = np.random.default_rng(1).standard_normal((2, 9)).astype(np.float32)
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"X": x, "sr": np.array(16000, np.int64)})[0]
+    np.testing.assert_array_equal(got, np.pad(x, ((0, 0), (4, 4)), mode="reflect") * 0.5)
+    # Kept and dropped as the reader names tensors: the Constant values stay, the unread
+    # initializer goes, in the report of a run and of a dry run alike.
+    for r in (report, modelsize.slim(src, tmp_path / "dry.onnx", graph=True, dry_run=True)):
+        assert [d.name for d in r.dropped] == ["unused"]
+        assert {"rate", "pads", "seven", "w"} <= {k.name for k in r.kept}
+
+
+def test_original_that_runs_on_no_made_up_input_is_one_line(tmp_path: Path) -> None:
+    # The rate reaches the comparison through an Identity: no made-up input runs the 16 kHz
+    # branch, and the other runs on none. Exit 2, one line, nothing written.
+    src = _branchy_model(tmp_path / "vad.onnx")
+    model = onnx.load(str(src))
+    model.graph.node[4].input[1] = "rate_again"
+    model.graph.node.insert(4, helper.make_node("Identity", ["rate"], ["rate_again"]))
+    onnx.save(model, str(src))
+    proc = run_cli("slim", str(src), "-o", str(tmp_path / "o.onnx"))
+    assert_one_line_error(proc, src)
+    assert "onnxruntime cannot run it" in proc.stderr and not (tmp_path / "o.onnx").exists()

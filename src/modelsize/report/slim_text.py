@@ -95,9 +95,11 @@ def _graph_lines(report: SlimReport) -> list[str]:
     cmp = getattr(report, "comparison", None)
     if cmp is not None:
         runner = getattr(cmp, "runner", "onnxruntime")
+        how = getattr(cmp, "inputs", "")
         lines.append(f"Verified: {runner} ran {printable(str(report.source.path))} and the "
-                     f"output on the same seeded inputs; largest relative difference "
-                     f"{cmp.max_rel:.3g} (tolerance {cmp.tolerance:g}, {cmp.kind}):")
+                     f"output on the same seeded inputs{f' ({how})' if how else ''}; largest "
+                     f"relative difference {cmp.max_rel:.3g} (tolerance {cmp.tolerance:g}, "
+                     f"{cmp.kind}):")
         for o in cmp.outputs[:8]:
             lines.append(f"  {printable(o.name, 60)}: max abs {o.max_abs:.3g}, "
                          f"max rel {o.max_rel:.3g}")

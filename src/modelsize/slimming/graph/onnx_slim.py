@@ -17,6 +17,7 @@ nothing is committed and the slim fails.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -251,6 +252,38 @@ def _stale_data(target: Path, inputs: tuple[Path, ...]) -> Path | None:
     return None
 
 
+def _kept_dropped(inv: Inventory, out: Inventory | None,
+                  model: Any) -> tuple[tuple[KeptTensor, ...], tuple[Dropped, ...]]:
+    """The output's tensors and the input's tensors it does not have, both as the ONNX
+    reader names them (initializers, ``Constant`` values, subgraphs' tensors); without the
+    output's inventory (a dry run of a model with external data), the initializers of
+    ``model``'s main graph."""
+    why = "removed or replaced (folded, merged, quantized) by the graph passes"
+    if out is None:
+        kept = _kept(model)
+    else:
+        kept = tuple(KeptTensor(t.name, t.name, t.dtype, t.dtype, tuple(t.shape),
+                                t.stored_nbytes) for t in out.tensors)
+    names = {k.name for k in kept}
+    dropped = tuple(Dropped(t.name, t.category, t.stored_nbytes, why)
+                    for t in inv.tensors if t.name not in names)
+    return kept, dropped
+
+
+def _predicted_inventory(model: Any, predicted: int) -> Inventory | None:
+    """The inventory of ``model`` as it would be written in one file, read from a temporary
+    copy; ``None`` when it keeps external data or would not fit in one."""
+    from modelsize.slimming.graph import onnx_passes as passes
+
+    if predicted > MAX_PROTO or any(passes.external_info(t) is not None
+                                         for t in passes.all_tensors(model.graph)):
+        return None
+    with tempfile.TemporaryDirectory(prefix="modelsize-dry-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        path.write_bytes(model.SerializeToString())
+        return formats.read(path)
+
+
 def _kept(model: Any) -> tuple[KeptTensor, ...]:
     from modelsize.slimming.graph import onnx_passes as passes
     out = []
@@ -288,19 +321,15 @@ def slim_onnx(inv: Inventory, out: str | Path | None, options: SlimOptions, *,
     output = Output(target, force=force, inputs=tuple(f.path for f in inv.files))
     output.check([target.name, *([data_name] if data_name else [])])
     stale = None if external else _stale_data(target, tuple(f.path for f in inv.files))
-    kept = _kept(model)
-    out_names = {k.name for k in kept}
-    why = "removed or replaced (folded, merged, quantized) by the graph passes"
-    dropped = tuple(Dropped(t.name, t.category, t.stored_nbytes, why)
-                    for t in inv.tensors if t.name not in out_names)
     notes: list[str] = []
     if options.drop is not None or options.keep:
         notes.append("--drop and --keep do not apply to graph passes (use --no-graph)")
     common: dict[str, Any] = dict(source=inv, target=target, output_format="onnx",
-                                  kept=kept, dropped=dropped, passes=tuple(results))
+                                  passes=tuple(results))
     if dry_run:
-        return GraphSlimReport(dry_run=True, predicted_bytes=predicted,
-                               notes=tuple(notes), **common)
+        kept, dropped = _kept_dropped(inv, _predicted_inventory(model, predicted), model)
+        return GraphSlimReport(dry_run=True, predicted_bytes=predicted, kept=kept,
+                               dropped=dropped, notes=tuple(notes), **common)
     if not applied:
         notes.append("no graph pass made the model smaller: the output is the same graph")
 
@@ -328,6 +357,7 @@ def slim_onnx(inv: Inventory, out: str | Path | None, options: SlimOptions, *,
             stale.unlink()
     files = tuple((target.parent / n, (target.parent / n).stat().st_size)
                   for n in [target.name, *([data_name] if data_name else [])])
-    return GraphSlimReport(dry_run=False, predicted_bytes=predicted,
-                           notes=tuple(notes), output=out_inv, output_files=files,
-                           verified=True, comparison=cmp, **common)
+    kept, dropped = _kept_dropped(inv, out_inv, None)
+    return GraphSlimReport(dry_run=False, predicted_bytes=predicted, kept=kept,
+                           dropped=dropped, notes=tuple(notes), output=out_inv,
+                           output_files=files, verified=True, comparison=cmp, **common)

@@ -33,6 +33,8 @@ class Comparison:
     kind: str
     runner: str = "onnxruntime"
     """What ran both models (the report's "Verified: ... ran")."""
+    inputs: str = ""
+    """How the inputs were made, when not by the default rule (free dimensions 1, ...)."""
 
     @property
     def max_rel(self) -> float:
@@ -47,8 +49,8 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"outputs": [o.to_dict() for o in self.outputs], "tolerance": self.tolerance,
-                "kind": self.kind, "runner": self.runner, "max_rel": self.max_rel,
-                "ok": self.ok}
+                "kind": self.kind, "runner": self.runner, "inputs": self.inputs,
+                "max_rel": self.max_rel, "ok": self.ok}
 
 
 class PassRow(Protocol):
