@@ -482,3 +482,36 @@ def test_original_that_runs_on_no_made_up_input_is_one_line(tmp_path: Path) -> N
     proc = run_cli("slim", str(src), "-o", str(tmp_path / "o.onnx"))
     assert_one_line_error(proc, src)
     assert "onnxruntime cannot run it" in proc.stderr and not (tmp_path / "o.onnx").exists()
+
+
+def test_duplicate_constant_nodes_merged(tmp_path: Path) -> None:
+    # paddle2onnx writes weights as Constant nodes: equal ones are stored once, and a Constant
+    # equal to an initializer reads the initializer (never the other way round: a node's value
+    # is not defined before the node).
+    w = np.linspace(-1, 1, 256, dtype=np.float32)
+    nodes = [
+        helper.make_node("Mul", ["X", "W"], ["A"]),
+        helper.make_node("Constant", [], ["c1"], value=numpy_helper.from_array(w)),
+        helper.make_node("Add", ["A", "c1"], ["B"]),
+        helper.make_node("Constant", [], ["c2"], value=numpy_helper.from_array(w * 2)),
+        helper.make_node("Constant", [], ["c3"], value=numpy_helper.from_array(w * 2)),
+        helper.make_node("Mul", ["B", "c2"], ["C"]),
+        helper.make_node("Sub", ["C", "c3"], ["Y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [4, 256])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [4, 256])],
+        [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    src, out = tmp_path / "p.onnx", tmp_path / "p.slim.onnx"
+    onnx.save(model, str(src))
+    report = modelsize.slim(src, out, graph=True)
+    done = {p.name.value: p.changes for p in report.passes if p.applied}  # type: ignore[attr-defined]
+    assert done.get("duplicate-initializers") == 2
+    slim = onnx.load(str(out))
+    assert [n.output[0] for n in slim.graph.node if n.op_type == "Constant"] == ["c2"]
+    assert out.stat().st_size < src.stat().st_size - 2 * 256 * 4
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    np.testing.assert_array_equal(_run(out, x), ((x * w) + w) * (w * 2) - w * 2)
+    assert {d.name for d in report.dropped} == {"c1", "c3"}

@@ -703,33 +703,46 @@ def _digest(t: onnx.TensorProto, values: Values) -> tuple[object, ...]:
 
 
 def _duplicates(model: onnx.ModelProto, values: Values) -> dict[str, str]:
-    """Initializers to rename to an equal one (dtype, shape, bytes) that holds their values;
-    only tensors whose dtype and shape another shares are hashed."""
+    """Initializers and main-graph ``Constant`` values to rename to an equal one (dtype,
+    shape, bytes) that holds their values; only tensors whose dtype and shape another shares
+    are hashed. Initializers come first, so that one holds what a ``Constant`` repeats, and a
+    ``Constant`` is held only by one before it (paddle2onnx writes weights as Constants)."""
     g = model.graph
     protected = {o.name for o in g.output} | _sub_defines(g)
     uses = _uses(g)
-    inits = {n: t for n, t in values.initializers().items() if n not in protected}
-    shapes = Counter((t.data_type, tuple(t.dims)) for t in inits.values())
+    # (name, tensor, bytes its removal saves)
+    candidates = [(n, t, _tensor_nbytes(t)) for n, t in values.initializers().items()
+                  if n not in protected]
+    for node in g.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output \
+                and node.output[0] not in protected and len(node.attribute) == 1 \
+                and node.attribute[0].name == "value" \
+                and node.attribute[0].type == onnx.AttributeProto.TENSOR:
+            candidates.append((node.output[0], node.attribute[0].t, node.ByteSize()))
+    shapes = Counter((t.data_type, tuple(t.dims)) for _, t, _ in candidates)
     holders: dict[tuple[object, ...], str] = {}
     renames: dict[str, str] = {}
-    for name, t in inits.items():
+    for name, t, saves in candidates:
         if shapes[(t.data_type, tuple(t.dims))] < 2:
             continue
         key = _digest(t, values)
         holder = holders.setdefault(key, name)
-        if holder != name and (len(holder) - len(name)) * uses[name] < _tensor_nbytes(t):
+        if holder != name and (len(holder) - len(name)) * uses[name] < saves:
             renames[name] = holder
     return renames
 
 
 def merge_duplicates(model: onnx.ModelProto, values: Values) -> int:
-    """Initializers with equal dtype, shape and bytes stored once; readers renamed."""
+    """Initializers and ``Constant`` values with equal dtype, shape and bytes stored once;
+    readers renamed."""
     g = model.graph
     renames = _duplicates(model, values)
     if not renames:
         return 0
     _rename_reads(g, renames)
     _delete_where(g.initializer, lambda t: t.name in renames)
+    _delete_where(g.node, lambda n: n.op_type == "Constant" and bool(n.output)
+                  and n.output[0] in renames)
     kept = [v for v in g.value_info if v.name not in renames]
     del g.value_info[:]
     g.value_info.extend(kept)
