@@ -283,7 +283,8 @@ def _slim(tf: Any, src: Path, out: Path, stack: contextlib.ExitStack, *, output:
     folded = 0
     with staged(output):
         if target is Target.TFLITE:
-            flatbuffer = _to_tflite(tf, readable, list(signatures), mode, signatures)
+            flatbuffer = _to_tflite(tf, readable, list(signatures), mode, signatures,
+                                    shown=src)
             output.open(out.name).write(flatbuffer)
             output.seal()
             got = _run_tflite(tf, flatbuffer, inputs)
@@ -947,7 +948,8 @@ def fold_batchnorm(tf: Any, graph_def: Any, fetches: list[str]) -> tuple[Any, in
 # TFLite
 # --------------------------------------------------------------------------------------
 def _to_tflite(tf: Any, src: Path, keys: list[str], mode: Quantize | None,
-               signatures: dict[str, Any]) -> bytes:
+               signatures: dict[str, Any], shown: Path | None = None) -> bytes:
+    """The TFLite flatbuffer of the SavedModel at ``src`` (``shown``: its name in errors)."""
     converter = tf.lite.TFLiteConverter.from_saved_model(str(src), signature_keys=keys)
     if mode is not None:
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -974,7 +976,8 @@ def _to_tflite(tf: Any, src: Path, keys: list[str], mode: Quantize | None,
             return bytes(converter.convert())
     except Exception as exc:  # the converter's errors are many and long
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{printable(str(src))}: TensorFlow's TFLite converter refused it: "
+        raise UsageError(f"{printable(str(shown or src))}: TensorFlow's TFLite converter "
+                         "refused it: "
                          f"{printable(first)}") from exc
 
 
