@@ -134,6 +134,12 @@ CORPUS: tuple[Wheel, ...] = (
         note="PaddleOCR detection, recognition and angle models exported by paddle2onnx",
     ),
     Wheel(
+        "nudenet", "3.4.2", "nudenet-3.4.2-py3-none-any.whl",
+        "5937dbd84e5d8e5de038f08ffea5a1bb50a08475776bf2b4795914ce0eaf0331",
+        (ModelFile("nudenet/320n.onnx", "onnx", "onnx"),),
+        note="YOLOv8n detector exported by ultralytics, image size free (runs on none of 1x1)",
+    ),
+    Wheel(
         "mtcnn", "0.1.1", "mtcnn-0.1.1-py3-none-any.whl",
         "fd69d2f4dd10647dd7481a53b9586e805f35a17c61ac78ba472a7f53766eb86e",
         (ModelFile("mtcnn/data/mtcnn_weights.npy", "npy", "numpy"),),
