@@ -1102,35 +1102,27 @@ def _rename_strings(message: Any, rename: dict[str, str]) -> None:
     """Replace, everywhere in ``message``, each string (and string map key) in ``rename``."""
     from google.protobuf.descriptor import FieldDescriptor
 
-    for desc, value in message.ListFields():
-        repeated = _repeated(desc)
-        if desc.type == FieldDescriptor.TYPE_STRING:
-            if repeated:
-                value[:] = [rename.get(v, v) for v in value]
-            elif value in rename:
-                setattr(message, desc.name, rename[value])
-        elif desc.type != FieldDescriptor.TYPE_MESSAGE:
-            continue
-        elif desc.message_type.GetOptions().map_entry:
-            entry = desc.message_type.fields_by_name["value"]
-            messages = entry.type == FieldDescriptor.TYPE_MESSAGE
-            strings = entry.type == FieldDescriptor.TYPE_STRING
-            for key in list(value):
-                if messages:
-                    _rename_strings(value[key], rename)
-                elif strings and value[key] in rename:
-                    value[key] = rename[value[key]]
-                if isinstance(key, str) and key in rename:
-                    if messages:
-                        value[rename[key]].CopyFrom(value[key])
-                    else:
-                        value[rename[key]] = value[key]
-                    del value[key]
-        elif repeated:
-            for item in value:
-                _rename_strings(item, rename)
-        else:
-            _rename_strings(value, rename)
+    # _messages yields a message before it walks into it: its map keys, renamed here, are
+    # those the walk then follows.
+    for _, m in _messages(message):
+        for desc, value in m.ListFields():
+            if desc.type == FieldDescriptor.TYPE_STRING:
+                if _repeated(desc):
+                    value[:] = [rename.get(v, v) for v in value]
+                elif value in rename:
+                    setattr(m, desc.name, rename[value])
+            elif desc.type == FieldDescriptor.TYPE_MESSAGE and \
+                    desc.message_type.GetOptions().map_entry:
+                entry = desc.message_type.fields_by_name["value"].type
+                for key in list(value):
+                    if entry == FieldDescriptor.TYPE_STRING and value[key] in rename:
+                        value[key] = rename[value[key]]
+                    if isinstance(key, str) and key in rename:
+                        if entry == FieldDescriptor.TYPE_MESSAGE:
+                            value[rename[key]].CopyFrom(value[key])
+                        else:
+                            value[rename[key]] = value[key]
+                        del value[key]
 
 
 def _tree_bytes(path: Path) -> int:
