@@ -20,7 +20,13 @@ from modelsize.estimation.parallel import (
     deepspeed_zero3_gpu_bytes,
     zero_model_states,
 )
-from tests.estimation.groundtruth import allocator_events, measured, peak_of, storage_bytes
+from tests.estimation.groundtruth import (
+    allocator_events,
+    llama_tp_plan,
+    measured,
+    peak_of,
+    storage_bytes,
+)
 from tests.estimation.models import Block, Stack, tiny_llama
 
 # The ZeRO paper (Rajbhandari et al., SC 2020), figure 1: a 7.5B-parameter model on 64 GPUs
@@ -158,26 +164,16 @@ def test_tensor_parallel_needs_whole_heads() -> None:
 def test_tensor_parallel_rank_peak_equals_the_real_run(world: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     model, inputs = tiny_llama()
     est = estimate(model, inputs, parallel=Parallel(world, "tp"))
     assert est.parallel is not None and est.parallel.method == "traced"
-    # the plan written out (Llama: q, k, v, gate, up column-wise; o, down row-wise)
-    plan: dict[str, Any] = {f"model.layers.*.{name}": ColwiseParallel() for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-        "mlp.up_proj")}
-    plan |= {f"model.layers.*.{name}": RowwiseParallel() for name in (
-        "self_attn.o_proj", "mlp.down_proj")}
     work = copy.deepcopy(model)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        parallelize_module(work, init_device_mesh("cpu", (world,)), plan)
+        parallelize_module(work, init_device_mesh("cpu", (world,)), llama_tp_plan())
         params = list(work.parameters())
         before = storage_bytes([getattr(p, "_local_tensor", p) for p in params]
                                + list(work.buffers()) + list(inputs.values()))
