@@ -299,7 +299,7 @@ class Values:
         return numpy_helper.to_array(t, str(self.base_dir))
 
 
-def _constants(graph: onnx.GraphProto, values: Values) -> dict[str, onnx.TensorProto]:
+def constants(graph: onnx.GraphProto, values: Values) -> dict[str, onnx.TensorProto]:
     """Constant values by name: overridable-free initializers and ``Constant`` nodes' values."""
     out = dict(values.initializers())
     for node in graph.node:
@@ -437,7 +437,7 @@ def fold_batchnorm(model: onnx.ModelProto, values: Values) -> int:
     dtypes, and Gemm, which onnxruntime leaves unfolded) it computes in float64 and rounds
     once."""
     g = model.graph
-    consts = _constants(g, values)
+    consts = constants(g, values)
     uses = _uses(g)
     outputs = {o.name for o in g.output}
     producer = {o: n for n in g.node for o in n.output}
@@ -575,7 +575,7 @@ def _predicted_nbytes(model: onnx.ModelProto, node: onnx.NodeProto,
 def fold_constants(model: onnx.ModelProto, values: Values) -> int:
     """Nodes whose inputs are all constants become initializers, when that costs no bytes."""
     g = model.graph
-    consts = _constants(g, values)
+    consts = constants(g, values)
     uses = _uses(g)
     outputs = {o.name for o in g.output}
     sub = _sub_reads(g)

@@ -76,22 +76,15 @@ def compared_constants(path: Path) -> dict[str, list[int]]:
     read from the model's structure (not its external data)."""
     import onnx
 
+    from modelsize.slimming.graph.onnx_passes import Values, constants
+
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     inputs = {i.name for i in graph.input}
-    scalars: dict[str, int] = {}
-    for t in graph.initializer:
-        if not t.data_location and np.prod(t.dims, dtype=np.int64) == 1 and t.data_type in (
-                onnx.TensorProto.INT64, onnx.TensorProto.INT32):
-            scalars[t.name] = int(onnx.numpy_helper.to_array(t).reshape(()))
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute:
-            attr = node.attribute[0]
-            if attr.name == "value" and np.prod(attr.t.dims, dtype=np.int64) == 1 and (
-                    attr.t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)):
-                scalars[node.output[0]] = int(onnx.numpy_helper.to_array(attr.t).reshape(()))
-            elif attr.name == "value_int":
-                scalars[node.output[0]] = int(attr.i)
+    scalars = {name: int(onnx.numpy_helper.to_array(t).reshape(()))
+               for name, t in constants(graph, Values(model, path.parent)).items()
+               if not t.data_location and np.prod(t.dims, dtype=np.int64) == 1
+               and t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)}
     found: dict[str, list[int]] = {}
     for node in graph.node:
         if node.op_type in _COMPARISONS and len(node.input) == 2:
