@@ -23,7 +23,7 @@ from modelsize.errors import (
     PathNotFoundError,
     UnknownFormatError,
 )
-from modelsize.formats.base import Reader, Source
+from modelsize.formats.base import Reader, Source, real_path
 from modelsize.inventory import Inventory
 
 __all__ = ["Reader", "Registry", "Source", "read", "registry"]
@@ -98,6 +98,7 @@ class Registry:
             if claimed:
                 return reader
         if source.kind == "missing":
+            real_path(source.path)  # a link that loops or dangles says so
             raise PathNotFoundError(source.path)
         if source.kind == "dir":
             raise UnknownFormatError(

@@ -41,7 +41,7 @@ from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.formats._protobuf import LEN, VARINT, Buffer, ProtobufError, iter_fields
 from modelsize.formats._sstable import FOOTER_SIZE, MAGIC, SSTableError, iter_table
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.inventory import Inventory, InventoryBuilder
 
 FORMAT = "tensorflow"
@@ -259,7 +259,7 @@ def _saved_model(directory: Path) -> Layout:
                     prefix if _suffixed(prefix, ".index").is_file() else None)
     bundle = set()
     if layout.prefix is not None:
-        bundle = {p.resolve() for p in (directory / "variables").glob("variables.*")
+        bundle = {real_path(p) for p in (directory / "variables").glob("variables.*")
                   if p.name == "variables.index" or _SHARD_RE.match(p.name)}
     count = 0
     for dirpath, dirnames, filenames in os.walk(directory):
@@ -272,7 +272,7 @@ def _saved_model(directory: Path) -> Layout:
                     f"{printable(str(directory))}: more than {_MAX_DIR_FILES} files in a "
                     "SavedModel directory; point modelsize at the checkpoint inside it"
                 )
-            if file.is_symlink() or not file.is_file() or file.resolve() in bundle:
+            if file.is_symlink() or not file.is_file() or real_path(file) in bundle:
                 continue
             rel = file.relative_to(directory).as_posix()
             if rel in ("saved_model.pb", "saved_model.pbtxt"):
