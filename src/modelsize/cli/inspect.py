@@ -7,11 +7,23 @@ import json
 import sys
 
 
+def count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more (``--top -1`` printed "(-1 of 32)")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Define the ``inspect`` sub-command's arguments."""
     p.add_argument("path", help="a model file, a checkpoint directory or prefix")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--top", type=int, default=None, help="largest tensors to list (default 10)")
+    p.add_argument("--top", type=count, default=None, metavar="N",
+                   help="largest tensors to list (default 10)")
     p.add_argument("--load-cost", action="store_true",
                    help="also measure the RAM and time of the usual ways to load it "
                    "(runs the real framework in a subprocess)")
