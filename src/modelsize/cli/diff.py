@@ -20,7 +20,9 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize diff``."""
     from modelsize.diff import diff
     from modelsize.report.diff_text import render_diff
+    from modelsize.report.files import check_output_file
 
+    check_output_file(args.html)
     result = diff(args.a, args.b)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

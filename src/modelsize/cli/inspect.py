@@ -34,8 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize inspect``."""
     from modelsize.inspection import inspect
+    from modelsize.report.files import check_output_file
     from modelsize.report.text import render_inspect
 
+    check_output_file(args.html)
     if "://" in str(args.path):  # modelsize.remote imports urllib, http, ssl: URLs only
         from modelsize.remote import is_remote
 

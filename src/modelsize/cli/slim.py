@@ -104,9 +104,11 @@ def _interruptible() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize slim``."""
+    from modelsize.report.files import check_output_file
     from modelsize.report.slim_text import render_slim
     from modelsize.slimming import slim
 
+    check_output_file(args.html)
     bar = _Bar(sys.stderr.isatty() and not args.json)
     # Passed only when given: the default (auto) is the library's own.
     layout = {} if args.external_data is None else {"external_data": args.external_data}
