@@ -49,7 +49,7 @@ class Violation:
 class CheckResult:
     """The rules one model file breaks (none: it passes)."""
 
-    path: Path
+    path: Path | str  # a str for a URL
     format: str
     file_bytes: int
     violations: tuple[Violation, ...]
@@ -108,6 +108,21 @@ def parse_max_size(value: int | str | None, option: str = "max_size") -> int | N
                      f"'2GiB', not {type(value).__name__}")
 
 
+def _url(path: str | Path) -> str | None:
+    """``path`` if it is a URL modelsize reads remotely (``http(s)://``, ``hf://``...)."""
+    if "://" not in str(path):
+        return None
+    from modelsize.remote import is_remote
+
+    return str(path) if is_remote(path) else None
+
+
+def _inspect_remote(url: str) -> Any:
+    from modelsize.remote import inspect_remote
+
+    return inspect_remote(url).report
+
+
 def check(path: str | Path, *, max_size: int | str | None = None,
           forbid: Iterable[FindingKind | str] = DEFAULT_FORBID) -> CheckResult:
     """Hold the model at ``path`` to the rules: at most ``max_size`` (bytes, or a size as the
@@ -116,7 +131,8 @@ def check(path: str | Path, *, max_size: int | str | None = None,
     limit = parse_max_size(max_size)
     kinds = parse_forbid(forbid if isinstance(forbid, str) else
                          [k.value if isinstance(k, FindingKind) else k for k in forbid])
-    report = inspect(path)
+    url = _url(path)
+    report = inspect(path) if url is None else _inspect_remote(url)
     size = report.file_bytes
     violations: list[Violation] = []
     if limit is not None and size > limit:
@@ -124,11 +140,11 @@ def check(path: str | Path, *, max_size: int | str | None = None,
             "max_size", size - limit,
             f"{human_bytes(size)} is over the limit of {human_bytes(limit)} "
             f"by {human_bytes(size - limit)}",
-            f"modelsize inspect {report.inventory.path}",
+            f"modelsize inspect {url or report.inventory.path}",
         ))
     for f in report.findings:
         if f.kind in kinds:
             share = f" ({percent(f.bytes, size)} of the file)" if f.bytes else ""
             violations.append(Violation(f.kind.value, f.bytes, f.message.rstrip(".") + share,
                                         f.action))
-    return CheckResult(Path(path), report.format, size, tuple(violations))
+    return CheckResult(url or Path(path), report.format, size, tuple(violations))

@@ -80,8 +80,9 @@ def _remote(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(remote.text(top=10 if args.top is None else args.top))
     if args.html:
+        from modelsize.cli._remote import localize
         from modelsize.report import html
 
-        html.write(args.html, html.render_inspect(remote.report).replace(remote.local,
-                                                                          remote.url))
+        html.write(args.html, localize(html.render_inspect(remote.report),
+                                       {remote.local: remote.url}, as_html=True))
     return 0

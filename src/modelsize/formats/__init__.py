@@ -22,6 +22,8 @@ from modelsize.errors import (
     ModelSizeError,
     PathNotFoundError,
     UnknownFormatError,
+    UsageError,
+    printable,
 )
 from modelsize.formats.base import Reader, Source, real_path
 from modelsize.inventory import Inventory
@@ -187,6 +189,13 @@ _DECODE_ERRORS = (
 def read(path: str | Path, registry_: Registry | None = None) -> Inventory:
     """Find the reader for ``path`` and return its :class:`Inventory`."""
     reg = registry_ or registry()
+    if isinstance(path, str) and "://" in path:
+        from modelsize.remote import is_remote
+
+        if is_remote(path):  # Path() would make "http:/host/x" of it
+            raise UsageError(f"{printable(path)}: a URL; modelsize reads it remotely in "
+                             "`modelsize inspect/diff/check/slim URL` and "
+                             "modelsize.remote.inspect_remote(URL)")
     try:
         source = Source.open(path)
     except OSError as exc:
