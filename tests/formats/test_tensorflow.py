@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import shutil
 import struct
 from pathlib import Path
@@ -389,3 +390,12 @@ def test_bundle_with_an_empty_prefix_slims(tmp_path: Path) -> None:
     assert got == weights
     assert sorted(p.name for p in folder.iterdir()) == [
         ".data-00000-of-00001", ".index", ".meta"]
+    # one file of the bundle given: the fix inspect prints runs as printed
+    proc = run_cli("inspect", "pkg/.index", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (action,) = [f["action"] for f in json.loads(proc.stdout)["findings"]]
+    proc = run_cli(*shlex.split(action)[1:], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out_prefix = shlex.split(action)[-1]
+    out = read(tmp_path / f"{out_prefix}.index")
+    assert {k: n for k, (c, n) in _by_checkpoint_name(out).items() if c == "weights"} == weights
