@@ -133,6 +133,6 @@ def test_the_library_takes_sizes_as_the_cli_does(clean: Path) -> None:
 def test_bad_max_size_in_the_library_is_one_usage_error(clean: Path, bad: Any) -> None:
     from modelsize.errors import UsageError
 
-    with pytest.raises(UsageError, match="^max_size: ") as exc:
+    with pytest.raises(UsageError, match=r"^max_size: ") as exc:
         check(clean, max_size=bad)
     assert "\n" not in str(exc.value)
