@@ -145,7 +145,10 @@ def _slim(inv: Inventory, *flags: str) -> str:
         # pick tensors, and do not apply to it).
         flags = ()
     suffix = ".safetensors" if "safetensors" in flags else None
-    args = ["modelsize", "slim", str(path), *flags, "-o", str(slim_target(path, suffix))]
+    target = slim_target(path, suffix)
+    url = inv.facts.get("remote_url")  # read from a URL: slim downloads it, OUT goes here
+    args = ["modelsize", "slim", url or str(path), *flags, "-o",
+            target.name if url else str(target)]
     return shlex.join(args)
 
 

@@ -43,7 +43,7 @@ from modelsize.formats._protobuf import (
     read_varint,
     signed64,
 )
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 #: ``TensorProto.DataType`` -> canonical dtype names of :mod:`modelsize.dtypes`.
@@ -793,7 +793,7 @@ def _expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int | None:
 def _external_files(model_path: Path, model: _Model) -> tuple[list[Path], dict[str, int]]:
     """External data files in order of first use (each once), and the file index of each
     ``location``; every file is checked to lie inside the model's folder."""
-    me = model_path.resolve()
+    me = real_path(model_path)
     folder = me.parent
     files: list[Path] = []
     index_of_target: dict[Path, int] = {}
@@ -802,7 +802,7 @@ def _external_files(model_path: Path, model: _Model) -> tuple[list[Path], dict[s
         if t.location is None or t.location in file_of:
             continue
         rel = Path(t.location)
-        target = (folder / rel).resolve()
+        target = real_path(folder / rel, must_exist=False)
         if rel.is_absolute() or not target.is_relative_to(folder) or target == me:
             raise CorruptFileError(
                 model_path, "onnx",

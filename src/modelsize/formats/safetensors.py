@@ -25,7 +25,7 @@ from typing import Any
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
 from modelsize.errors import CorruptFileError, printable
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.inventory import Inventory, InventoryBuilder
 
 #: The Rust implementation refuses headers above this; so do we, before reading one.
@@ -331,7 +331,7 @@ def _shard_paths(index: Path, weight_map: dict[str, str]) -> dict[str, Path]:
                 f"shard {printable(shard)!r} named in the index is missing "
                 f"(expected {printable(str(path))})",
             )
-        out[shard] = by_real.setdefault(path.resolve(), path)
+        out[shard] = by_real.setdefault(real_path(path), path)
     return out
 
 
@@ -416,12 +416,12 @@ def _read_dir(format: str, directory: Path) -> Inventory:
         (directory / name, cat) for name, cat in _SIDE_FILES.items()
         if (directory / name).is_file()
     ]
-    used = {p.resolve() for p in [*shards, *(p for p, _ in side)]}
+    used = {real_path(p) for p in [*shards, *(p for p, _ in side)]}
     if index is not None:
-        used.add(index.resolve())
-        used |= {p.resolve() for p in _shard_paths(index, read_weight_map(index)).values()}
+        used.add(real_path(index))
+        used |= {real_path(p) for p in _shard_paths(index, read_weight_map(index)).values()}
     left_out = sorted(
-        p for p in directory.iterdir() if p.is_file() and p.resolve() not in used
+        p for p in directory.iterdir() if p.is_file() and real_path(p) not in used
     )
     return read_checkpoint(
         format, directory, index=index, shards=shards, side_files=side, left_out=left_out

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from modelsize.errors import UsageError, printable
-from modelsize.formats.base import special_kind
+from modelsize.formats.base import real_path, special_kind
 
 T = TypeVar("T")
 
@@ -69,13 +69,15 @@ class Output:
         paths = [self.target] if self.directory else [self.base / n for n in names]
         for p in [self.target, *paths]:
             for source in self.inputs:
-                if p.resolve() == source.resolve() or _same(p, source):
+                if real_path(p, must_exist=False) == real_path(source, must_exist=False) \
+                        or _same(p, source):
                     raise UsageError(
                         f"{printable(str(p))}: the output would overwrite the input; "
                         "choose another -o path"
                     )
             if self.directory and self.inputs and any(
-                source.resolve().is_relative_to(self.target.resolve()) for source in self.inputs
+                real_path(source, must_exist=False).is_relative_to(
+                    real_path(self.target, must_exist=False)) for source in self.inputs
             ):
                 raise UsageError(
                     f"{printable(str(self.target))}: the output folder holds the input; "

@@ -24,6 +24,7 @@ from typing import Any
 
 from modelsize import formats
 from modelsize.errors import CorruptFileError, UsageError, VerificationError, printable
+from modelsize.formats.base import real_path
 from modelsize.formats.onnx import ONNX_DTYPES
 from modelsize.inventory import Inventory
 from modelsize.slimming.graph.report import Comparison, GraphSlimReport
@@ -238,7 +239,7 @@ def _stale_data(target: Path, inputs: tuple[Path, ...]) -> Path | None:
 
     data = target.parent / f"{target.name}.data"
     if not target.is_file() or not data.is_file() or any(
-            data.resolve() == p.resolve() for p in inputs):
+            real_path(data) == real_path(p, must_exist=False) for p in inputs):
         return None
     try:
         old = _load(target)
@@ -246,8 +247,8 @@ def _stale_data(target: Path, inputs: tuple[Path, ...]) -> Path | None:
         return None
     for t in passes.all_tensors(old.graph):
         ext = passes.external_info(t)
-        if ext is not None and (target.parent / ext.get("location", "")).resolve() \
-                == data.resolve():
+        if ext is not None and real_path(target.parent / ext.get("location", ""),
+                                        must_exist=False) == real_path(data):
             return data
     return None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from modelsize.formats.base import real_path
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.writers.base import Meter, Written
@@ -151,7 +152,7 @@ def prepare_directory(plan: Plan, target: Path) -> DirectoryJob:
         total = sum(p.nbytes for p in parts if p.name in weight_maps[kind].values())
         doc = {"metadata": {"total_size": total}, "weight_map": weight_maps[kind]}
         indexes[rel] = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
-    covered = {f.path.resolve() for f in inv.files}
+    covered = {real_path(f.path) for f in inv.files}
     copies: list[tuple[Path, str]] = []
     if inv.path.is_dir():
         for p in sorted(root.iterdir()):
@@ -159,7 +160,7 @@ def prepare_directory(plan: Plan, target: Path) -> DirectoryJob:
                 continue
             if p.name in _TRAINING_ONLY:
                 continue
-            if p.resolve() in covered and (p.suffix in _PICKLE_SUFFIXES
+            if real_path(p) in covered and (p.suffix in _PICKLE_SUFFIXES
                                            or p.name.endswith(".safetensors")):
                 continue  # a file of the checkpoint whose tensors were all dropped
             copies.append((p, p.name))
