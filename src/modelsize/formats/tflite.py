@@ -43,7 +43,7 @@ from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import printable
 from modelsize.formats.base import Source
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 IDENTIFIER = b"TFL3"
 
@@ -71,6 +71,9 @@ _B_DATA, _B_OFFSET, _B_SIZE = 0, 1, 2
 _OP_INPUTS, _OP_OUTPUTS, _OP_OPTIONS, _OP_CUSTOM, _OP_MUTATING = 1, 2, 4, 5, 7
 _OP_INTERMEDIATES, _OP_LARGE_OFFSET, _OP_LARGE_SIZE, _OP_OPTIONS2 = 8, 9, 10, 12
 
+
+#: Bytes read at a time by :meth:`TfliteReader.storage_chunks`.
+_CHUNK = 8 << 20
 
 _SCALARS = {fmt: struct.Struct("<" + fmt) for fmt in "bBhHiIqQ"}
 
@@ -199,8 +202,9 @@ class _Table:
 
 
 @dataclass
-class _Tensor:
-    """A constant tensor: one with bytes in a buffer."""
+class Constant:
+    """A constant tensor: one with bytes in a buffer; ``name`` is the inventory's (prefixed by
+    its subgraph's name past the first, made unique), ``(subgraph, index)`` where it is."""
 
     name: str
     dtype: str
@@ -209,11 +213,13 @@ class _Tensor:
     quantized: str = ""  # "", "per-tensor", or "per-channel (axis N, K scales)"
     variable: bool = False
     sparse: bool = False
+    subgraph: int = 0
+    index: int = 0
 
 
 @dataclass
 class _Model:
-    tensors: list[_Tensor] = field(default_factory=list)
+    tensors: list[Constant] = field(default_factory=list)
     #: buffer index -> (data offset, size) of buffers with bytes.
     buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: buffer index -> metadata name.
@@ -253,6 +259,20 @@ class TfliteReader:
         builder.notes.extend(model.notes)
         _declare(builder, flat, model)
         return builder.build(Category.METADATA)
+
+    def storage_chunks(self, inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+        """A buffer's bytes as stored. Buffers whose bytes modelsize does not decode (strings,
+        sparse tensors) are *encoded* storages; ``slim`` copies them as they are."""
+        path = inv.files[storage.file].path
+        with open(path, "rb") as fh:
+            fh.seek(storage.offset)
+            left = storage.nbytes
+            while left:
+                data = fh.read(min(left, _CHUNK))
+                if not data:
+                    raise ValueError(f"{path}: buffer {storage.key} ends early")
+                left -= len(data)
+                yield data
 
 
 def _parse(flat: _Flat) -> _Model:
@@ -308,7 +328,8 @@ def _parse(flat: _Flat) -> _Model:
             n_ops += 1
         for k, t in enumerate(sg.tables(_SG_TENSORS, f"subgraphs[{s}].tensors")):
             n_tensors += 1
-            _tensor(flat, t, f"subgraphs[{s}].tensors[{k}]", prefix, model, len(buffer_tables))
+            _tensor(flat, t, f"subgraphs[{s}].tensors[{k}]", prefix, model, len(buffer_tables),
+                    (s, k))
     _unique_names(model.tensors)
     model.facts["tflite.subgraphs"] = str(len(subgraphs))
     model.facts["tflite.operators"] = f"{n_ops} ({len(set(codes))} kinds)"
@@ -336,7 +357,7 @@ def _operator(flat: _Flat, op: _Table, what: str, model: _Model) -> None:
 
 
 def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
-            n_buffers: int) -> None:
+            n_buffers: int, where: tuple[int, int]) -> None:
     shape = tuple(t.ints(_T_SHAPE, f"{what}.shape"))
     t.ints(_T_SHAPE_SIGNATURE, f"{what}.shape_signature")
     type_id = t.scalar(_T_TYPE, "b")
@@ -357,8 +378,8 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
         raise _Corrupt(f"constant {what} ({printable(name, 80)!r}) has shape {list(shape)}",
                        t.pos)
     dtype = TFLITE_DTYPES.get(type_id, f"tflite_type_{type_id}")
-    model.tensors.append(_Tensor(prefix + name, dtype, shape, buffer, quantized,
-                                 bool(t.scalar(_T_VARIABLE, "B")), sparse))
+    model.tensors.append(Constant(prefix + name, dtype, shape, buffer, quantized,
+                                  bool(t.scalar(_T_VARIABLE, "B")), sparse, *where))
 
 
 def _quantization(flat: _Flat, t: _Table, what: str, category: Category) -> str:
@@ -396,7 +417,7 @@ def _sparsity(flat: _Flat, t: _Table, what: str, category: Category) -> bool:
     return True
 
 
-def _unique_names(tensors: list[_Tensor]) -> None:
+def _unique_names(tensors: list[Constant]) -> None:
     """Suffix ``#2``, ``#3``... to names already taken (TFLite does not require unique names)."""
     seen: dict[str, int] = {}
     for t in tensors:
@@ -420,7 +441,7 @@ def _metadata_values(flat: _Flat, model: _Model) -> dict[str, str]:
     return out
 
 
-def _category(t: _Tensor) -> Category:
+def _category(t: Constant) -> Category:
     if t.variable or (t.dtype in _BUFFER_DTYPES and not t.quantized):
         return Category.BUFFERS
     return Category.WEIGHTS
@@ -494,6 +515,15 @@ def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]],
         if a < b:
             out.append((a, b))
     return out
+
+
+def constants(buf: mmap.mmap | bytes) -> list[Constant]:
+    """The constant tensors of a flatbuffer, named as the inventory names them."""
+    flat = _Flat(buf)
+    try:
+        return _parse(flat).tensors
+    except _Corrupt as exc:
+        raise ValueError(f"{exc.reason} (byte {exc.offset})") from exc
 
 
 def read_path(path: str | Path) -> Inventory:
