@@ -9,6 +9,7 @@ flatbuffers check refusals without TensorFlow."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import struct
 import zipfile
@@ -20,6 +21,7 @@ import pytest
 
 import modelsize
 from modelsize.categories import Category
+from modelsize.errors import InputError
 from modelsize.findings import fix_command
 from modelsize.slimming import plan as plan_module
 from modelsize.slimming.writers import _flatbuffers as fb
@@ -656,3 +658,26 @@ def test_cast_other_than_float16_is_refused(models: dict[str, Path], tmp_path: P
 
 def test_offset_mode_threshold_is_under_the_flatbuffer_limit() -> None:
     assert 0 < OFFSET_MODE_BYTES < fb.MAX_FLATBUFFER
+
+
+def test_mutated_models_slim_or_fail_in_one_line(models: dict[str, Path], tmp_path: Path) -> None:
+    """Random bytes changed in a converter's model: slim writes a verified output or refuses
+    (an InputError: one line, exit 2), leaving nothing; never another exception."""
+    rng = random.Random(18)
+    data = models["dense"].read_bytes()
+    outcomes: Counter[str] = Counter()
+    for i in range(200):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            mutated[rng.randrange(8, len(data))] = rng.randrange(256)
+        src, out = tmp_path / f"m{i}.tflite", tmp_path / f"o{i}.tflite"
+        src.write_bytes(bytes(mutated))
+        try:
+            report = modelsize.slim(src, out, cast="float16")
+        except InputError:
+            outcomes["refused"] += 1
+            assert not out.exists()
+            continue
+        assert report.verified
+        outcomes["slimmed"] += 1
+    assert outcomes["slimmed"] and outcomes["refused"], outcomes

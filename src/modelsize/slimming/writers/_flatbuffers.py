@@ -8,6 +8,7 @@ table size, one ``u16`` position per field slot, 0 when the field is absent).
 :func:`read` turns one into :class:`Table` objects (a table's present fields by name: ints for
 integer scalars, the raw bytes of float scalars, ``bytes`` for strings and vectors of scalars,
 lists for vectors of strings and tables, a :class:`Table` for a table or a union's value).
+A table two offsets point to is one object: change a :meth:`Table.copy`, not the table.
 A field the schema does not know (a newer schema) is :class:`Unsupported`: its width and
 whether it points somewhere cannot be known, so it cannot be carried over. Vectors named in
 ``lazy`` are not read: they become :class:`Data` (their offset and size in the input).
@@ -221,6 +222,9 @@ class _Reader:
         self.schema = schema
         self.lazy = lazy
         self.end = 8  # one past the last byte read
+        #: Tables already read, by position: a table two offsets point to is one object (and
+        #: a vector of a million offsets to one table costs a million references, not tables).
+        self.seen: dict[tuple[int, str], Table] = {}
 
     def need(self, pos: int, n: int, what: str) -> None:
         if pos < 0 or n < 0 or pos + n > self.size:
@@ -239,6 +243,9 @@ class _Reader:
         return target
 
     def table(self, pos: int, ts: TableSchema, what: str) -> Table:
+        seen = self.seen.get((pos, ts.name))
+        if seen is not None:
+            return seen
         self.need(pos, 4, what)
         vtable = pos - int(_I32.unpack_from(self.buf, pos)[0])
         self.need(vtable, 4, f"vtable of {what}")
@@ -262,7 +269,9 @@ class _Reader:
             if off + ftype.width > inline:
                 raise FlatbufferError(f"field {name} of {what} lies outside its table", pos)
             values[name] = self.value(pos + off, ftype, ts, name, values, f"{what}.{name}")
-        return Table(ts, values)
+        table = Table(ts, values)
+        self.seen[(pos, ts.name)] = table
+        return table
 
     def value(self, at: int, ftype: FieldType, ts: TableSchema, name: str,
               values: dict[str, Any], what: str) -> Any:

@@ -78,6 +78,7 @@ OFFSET_MODE_BYTES = fb.MAX_FLATBUFFER - (64 << 20)
 COPY_WHEN_UNCHANGED = True
 
 _RAW, _HALF = "raw", "float16"
+_COPY_STEP = 64 << 20
 #: Quantization details that name other tensors (their scales, zero points) by index.
 _TENSOR_REFS = frozenset({"BlockwiseQuantization", "MultiAxisQuantization"})
 
@@ -105,8 +106,7 @@ class TfliteJob:
         fh = out.open(self.main)
         written: dict[str, Written] = {}
         if self.verbatim is not None:
-            FileRange(self.source, 0, self.predicted_bytes or 0).copy_to(fh.fileno())
-            fh.seek(self.predicted_bytes or 0)
+            _copy(FileRange(self.source, 0, self.predicted_bytes or 0), fh)
             for t in self.verbatim:
                 written[t.name] = Written(*crc_of(self.inventory, t.record))
                 meter.advance(written[t.name].nbytes)
@@ -119,6 +119,7 @@ class TfliteJob:
                     fh.write(piece)
             for name, t in self.copied.items():
                 written[name] = Written(*crc_of(self.inventory, t.record))
+                meter.advance(written[name].nbytes)
             for name, streamed in self.sharers.items():
                 written[name] = written[streamed]
         fh.flush()
@@ -134,16 +135,7 @@ class TfliteJob:
             n = s.write_to(fh)
             written[src.name] = s.written
         elif isinstance(src, FileRange):
-            fh.flush()
-            start = fh.tell()
-            try:
-                src.copy_to(fh.fileno())
-                fh.seek(start + src.nbytes)
-            except OSError:
-                fh.seek(start)
-                for chunk in src.chunks():
-                    fh.write(chunk)
-            n = src.nbytes
+            n = _copy(src, fh)
         else:
             fh.write(src)
             n = len(src)
@@ -153,6 +145,29 @@ class TfliteJob:
     def output_name(self, name: str) -> str:
         """Tensor names are kept as they are."""
         return name
+
+
+def _copy(src: FileRange, fh: BinaryIO) -> int:
+    """Copy a range of the input at ``fh``'s position, in the kernel where it can."""
+    fh.flush()
+    start = fh.tell()
+    fd = os.open(src.path, os.O_RDONLY)
+    try:
+        pos, end = src.offset, src.offset + src.nbytes
+        while pos < end:
+            n = os.copy_file_range(fd, fh.fileno(), min(_COPY_STEP, end - pos), pos)
+            if n <= 0:
+                raise OSError(f"copy_file_range stopped at byte {pos}")
+            pos += n
+    except OSError:  # not between these file systems: through Python, a chunk at a time
+        fh.seek(start)
+        fh.truncate()
+        for chunk in src.chunks():
+            fh.write(chunk)
+    finally:
+        os.close(fd)
+    fh.seek(start + src.nbytes)
+    return src.nbytes
 
 
 class TfliteWriter:
