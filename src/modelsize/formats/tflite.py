@@ -28,7 +28,10 @@ flatbuffer. Accounting:
   count as metadata.
 
 Every offset, count and length is checked against the file size before it is followed, and
-nothing is allocated from a declared size; buffer data is never read.
+nothing is allocated from a declared size; ``read`` never reads buffer data. A sparse tensor's
+buffer (and one of a type modelsize cannot size, strings) is an *encoded* storage: for ``slim``,
+:meth:`TfliteReader.storage_chunks` gives a sparse tensor dense, as TFLite's ``Densify`` does,
+refusing a dense size far past the stored bytes (:data:`DENSE_RATIO`).
 """
 
 from __future__ import annotations

@@ -533,8 +533,8 @@ class _Rewrite:
         if dropped:
             self.changed = True
             nbytes = sum(self.data[i][1] for i in dropped)
-            self.plan.notes.append(f"{len(dropped)} buffer(s) no tensor or metadata uses "
-                                   f"dropped ({nbytes:,} bytes)")
+            self.plan.notes.append(f"{len(dropped)} buffer(s) that no tensor or metadata entry "
+                                   f"reads any more dropped ({nbytes:,} bytes)")
 
     def layout(self) -> fb.Layout:
         """The new tree, its buffers attached to their bytes, laid out."""
