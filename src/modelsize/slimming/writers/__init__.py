@@ -26,6 +26,7 @@ WRITERS: dict[str, tuple[str, str]] = {
     "t7": ("t7", "T7Writer"),
     "onnx": ("onnx", "OnnxWriter"),
     "gguf": ("gguf", "GgufWriter"),
+    "tflite": ("tflite", "TfliteWriter"),
 }
 
 #: input format (reader name) -> the writer that keeps it (``--to same``).
@@ -46,6 +47,7 @@ SAME_FORMAT: dict[str, str] = {
     "t7": "t7",
     "onnx": "onnx",
     "gguf": "gguf",
+    "tflite": "tflite",
 }
 
 #: ``--to`` targets every input format can be written to.
