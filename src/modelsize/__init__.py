@@ -13,30 +13,61 @@ The functions are not the subpackages that implement them (``modelsize.estimatio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (type checkers know it)
 
 __version__ = "0.1.0"
 
-from modelsize.categories import Category
-from modelsize.checking import CheckResult, Violation, check
-from modelsize.errors import (
-    AccountingError,
-    CorruptFileError,
-    EstimateError,
-    InputError,
-    MissingDependencyError,
-    ModelSizeError,
-    PathNotFoundError,
-    UnknownFormatError,
-    UsageError,
-    VerificationError,
-)
-from modelsize.findings import Finding, FindingKind
-from modelsize.inspection import Report, inspect
-from modelsize.inventory import FileInfo, Inventory, Region, StorageRecord, TensorRecord
+# ``import modelsize`` stays cheap (the CLI's start-up, Ctrl-C included, goes through it): every
+# public name is imported on first use (PEP 562).
+_LAZY: dict[str, str] = {
+    "Category": "modelsize.categories",
+    "CheckResult": "modelsize.checking",
+    "Violation": "modelsize.checking",
+    "check": "modelsize.checking",
+    "AccountingError": "modelsize.errors",
+    "CorruptFileError": "modelsize.errors",
+    "EstimateError": "modelsize.errors",
+    "InputError": "modelsize.errors",
+    "MissingDependencyError": "modelsize.errors",
+    "ModelSizeError": "modelsize.errors",
+    "PathNotFoundError": "modelsize.errors",
+    "UnknownFormatError": "modelsize.errors",
+    "UsageError": "modelsize.errors",
+    "VerificationError": "modelsize.errors",
+    "Finding": "modelsize.findings",
+    "FindingKind": "modelsize.findings",
+    "Report": "modelsize.inspection",
+    "inspect": "modelsize.inspection",
+    "FileInfo": "modelsize.inventory",
+    "Inventory": "modelsize.inventory",
+    "Region": "modelsize.inventory",
+    "StorageRecord": "modelsize.inventory",
+    "TensorRecord": "modelsize.inventory",
+    "Estimate": "modelsize.estimation",
+    "SlimReport": "modelsize.slimming",
+}
 
 if TYPE_CHECKING:
+    from typing import Any
+
+    from modelsize.categories import Category
+    from modelsize.checking import CheckResult, Violation, check
+    from modelsize.errors import (
+        AccountingError,
+        CorruptFileError,
+        EstimateError,
+        InputError,
+        MissingDependencyError,
+        ModelSizeError,
+        PathNotFoundError,
+        UnknownFormatError,
+        UsageError,
+        VerificationError,
+    )
     from modelsize.estimation import Estimate
+    from modelsize.findings import Finding, FindingKind
+    from modelsize.inspection import Report, inspect
+    from modelsize.inventory import FileInfo, Inventory, Region, StorageRecord, TensorRecord
     from modelsize.slimming import SlimReport
 
 
@@ -58,15 +89,16 @@ def slim(path: Any, out: Any = None, **kwargs: Any) -> SlimReport:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Estimate":
-        from modelsize.estimation import Estimate
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'modelsize' has no attribute {name!r}")
+    value = getattr(__import__(module, fromlist=[name]), name)
+    globals()[name] = value
+    return value
 
-        return Estimate
-    if name == "SlimReport":
-        from modelsize.slimming import SlimReport
 
-        return SlimReport
-    raise AttributeError(f"module 'modelsize' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
