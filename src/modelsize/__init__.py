@@ -17,6 +17,38 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (type che
 
 __version__ = "0.1.0"
 
+
+def _interrupted_at_start(signum: int, frame: object) -> None:
+    """A Ctrl-C before the command's own handler is in place: nothing to clean up yet."""
+    import os
+
+    os.write(2, b"modelsize: interrupted\n")
+    os._exit(130)
+
+
+def _command_starting() -> None:
+    """When importing this package is the start of the ``modelsize`` command (``python -m
+    modelsize``, the console script), a Ctrl-C until :func:`modelsize.cli.main` takes over
+    (runpy finding ``__main__``, the CLI's own imports) ends it as the CLI would: one line,
+    exit 130, no traceback. Imported as a library, nothing changes."""
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", ()))
+    as_module = any(argv[i : i + 2] == ["-m", "modelsize"] for i in range(len(argv)))
+    script = bool(sys.argv) and sys.argv[0].rsplit("/", 1)[-1] == "modelsize"
+    if not (as_module or script):
+        return
+    import signal
+
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupted_at_start)
+    except ValueError:  # not the main thread
+        pass
+
+
+_command_starting()
+
 # ``import modelsize`` stays cheap (the CLI's start-up, Ctrl-C included, goes through it): every
 # public name is imported on first use (PEP 562).
 _LAZY: dict[str, str] = {

@@ -128,7 +128,10 @@ class _Interrupts:
         cls.pending = cls.finishing = False
         with contextlib.suppress(ValueError, OSError):  # not the main thread
             # An inherited SIG_IGN (a background job of a script) stays as it is.
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            from modelsize import _interrupted_at_start
+
+            if signal.getsignal(signal.SIGINT) in (signal.default_int_handler,
+                                                   _interrupted_at_start):
                 signal.signal(signal.SIGINT, cls._on_sigint)
                 if not cls.hooked:
                     sys.addaudithook(cls._audit)
