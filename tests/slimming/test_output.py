@@ -111,7 +111,7 @@ def test_without_o_tmpfile_a_failure_still_cleans_up(tmp_path: Path,
     out._anonymous = False  # as on a filesystem without O_TMPFILE
     fh = out.open("x.bin")
     fh.write(b"partial")
-    assert any(p.name.startswith(".x.bin.modelsize-tmp-") for p in tmp_path.iterdir())
+    assert any(p.name.startswith(".x.bin.modelsize-partial-") for p in tmp_path.iterdir())
     out.discard()
     assert list(tmp_path.iterdir()) == []
 
