@@ -5,20 +5,22 @@ rewrites it in place; a slim that streams the input while that happens would cop
 of the old checkpoint and some of the new, and its verification (the output against the bytes
 read) cannot notice. So :func:`watch` records each input file's identity (device, inode, size,
 ``mtime_ns``) *before* the reader reads anything: the path itself and, bounded like
-:func:`modelsize.formats.base.check_tree`, the files a reader may open beside it or inside it
-(shards named by an index, a TensorFlow prefix's ``.index`` and ``.data-*``, a checkpoint
-folder). Once the reader has listed the files, :meth:`InputTable.adopt` opens each of them once
-and checks that the file opened is the one that was there at the start; every byte range slim
-then reads goes through these descriptors (:func:`reading` for ``pread``, :func:`open_input`
-and :func:`open_fd` for the writers' own opens), so a rename can no longer switch files under
-a read. :func:`ensure_unchanged` checks every identity again, by path and by descriptor, after
-the last read and after verification (:class:`~modelsize.slimming.output.Output` calls it
-before it commits): a change is :class:`~modelsize.errors.InputError`, one line, and nothing is
-written.
+:func:`modelsize.formats.base.check_tree`, the files a reader may open inside it (a checkpoint
+folder) or beside it (those sharing its name's first word: the shards an index names, a
+TensorFlow prefix's ``.index`` and ``.data-*``). Once the reader has listed the files,
+:meth:`InputTable.adopt` opens each of them once and checks that the file opened is the one
+that was there at the start; every byte range slim then reads goes through these descriptors
+(:func:`reading` for ``pread``, :func:`open_input` and :func:`open_fd` for the writers' own
+opens), so a rename can no longer switch files under a read. :func:`ensure_unchanged` checks
+every identity again, by path and by descriptor, after the last read and after verification
+(:class:`~modelsize.slimming.output.Output` calls it before it commits): a change is
+:class:`~modelsize.errors.InputError`, one line, and nothing is written. ``inspect`` compares
+the files it summed with the snapshot once the reader is done.
 
 What it cannot see: a rewrite in place that keeps the size and lands within the filesystem's
-timestamp granularity of the snapshot (a few milliseconds), and files a reader opens that lie
-outside the bounded scan (they are recorded when opened, so later changes still show).
+timestamp granularity of the snapshot (a few milliseconds), and a change, during the reader's
+own metadata read, to a file outside the snapshot (external data of another name): such files
+are recorded when slim opens them, so changes while slim streams them still show.
 Readers that decode storages (deflated ``.npz`` members...) open the file by path themselves;
 the final check covers what they read.
 """
@@ -29,6 +31,7 @@ import contextlib
 import contextvars
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -80,10 +83,12 @@ class InputTable:
             self._record(str(root), st)
             with contextlib.suppress(OSError):
                 self._open(str(root))  # the named file: open before the reader reads it
-        # Shards named by an index, a prefix's .index/.data-*: the files beside it.
-        self._scan(root.parent, 1)
+        # Shards named by an index, a prefix's .index/.data-*: the files beside it that share
+        # the name's first word (model.safetensors.index.json: model-00001-of-00002...).
+        word = re.split(r"[.-]", root.name, maxsplit=1)[0]
+        self._scan(root.parent, 1, word)
 
-    def _scan(self, root: Path, depth: int) -> None:
+    def _scan(self, root: Path, depth: int, prefix: str = "") -> None:
         todo, seen = [(root, 1)], 0
         while todo:
             folder, level = todo.pop()
@@ -94,6 +99,8 @@ class InputTable:
                         seen += 1
                         if seen > _SCAN_ENTRIES:
                             return
+                        if not entry.name.startswith(prefix):
+                            continue
                         try:
                             link = entry.is_symlink()
                             if entry.is_dir():
