@@ -30,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import io
 import os
 import re
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar, overload
 
 from modelsize.errors import InputError, printable
 
@@ -304,9 +305,13 @@ def open_fd(path: str | Path) -> int:
     return os.open(path, os.O_RDONLY)
 
 
-def open_input(path: str | Path, buffering: int = -1) -> BinaryIO:
+@overload
+def open_input(path: str | Path, buffering: Literal[0]) -> io.FileIO: ...
+@overload
+def open_input(path: str | Path, buffering: Literal[-1] = -1) -> io.BufferedReader: ...
+def open_input(path: str | Path, buffering: int = -1) -> io.FileIO | io.BufferedReader:
     """``open(path, "rb")`` for a writer reading an input file, through :func:`open_fd`."""
-    return os.fdopen(open_fd(path), "rb", buffering=buffering)
+    return os.fdopen(open_fd(path), "rb", buffering=buffering)  # type: ignore[return-value]
 
 
 def reopen_path(path: str | Path) -> str:
