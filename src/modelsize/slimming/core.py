@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from modelsize import formats
+from modelsize import formats, inputs
 from modelsize.errors import MissingDependencyError, UsageError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming import writers
@@ -60,6 +60,7 @@ def plan_slim(inv: Inventory, options: SlimOptions) -> Plan:
     return plan
 
 
+@inputs.watched  # the input's files are held still from before the read to the commit
 def slim(
     path: str | Path,
     out: str | Path | None = None,
@@ -105,7 +106,7 @@ def slim(
         drop=parse_drop(drop) if drop is not None else None, dedupe=dedupe, cast=cast, to=to,
         keep=tuple(keep), graph=graph, quantize=quantize, freeze=freeze, tolerance=tolerance,
     )
-    inv = formats.read(path)
+    inv = inputs.read(path)
     if inv.facts.get("layout") == "saved_model" and options.to in ("same", "tflite"):
         from modelsize.slimming.graph.tf_savedmodel import slim_from_options as slim_tf
 
@@ -135,7 +136,8 @@ def slim(
         raise UsageError(f"{printable(str(inv.path))}: {exc}") from exc
     output = Output(target, directory=job.directory, force=force,
                     inputs=tuple(f.path for f in inv.files))
-    output.check(job.files)
+    stored = sum(output_nbytes(t) for t in plan.stored)
+    output.check(job.files, needed=job.predicted_bytes if job.predicted_bytes else stored)
     if dry_run:
         return _report(plan, writer.name, target, job.predicted_bytes, {}, None, (), dry=True)
     meter = Meter(sum(output_nbytes(t) for t in plan.stored), progress)

@@ -22,7 +22,7 @@ from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from modelsize import formats
+from modelsize import formats, inputs
 from modelsize.errors import CorruptFileError, UsageError, VerificationError, printable
 from modelsize.formats.base import real_path
 from modelsize.formats.onnx import ONNX_DTYPES
@@ -103,7 +103,7 @@ def _check_locations(model: Any, path: Path) -> None:
 def _copy_range(src: Path, offset: int, length: int, out: Any) -> None:
     """``length`` bytes of ``src`` from ``offset`` to ``out``, through one reused buffer."""
     view = memoryview(bytearray(min(length, _CHUNK)))
-    with open(src, "rb", buffering=0) as fh:
+    with inputs.open_input(src, buffering=0) as fh:
         fh.seek(offset)
         left = length
         while left > 0:
@@ -124,7 +124,7 @@ def _external_range(ext: dict[str, str], base_dir: Path) -> tuple[Path, int, int
 
 
 def _read_range(src: Path, offset: int, length: int) -> bytes:
-    with open(src, "rb") as fh:
+    with inputs.open_input(src) as fh:
         fh.seek(offset)
         data = fh.read(length)
     if len(data) != length:
@@ -320,7 +320,7 @@ def slim_onnx(inv: Inventory, out: str | Path | None, options: SlimOptions, *,
     external = choose_layout(layout, predicted, target)
     data_name = f"{target.name}.data" if external else None
     output = Output(target, force=force, inputs=tuple(f.path for f in inv.files))
-    output.check([target.name, *([data_name] if data_name else [])])
+    output.check([target.name, *([data_name] if data_name else [])], needed=predicted)
     stale = None if external else _stale_data(target, tuple(f.path for f in inv.files))
     notes: list[str] = []
     if options.drop is not None or options.keep:

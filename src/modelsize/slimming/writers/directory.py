@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from modelsize import inputs
 from modelsize.formats.base import real_path
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
@@ -78,7 +79,7 @@ class DirectoryJob:
         for name, data in self.indexes.items():
             out.open(name).write(data)
         for src, name in self.copies:
-            with open(src, "rb") as fin:
+            with inputs.open_input(src) as fin:
                 shutil.copyfileobj(fin, out.open(name), 1 << 20)
         return written
 

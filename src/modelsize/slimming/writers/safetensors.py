@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelsize import inputs
 from modelsize.dtypes import DTYPES
 from modelsize.formats.base import real_path
 from modelsize.formats.safetensors import INDEX_SUFFIX
@@ -147,7 +148,7 @@ class SafetensorsJob:
         if self.index is not None:
             out.open(self.main).write(self.index)
         for src, name in self.copies:
-            with open(src, "rb") as fin:
+            with inputs.open_input(src) as fin:
                 shutil.copyfileobj(fin, out.open(name), 1 << 20)
         return written
 
