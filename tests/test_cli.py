@@ -60,9 +60,9 @@ def test_negative_top_is_refused(tmp_path: Path) -> None:
     for bad, why in (("-1", "must be 0 or more, got -1"), ("x", "expected a whole number")):
         proc = run_cli("inspect", str(p), "--top", bad)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
-        assert proc.stderr.strip().splitlines()[-1] == (
-            f"modelsize inspect: error: argument --top: {why}" + (f", got {bad!r}" if bad == "x"
-                                                                  else ""))
+        assert proc.stderr.splitlines() == [
+            f"modelsize inspect: argument --top: {why}" + (f", got {bad!r}" if bad == "x" else "")
+            + " (see modelsize inspect --help)"]
         assert proc.stdout == ""
     proc = run_cli("inspect", str(p), "--top", "0")
     assert proc.returncode == 0, proc.stderr

@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from modelsize import __version__
 from modelsize.errors import ModelSizeError, printable
@@ -34,10 +35,18 @@ def _verb(name: str):  # type: ignore[no-untyped-def]  # a module
     return importlib.import_module(f"modelsize.cli.{name}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error form: one line on stderr and exit 2 (argparse's own
+    prints the whole usage first), pointing at ``--help``."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {printable(message, 300)} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser. Only the verb named in ``argv`` (or every verb, for help) is
     imported to define its arguments."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="modelsize",
         description="Why is this model file so big, how much memory will this model need, "
         "and how to make it smaller.",
