@@ -705,9 +705,12 @@ class _Walker:
             if value is None or isinstance(value, _LEAVES):
                 continue
             if id(value) in seen:
-                if id(value) in tensor_ids:
+                if id(value) in tensor_ids and not (ctx.soft and ctx.forced is Category.ACTIVATIONS):
                     # One tensor pickled under a second name through the memo (tied weights):
-                    # a second view of the same bytes, so that no key of the file is lost.
+                    # a second view of the same bytes, so that no key of the file is lost. A
+                    # module's plain attribute that refers to a tensor already declared (an
+                    # LSTM's ``_flat_weights`` list of its own parameters) is no tensor of its
+                    # own: ``state_dict()`` does not list it.
                     t = self.tensor(value)  # type: ignore[arg-type]
                     if t is not None:
                         self.declare(t, path, ctx)
