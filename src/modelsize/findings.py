@@ -55,6 +55,8 @@ _SLOT_OWNERS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"adam", "adam_1"}), "Adam"),
     (frozenset({"m", "v"}), "Adam"),
     (frozenset({"momentum_buffer"}), "SGD momentum"),
+    # Keras's momentum + velocity: Adam, Nadam, Lamb, or RMSprop with momentum: unnamed.
+    (frozenset({"momentum", "velocity"}), ""),
     (frozenset({"momentum"}), "momentum"),
     (frozenset({"square_avg"}), "RMSprop"),
     (frozenset({"rmsprop"}), "RMSprop"),
@@ -63,7 +65,10 @@ _SLOT_OWNERS: tuple[tuple[frozenset[str], str], ...] = (
 )
 
 _GENERIC_NAME = {"step", "state", "param_groups", "lr", "iterations", "iteration", "global_step",
-                 "optimizer", "optimizer_state", "optimizer_states"}
+                 "optimizer", "optimizer_state", "optimizer_states", "vars", "learning_rate"}
+#: Slot names Keras appends to a variable's name (``dense_kernel_momentum``), longest first.
+_KERAS_SLOTS = ("accumulated_delta_var", "accumulated_grad", "average_gradient", "velocity_hat",
+                "accumulator", "momentum", "velocity", "linear", "norm")
 #: Name components that say how a variable is stored, not what it is (TF object-graph keys).
 _PLUMBING = {"ATTRIBUTES", "VARIABLE_VALUE", "OBJECT_CONFIG_JSON"}
 
@@ -73,9 +78,13 @@ def _slot(t: TensorRecord) -> str:
     for tag in t.tags:
         if tag.startswith("slot="):
             return tag[5:]
+    parts = t.name.split("/")
+    if parts[0] == "optimizer_weights" and len(parts) >= 4:
+        return parts[2]  # tf.keras: optimizer_weights/Adam/m/dense/kernel:0
     for p in reversed(t.name.replace("/", ".").split(".")):
+        p = p.split(":", 1)[0]  # TF variable names end in ":0"
         if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_"):
-            return p
+            return next((s for s in _KERAS_SLOTS if p.endswith("_" + s)), p)
     return "state"
 
 
@@ -94,12 +103,16 @@ def optimizer_description(inv: Inventory) -> str:
         sizes[slot] = sizes.get(slot, 0) + t.stored_nbytes
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
     big = [s for s, n in ranked if n and s not in _GENERIC_NAME]
+    if inv.facts.get("optimizer_slots"):
+        # Slots the file stores without names (a Keras 3 archive's optimizer/vars/N): the
+        # reader knows them from the optimizer's class.
+        big = inv.facts["optimizer_slots"].split(", ")
     name = inv.facts.get("optimizer")
     if not name:
         lowered = {s.lower() for s in sizes}
         for slots, owner in _SLOT_OWNERS:
             if slots <= lowered:
-                name = owner
+                name = owner or None
                 break
     head = f"{name} optimizer state" if name else "optimizer state"
     described = f"{head} ({', '.join(big[:4])})" if big else head
@@ -218,7 +231,8 @@ def find(inv: Inventory) -> list[Finding]:
         n = sum(t.stored_nbytes for t in wide)
         floats = [t for t in inv.tensors if DTYPES.get(t.dtype, DTYPES["int8"]).floating]
         every = len(wide) == len(floats)
-        which = "every floating-point tensor is" if every else f"{len(wide)} tensors are"
+        which = ("every floating-point tensor is" if every else
+                 f"{len(wide)} tensor is" if len(wide) == 1 else f"{len(wide)} tensors are")
         out.append(Finding(
             FindingKind.WIDE_DTYPE, n // 2,
             f"{which} float64 ({human_bytes(n)}); deep-learning models train and serve in float32 "
@@ -274,10 +288,36 @@ _DESCRIBE: dict[Category, str] = {
     Category.UNUSED_STORAGE: "storage no tensor reaches: a view was saved with the whole tensor "
     "it came from",
     Category.DUPLICATES: "second copies of identical tensors stored separately",
-    Category.GRAPH: "model structure (pickled module objects, code, graph definitions)",
+    Category.GRAPH: "model structure",
     Category.METADATA: "headers, names and container structure",
     Category.OTHER: "other data",
 }
+
+
+#: What a format's ``graph`` bytes are (reader name -> description).
+_GRAPH_OF: dict[str, str] = {
+    "onnx": "the computation graph (nodes, their attributes, the graph's inputs, outputs and "
+            "value_info)",
+    "keras": "the model's architecture and compile settings (config.json)",
+    "keras-h5": "the model's architecture (the model_config attribute)",
+    "tensorflow": "the computation graph and its object graph (MetaGraphDef, SavedModel "
+                  "functions)",
+    "tflite": "the computation graph (operators, tensors and subgraphs of the flatbuffer)",
+    "t7": "the Lua module objects around the tensors",
+    "gguf": "the model's architecture and tokenizer (key-value metadata)",
+    "safetensors": "the model's architecture (config.json)",
+    "safetensors-index": "the model's architecture (config.json)",
+}
+
+
+def graph_description(inv: Inventory) -> str:
+    """What this file's ``graph`` bytes hold, in its format's terms."""
+    what = _GRAPH_OF.get(inv.format)
+    if what is not None:
+        return f"model structure: {what}"
+    if inv.facts.get("torchscript") or inv.facts.get("layout") == "torchscript":
+        return "model structure: TorchScript code and the pickled module objects"
+    return "model structure: pickled module objects (the classes a load imports and builds)"
 
 
 def explain(inv: Inventory, findings: list[Finding]) -> str:
@@ -300,6 +340,8 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     for cat, n in rest[:4]:
         if cat == Category.OPTIMIZER_STATE:
             what = f"{optimizer_description(inv)}, only needed to resume training"
+        elif cat == Category.GRAPH:
+            what = graph_description(inv)
         else:
             what = _DESCRIBE[cat]
         sentences.append(f"{human_bytes(n)} ({percent(n, total)}) is {what}.")
