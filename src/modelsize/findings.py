@@ -29,6 +29,9 @@ class FindingKind(str, Enum):
     DUPLICATES = "duplicates"
     EMA = "ema"
     WIDE_DTYPE = "wide_dtype"
+    #: Not a problem: the one command that fixes every finding below it, listed first where
+    #: several findings have fixes.
+    FIX_ALL = "fix_all"
 
     def __str__(self) -> str:
         return self.value
@@ -120,17 +123,18 @@ def optimizer_description(inv: Inventory) -> str:
     return described
 
 
-def slim_target(path: Path, suffix: str | None = None) -> Path:
+def slim_target(path: Path, suffix: str | None = None, tag: str = "slim") -> Path:
     """Where ``modelsize slim`` writes by default: ``x.pt`` -> ``x.slim.pt``; ``suffix``
-    replaces the extension (``--to safetensors``); a directory or prefix gets ``.slim``."""
+    replaces the extension (``--to safetensors``); a directory or prefix gets ``.slim``.
+    ``tag`` replaces ``slim`` (the fix of one finding among several: ``x.no-optimizer.pt``)."""
     if suffix is None and path.is_file() and path.name.endswith(".weights.h5"):
         # Keras 3's load_weights insists on the .weights.h5 ending.
-        return path.with_name(path.name[: -len(".weights.h5")] + ".slim.weights.h5")
+        return path.with_name(path.name[: -len(".weights.h5")] + f".{tag}.weights.h5")
     ext = path.suffix if (suffix is None and path.is_file()) else ""
     stem = path.name[: -len(ext)] if ext else path.name
     if suffix is not None and path.is_file() and path.suffix:
         stem = path.name[: -len(path.suffix)]
-    return path.with_name(f"{stem}.slim{suffix if suffix is not None else ext}")
+    return path.with_name(f"{stem}.{tag}{suffix if suffix is not None else ext}")
 
 
 #: The ``modelsize slim`` flags that fix each finding.
@@ -143,27 +147,83 @@ SLIM_FLAGS: dict[FindingKind, tuple[str, ...]] = {
     FindingKind.DUPLICATES: ("--dedupe",),
     FindingKind.EMA: ("--drop", "ema"),
     FindingKind.WIDE_DTYPE: ("--cast", "float32"),
+    FindingKind.FIX_ALL: (),
 }
+
+#: What the output of one finding's fix is called when several findings have fixes
+#: (``x.no-optimizer.pt``): never the combined fix's ``x.slim.pt``, never each other's.
+FIX_TAGS: dict[FindingKind, str] = {
+    FindingKind.UNSAFE_CODE: "slim",  # its own extension: x.slim.safetensors
+    FindingKind.OPTIMIZER_STATE: "no-optimizer",
+    FindingKind.GRADIENTS: "no-gradients",
+    FindingKind.ACTIVATIONS: "no-activations",
+    FindingKind.UNUSED_STORAGE: "no-unused",
+    FindingKind.DUPLICATES: "dedupe",
+    FindingKind.EMA: "no-ema",
+    FindingKind.WIDE_DTYPE: "float32",
+}
+
+#: Input formats whose slimmed copy has another format by default, and its extension: slim
+#: writes a pickle's arrays as an ``.npz`` archive (it writes no pickles).
+OUTPUT_SUFFIX: dict[str, str] = {"pickle": ".npz"}
 
 
 def _saved_model(inv: Inventory) -> bool:
     return inv.facts.get("layout") == "saved_model"
 
 
-def _slim(inv: Inventory, *flags: str) -> str:
+def _slim(inv: Inventory, *flags: str, tag: str = "slim") -> str:
     path = inv.path
     if _saved_model(inv) and "safetensors" not in flags:
         # A SavedModel's slim keeps what the serving signatures read: optimizer state,
         # Keras' second copies and anything else no signature reads go without flags (which
         # pick tensors, and do not apply to it).
         flags = ()
-    suffix = ".safetensors" if "safetensors" in flags else None
-    args = ["modelsize", "slim", str(path), *flags, "-o", str(slim_target(path, suffix))]
+    suffix = ".safetensors" if "safetensors" in flags else OUTPUT_SUFFIX.get(inv.format)
+    args = ["modelsize", "slim", str(path), *flags, "-o", str(slim_target(path, suffix, tag))]
     return shlex.join(args)
 
 
+def _own_flags(inv: Inventory, kind: FindingKind) -> tuple[str, ...]:
+    """The flags that fix ``kind`` alone (the combined fix merges :data:`SLIM_FLAGS`)."""
+    if kind == FindingKind.UNUSED_STORAGE and inv.format != "onnx":
+        # Without flags slim drops every category inference does not need; ONNX's graph
+        # passes (on by default, off with --drop) remove unused initializers themselves.
+        return ("--drop", "unused_storage")
+    return SLIM_FLAGS[kind]
+
+
 def find(inv: Inventory) -> list[Finding]:
-    """Every finding for an inventory, largest saving first (unsafe code always first)."""
+    """Every finding for an inventory, largest saving first (unsafe code always first).
+
+    Where several findings save bytes, the first entry is the combined fix (kind
+    ``fix_all``, its bytes the sum), and each finding's own fix writes an output of its own
+    name (``x.no-optimizer.pt``, ``x.no-gradients.pt``), so that every printed command runs
+    as printed, in any order."""
+    found = _find(inv)
+    fixable = _fixable(inv, found)
+    if len(fixable) < 2:
+        return found
+    kinds = {f.kind for f in fixable}
+    out: list[Finding] = []
+    for f in found:
+        if f.kind in kinds:
+            tagged = _slim(inv, *_own_flags(inv, f.kind), tag=FIX_TAGS[f.kind])
+            f = Finding(f.kind, f.bytes, f.message, tagged)
+        out.append(f)
+    total = min(sum(f.bytes for f in fixable), inv.file_bytes)
+    command = fix_command(inv, found)
+    assert command is not None
+    combined = Finding(
+        FindingKind.FIX_ALL, total, "every finding below at once ("
+        + ", ".join(f.kind.value for f in fixable) + ")",
+        command,
+    )
+    return [combined, *out]
+
+
+def _find(inv: Inventory) -> list[Finding]:
+    """Every finding, largest saving first (unsafe code first), each with its own fix."""
     by = inv.bytes_by_category
     out: list[Finding] = []
     if inv.unsafe_globals:
@@ -258,7 +318,8 @@ def fix_command(inv: Inventory, findings: list[Finding]) -> str | None:
 
 def _fixable(inv: Inventory, findings: list[Finding]) -> list[Finding]:
     """The findings that save bytes and that ``modelsize slim`` fixes in place."""
-    return [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE
+    return [f for f in findings if f.bytes
+            and f.kind not in (FindingKind.UNSAFE_CODE, FindingKind.FIX_ALL)
             and not (_saved_model(inv) and f.kind == FindingKind.WIDE_DTYPE)]
 
 

@@ -705,7 +705,8 @@ class _Walker:
             if value is None or isinstance(value, _LEAVES):
                 continue
             if id(value) in seen:
-                if id(value) in tensor_ids and not (ctx.soft and ctx.forced is Category.ACTIVATIONS):
+                attribute = ctx.soft and ctx.forced is Category.ACTIVATIONS
+                if id(value) in tensor_ids and not attribute:
                     # One tensor pickled under a second name through the memo (tied weights):
                     # a second view of the same bytes, so that no key of the file is lost. A
                     # module's plain attribute that refers to a tensor already declared (an
