@@ -971,6 +971,20 @@ def latin1_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
             yield decoder.decode(raw, final=not left).encode("latin-1")
 
 
+def torch_storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """``storage_chunks`` of the torch readers: NumPy arrays pickled as latin-1 text (a
+    Trainer's ``rng_state.pth`` holds one), under their key or a merged checkpoint's
+    ``label:key``. Any other encoded storage (a deflated zip member) is refused in one line."""
+    if storage.key.rsplit(":", 1)[-1].startswith(LATIN1_KEY):
+        yield from latin1_chunks(inv, storage)
+        return
+    from modelsize.errors import UsageError, printable
+
+    raise UsageError(
+        f"{printable(str(inv.files[storage.file].path))}: storage {printable(storage.key)} is "
+        f"stored compressed in a way modelsize cannot decode ({inv.format}); nothing was written")
+
+
 def add_pickle_region(
     builder: InventoryBuilder,
     start: int,
