@@ -29,6 +29,9 @@ class FindingKind(str, Enum):
     DUPLICATES = "duplicates"
     EMA = "ema"
     WIDE_DTYPE = "wide_dtype"
+    #: What slim's ONNX graph passes remove that the file's metadata sizes (debug info,
+    #: BatchNorm folds): a lower bound.
+    GRAPH_PASSES = "graph_passes"
     #: Not a problem: the one command that fixes every finding below it, listed first where
     #: several findings have fixes.
     FIX_ALL = "fix_all"
@@ -147,6 +150,7 @@ SLIM_FLAGS: dict[FindingKind, tuple[str, ...]] = {
     FindingKind.DUPLICATES: ("--dedupe",),
     FindingKind.EMA: ("--drop", "ema"),
     FindingKind.WIDE_DTYPE: ("--cast", "float32"),
+    FindingKind.GRAPH_PASSES: (),
     FindingKind.FIX_ALL: (),
 }
 
@@ -161,6 +165,7 @@ FIX_TAGS: dict[FindingKind, str] = {
     FindingKind.DUPLICATES: "dedupe",
     FindingKind.EMA: "no-ema",
     FindingKind.WIDE_DTYPE: "float32",
+    FindingKind.GRAPH_PASSES: "graph",
 }
 
 #: Input formats whose slimmed copy has another format by default, and its extension: slim
@@ -302,9 +307,57 @@ def _find(inv: Inventory) -> list[Finding]:
             "its tensors alone)" if _saved_model(inv)
             else _slim(inv, *SLIM_FLAGS[FindingKind.WIDE_DTYPE]),
         ))
+    graph = _graph_passes(inv)
+    if graph is not None:
+        out.append(graph)
     first = out[:1] if out and out[0].kind == FindingKind.UNSAFE_CODE else []
     rest = sorted(out[len(first):], key=lambda f: -f.bytes)
     return first + rest
+
+
+def _fact(inv: Inventory, key: str) -> int:
+    value = inv.facts.get(key, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _graph_passes(inv: Inventory) -> Finding | None:
+    """What slim's ONNX graph passes remove at least (sized from the file's metadata by the
+    reader: :mod:`modelsize.formats._onnx_savings`)."""
+    if inv.format != "onnx":
+        return None
+    debug = _fact(inv, "onnx.debug_info_bytes")
+    folds, folded = _fact(inv, "onnx.batchnorm_folds"), _fact(inv, "onnx.batchnorm_fold_bytes")
+    if not debug + folded:
+        return None
+    parts = []
+    if debug:
+        parts.append(f"{human_bytes(debug)} of debug info (doc strings and metadata of the "
+                     "graph's nodes and values)")
+    if folded:
+        parts.append(f"{folds} BatchNormalization{'s' if folds > 1 else ''} folded into the "
+                     f"Conv or Gemm before {'them' if folds > 1 else 'it'} "
+                     f"({human_bytes(folded)})")
+    return Finding(
+        FindingKind.GRAPH_PASSES, debug + folded,
+        f"modelsize slim's graph passes remove at least {human_bytes(debug + folded)}: "
+        + " and ".join(parts) + "; they may save more (constant folding, duplicate constants: "
+        "modelsize slim --dry-run lists what each pass saves)",
+        _slim(inv, *SLIM_FLAGS[FindingKind.GRAPH_PASSES]),
+    )
+
+
+def _graph_may_save(inv: Inventory) -> str | None:
+    """For an ONNX model with no finding: what slim's graph passes may still change."""
+    if inv.format != "onnx":
+        return None
+    nodes, ids = _fact(inv, "onnx.constant_nodes"), _fact(inv, "onnx.identity_nodes")
+    if not nodes + ids:
+        return None
+    what = [f"fold {nodes} node{'s' if nodes > 1 else ''} whose inputs are all constants"
+            if nodes else "", f"remove {ids} Identity node{'s' if ids > 1 else ''}" if ids else ""]
+    return (f"No finding, but modelsize slim's graph passes may "
+            f"{' and '.join(w for w in what if w)} (and store equal constants once): "
+            f"modelsize slim {shlex.quote(str(inv.path))} --dry-run says what that saves.")
 
 
 def fix_command(inv: Inventory, findings: list[Finding]) -> str | None:
@@ -414,10 +467,12 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     if fixable and command:
         saved = sum(f.bytes for f in fixable)
         saved = min(saved, total)
+        bound = " at least" if any(f.kind == FindingKind.GRAPH_PASSES for f in fixable) else ""
         sentences.append(
-            f"Slimming it for inference would save {human_bytes(saved)} "
+            f"Slimming it for inference would save{bound} {human_bytes(saved)} "
             f"({percent(saved, total)}): {command}."
         )
     elif not unsafe:
-        sentences.append("Nothing to slim: every byte is needed to load the model.")
+        sentences.append(_graph_may_save(inv)
+                         or "Nothing to slim: every byte is needed to load the model.")
     return " ".join(sentences)
