@@ -87,7 +87,10 @@ def slim(
     entries whatever their category (and the checkpoint's top-level layout, for torch files).
 
     ``out`` defaults to ``NAME.slim.EXT`` beside the input. The input is never modified; an
-    existing ``out`` is refused without ``force``. The output is written to an unnamed file,
+    existing ``out`` is refused without ``force``, and so is an ``out`` whose extension names
+    another format than the one written (``x.slim.pkl`` for an npz). With nothing to slim
+    (every tensor kept as it is) and no smaller rewrite, the output is the input byte for byte
+    (``SlimReport.copied``); an output larger than the input says why in its notes. The output is written to an unnamed file,
     read back by modelsize's own reader and checked tensor by tensor (name, dtype, shape,
     CRC-32 of its bytes) before it gets its name. ``dry_run`` plans without writing.
     ``progress(bytes written, bytes planned)`` is called as data streams.

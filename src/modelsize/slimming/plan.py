@@ -18,6 +18,9 @@ reaches are never written by any writer, so ``unused_storage`` always goes.
 Kept tensors are renamed to their state-dict keys when they all come from one container
 (``model.fc1.weight`` of ``{"model": ..., "optimizer": ...}`` becomes ``fc1.weight``), unless
 ``--keep`` asks for more of the checkpoint's layout.
+
+A plan that keeps every tensor as it is has nothing to slim (:func:`nothing_to_slim`): unless
+the format's writer stores the same tensors in less space, the input is copied byte for byte.
 """
 
 from __future__ import annotations
