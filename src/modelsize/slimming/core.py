@@ -90,10 +90,11 @@ def slim(
     existing ``out`` is refused without ``force``, and so is an ``out`` whose extension names
     another format than the one written (``x.slim.pkl`` for an npz). With nothing to slim
     (every tensor kept as it is) and no smaller rewrite, the output is the input byte for byte
-    (``SlimReport.copied``); an output larger than the input says why in its notes. The output is written to an unnamed file,
-    read back by modelsize's own reader and checked tensor by tensor (name, dtype, shape,
-    CRC-32 of its bytes) before it gets its name. ``dry_run`` plans without writing.
-    ``progress(bytes written, bytes planned)`` is called as data streams.
+    (``SlimReport.copied``); an output larger than the input says why in its notes. The
+    output is written to an unnamed file, read back by modelsize's own reader and checked
+    tensor by tensor (name, dtype, shape, CRC-32 of its bytes) before it gets its name.
+    ``dry_run`` plans without writing. ``progress(bytes written, bytes planned)`` is called as
+    data streams.
 
     ``graph`` runs the exact graph passes on ONNX input (constant and BatchNorm folding, dead
     code, duplicate and unused initializers; ``modelsize slim`` turns it on), ``quantize``
