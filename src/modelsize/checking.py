@@ -75,7 +75,7 @@ def parse_forbid(names: str | Iterable[str]) -> tuple[FindingKind, ...]:
     """``"optimizer_state,duplicates"`` -> finding kinds; ``""`` or ``"none"`` forbids none."""
     items = names.split(",") if isinstance(names, str) else list(names)
     out: list[FindingKind] = []
-    known = {k.value: k for k in FindingKind}
+    known = {k.value: k for k in FindingKind if k != FindingKind.FIX_ALL}
     for raw in items:
         if not isinstance(raw, str):
             raise UsageError(f"--forbid: expected finding names, not {type(raw).__name__}")

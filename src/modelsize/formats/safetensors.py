@@ -280,6 +280,8 @@ def _find_index(directory: Path) -> Path | None:
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
+    """Every ``.safetensors`` file of a folder (whether they are one model is
+    :func:`_read_dir`'s question)."""
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
 
 
@@ -410,8 +412,28 @@ def read_checkpoint(
 
 
 def _read_dir(format: str, directory: Path) -> Inventory:
+    """A folder of safetensors weights: its index and shards, or its single file, with the
+    side files; a folder of separate models is refused (one line: give one file)."""
+    import re
+
+    from modelsize.errors import UsageError
+
     index = _find_index(directory)
     shards = [] if index is not None else _safetensors_files(directory)
+    # Without an index, several files are one model only as the shards of one:
+    # STEM-00001-of-00003.safetensors, every one with the same stem and count.
+    named = [re.fullmatch(r"(.+)-(\d+)-of-(\d+)\.safetensors", p.name) for p in shards]
+    one_model = len(shards) < 2 or (
+        len({(m[1], int(m[3])) if m else None for m in named}) == 1
+        and all(m is not None and 1 <= int(m[2]) <= int(m[3]) for m in named))
+    if not one_model:
+        # No index, no shard names: files that happen to share a folder (a model beside its
+        # slimmed copy) are not one checkpoint; adding them up would invent duplicates.
+        names = ", ".join(printable(p.name, 60) for p in shards[:4])
+        raise UsageError(
+            f"{printable(str(directory))}: folder holds {len(shards)} separate safetensors "
+            f"models ({names}{', ...' if len(shards) > 4 else ''}) and no index; give one file"
+        )
     side = [
         (directory / name, cat) for name, cat in _SIDE_FILES.items()
         if (directory / name).is_file()

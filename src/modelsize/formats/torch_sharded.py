@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
+from modelsize.formats._torch_tree import torch_storage_chunks
 from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.formats.safetensors import read_weight_map
 from modelsize.formats.torch_legacy import TorchLegacyReader
@@ -486,6 +487,8 @@ class TorchShardedReader:
 
     name = FORMAT
     extensions = INDEX_SUFFIXES
+    #: NumPy arrays pickled as latin-1 text (slim writes their bytes).
+    storage_chunks = staticmethod(torch_storage_chunks)
 
     def sniff(self, source: Source) -> bool:
         """An index of torch shards, or a directory holding one (or one weights file)."""
