@@ -23,7 +23,6 @@ import modelsize
 from modelsize.categories import Category
 from modelsize.errors import InputError
 from modelsize.findings import fix_command
-from modelsize.slimming import plan as plan_module
 from modelsize.slimming.writers import _flatbuffers as fb
 from modelsize.slimming.writers._tflite_schema import SCHEMA
 from modelsize.slimming.writers.tflite import OFFSET_MODE_BYTES
@@ -282,16 +281,8 @@ def _tf_jobs(jobs: dict[str, dict[str, Any]], tmp: Path) -> dict[str, Any]:
 
 
 def _slim_metadata(path: Path, out: Path, **kw: Any) -> modelsize.SlimReport:
-    """``slim --drop metadata``: until ``plan.drop_choices`` offers ``metadata`` (the CLI's
-    --drop is checked against it), the choice is added here for the call."""
-    if "metadata" in plan_module.drop_choices():
-        return modelsize.slim(path, out, drop=["metadata"], **kw)
-    original = plan_module.drop_choices
-    plan_module.drop_choices = lambda: [*original(), "metadata"]  # type: ignore[assignment]
-    try:
-        return modelsize.slim(path, out, drop=["metadata"], **kw)
-    finally:
-        plan_module.drop_choices = original  # type: ignore[assignment]
+    """``slim --drop metadata``."""
+    return modelsize.slim(path, out, drop=["metadata"], **kw)
 
 
 @pytest.fixture(scope="module")
@@ -330,12 +321,14 @@ def slimmed(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     for name in ("dups", "meta", "offset", "dense"):
         jobs[f"describe:{name}"] = {"kind": "describe", "a": str(models[name])}
     # Nothing to change, but every table written anew (see test_rewritten_tree_...).
+    from modelsize.slimming import writers
     from modelsize.slimming.writers import tflite as writer
 
     trees = [models[k] for k in ("dense", "conv.tf16", "loop", "offset", "meta")]
     trees += [p for p in _corpus_tflite() if p.exists()]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(writer, "COPY_WHEN_UNCHANGED", False)
+        mp.setattr(writers, "copyable", lambda plan, out: False)
         for i, path in enumerate(trees):
             out = tmp / f"tree{i}.tflite"
             reports[f"tree:{path}"] = modelsize.slim(path, out)
@@ -700,3 +693,15 @@ def test_mutated_models_slim_or_fail_in_one_line(models: dict[str, Path], tmp_pa
         assert report.verified
         outcomes["slimmed"] += 1
     assert outcomes["slimmed"] and outcomes["refused"], outcomes
+
+
+def test_drop_metadata_is_for_tflite_only(tmp_path: Path) -> None:
+    """``--drop metadata`` names TFLite metadata entries; on another format the metadata
+    category is the file's structure: one line, exit 2, nothing written."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4)}, src)
+    proc = run_cli("slim", str(src), "--drop", "metadata", "-o", str(tmp_path / "o.pt"))
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "TFLite" in proc.stderr
+    assert not (tmp_path / "o.pt").exists()

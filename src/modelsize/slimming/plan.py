@@ -30,13 +30,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from modelsize.categories import NOT_NEEDED_FOR_INFERENCE, Category
-from modelsize.errors import UsageError
+from modelsize.errors import UsageError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming.cast import CASTABLE, should_cast
 from modelsize.slimming.source import NoDataError, TensorSource
 
 #: What ``--drop`` accepts besides categories: tensors tagged as an EMA copy of the model.
 EMA = "ema"
+#: ``--drop metadata``: a TFLite model's metadata entries (labels, TFLite Support's metadata).
+#: Elsewhere the metadata category is the file's own structure, which no slim drops.
+METADATA_ENTRIES = Category.METADATA.value
+#: Formats whose writer drops named metadata entries.
+_METADATA_FORMATS = frozenset({"tflite"})
 #: What ``--quantize`` accepts (each format applies those it can).
 QUANTIZE_CHOICES = ("int8", "float16", "dynamic")
 #: What a slim with no ``--drop``, ``--dedupe`` or ``--cast`` drops.
@@ -49,7 +54,7 @@ _STRUCTURE = frozenset({Category.GRAPH, Category.METADATA, Category.WEIGHTS})
 
 def drop_choices() -> list[str]:
     """Everything ``--drop`` accepts, from the category vocabulary."""
-    return [c.value for c in Category if c not in _STRUCTURE] + [EMA]
+    return [c.value for c in Category if c not in _STRUCTURE] + [EMA, METADATA_ENTRIES]
 
 
 def parse_drop(values: Iterable[str]) -> frozenset[str]:
@@ -238,6 +243,11 @@ def make_plan(
     ``tensors`` replaces the inventory's own tensors (consolidated checkpoints).
     """
     dropped_names = options.dropped
+    if METADATA_ENTRIES in dropped_names and inv.format not in _METADATA_FORMATS:
+        raise UsageError(
+            f"{printable(str(inv.path))}: --drop metadata applies to TFLite models' metadata "
+            f"entries; a {inv.format} file's metadata is its own structure, which slim rewrites "
+            "as needed")
     records = list(inv.tensors if tensors is None else tensors)
     kept: list[TensorRecord] = []
     dropped: list[DroppedTensor] = []
@@ -261,7 +271,7 @@ def make_plan(
                     aliases[t.name] = t.duplicate_of
                     kept.append(t)
                     continue
-            elif t.category.value in dropped_names:
+            elif t.category.value in dropped_names and t.category != Category.METADATA:
                 reason = t.category.value
             elif EMA in dropped_names and EMA in t.tags:
                 reason = EMA
