@@ -236,6 +236,10 @@ def summarize(trace: Trace, program: Program, name: str,
     notes = list(mode.scratch.notes) if mode.scratch is not None else []
     if program.device == "cuda":
         notes.append("cuda: traced with the CPU kernels' shapes; device terms are not validated")
+        if mode.host_rng_copies:
+            from modelsize.estimation.rng import host_note
+
+            notes.append(host_note(mode.host_rng_copies))
     train = program.mode == "train"
     setup = Setup(
         model=name,
