@@ -419,8 +419,10 @@ def test_op_scratch_is_bounded_and_probed_exactly(
         out = func(*fargs, **fkwargs)
     assert probe.bound is not None and real <= probe.bound(fargs, fkwargs)
     reads_values = probe.reads_values is not None and probe.reads_values(fargs, fkwargs)
-    if probe.when is not None:
+    if probe.when is not None and func not in models.analytic:
         assert probe.when(fargs, fkwargs)  # every case here allocates
+    # flash attention: probed where oneDNN runs the dtype's GEMMs here, else the analytic
+    # model; either way the table's answer is the real scratch
     cost = models.cost(func, fargs, fkwargs, out)
     if reads_values:
         assert cost is None and models.notes
