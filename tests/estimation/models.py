@@ -63,15 +63,18 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """Blocks on (batch, seq, d) inputs; ``checkpointed`` runs each under checkpoint."""
 
-    def __init__(self, d: int = 32, n: int = 3, checkpointed: bool = False) -> None:
+    def __init__(self, d: int = 32, n: int = 3, checkpointed: bool = False,
+                 preserve_rng_state: bool = True) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
         self.head = nn.Linear(d, 10)
         self.checkpointed = checkpointed
+        self.preserve_rng_state = preserve_rng_state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False) if self.checkpointed else b(x)
+            x = (checkpoint(b, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
+                 if self.checkpointed else b(x))
         return self.head(x)
 
 
@@ -126,3 +129,43 @@ def tiny_llama() -> tuple[nn.Module, dict[str, Any]]:
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 512, (2, 64))
     return model, {"input_ids": ids, "labels": ids}
+
+
+def tiny_seq2seq(family: str) -> tuple[nn.Module, dict[str, Any]]:
+    """A 2+2-layer BART or Pegasus (a float32 ``final_logits_bias`` buffer added to the
+    logits; Pegasus adds sinusoidal positions) with encoder and decoder token inputs."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config_class, model_class = {
+        "bart": (transformers.BartConfig, transformers.BartForConditionalGeneration),
+        "pegasus": (transformers.PegasusConfig, transformers.PegasusForConditionalGeneration),
+    }[family]
+    config = config_class(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4,
+                          encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = model_class(config)
+    ids = torch.randint(0, 512, (2, 32))
+    return model, {"input_ids": ids, "decoder_input_ids": ids}
+
+
+class SparseBag(nn.Module):
+    """An ``nn.Embedding(sparse=True)`` (sparse COO gradients), optionally a Linear head."""
+
+    def __init__(self, padding_idx: int | None = None, head: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 32, sparse=True, padding_idx=padding_idx)
+        self.head = nn.Linear(32, 4) if head else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        return self.head(x) if self.head is not None else x.sum()
+
+
+def repeated_ids() -> torch.Tensor:
+    """(4, 16) token ids with repeats (coalescing a gradient merges them), 7 among them."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (4, 16))
+    ids[0, :5] = 7
+    return ids

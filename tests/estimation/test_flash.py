@@ -6,6 +6,7 @@ allocations above what stays allocated (its outputs): the model must give exactl
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,18 @@ BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 pytestmark = pytest.mark.skipif(
     flash.packs_half(), reason="AMX-FP16 CPU: float16 takes the packed path, which is probed")
+
+
+@contextlib.contextmanager
+def _without_onednn() -> Iterator[None]:
+    """PyTorch with oneDNN off: the kernels a CPU without oneDNN's bfloat16/float16 GEMMs
+    runs (where this CPU has them, they add scratch pads the analytic model leaves to probes)."""
+    saved = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = saved
 
 
 def _measure(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -78,21 +91,51 @@ def test_flash_attention_scratch_is_exact(
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.manual_seed(0)
-        q, k, v = (_bhld(b, h, m, d, dtype, layout) for m in (n, s, s))
-        kwargs = {"attn_mask": _mask(mask_kind, b, h, n, s, dtype)} if mask_kind else {}
-        out, lse = FWD(q, k, v, **kwargs)
-        assert flash.forward_scratch((q, k, v)) == _measure(FWD, (q, k, v), kwargs)
-        for grad in (torch.ones_like(out), torch.ones(b, n, h, d).to(dtype).transpose(1, 2),
-                     torch.ones(1, 1, 1, 1).to(dtype).expand_as(out)):
-            args = (grad, q, k, v, out, lse, 0.0, False)
-            assert flash.backward_scratch(args) == _measure(BWD, args, kwargs)
+        with _without_onednn():
+            _check_case(b, h, n, s, d, dtype, layout, mask_kind)
     finally:
         torch.set_num_threads(saved)
 
 
-def test_the_table_uses_the_model_and_runs_nothing() -> None:
+def _check_case(b: int, h: int, n: int, s: int, d: int, dtype: torch.dtype, layout: str,
+                mask_kind: str | None) -> None:
+    torch.manual_seed(0)
+    q, k, v = (_bhld(b, h, m, d, dtype, layout) for m in (n, s, s))
+    kwargs = {"attn_mask": _mask(mask_kind, b, h, n, s, dtype)} if mask_kind else {}
+    out, lse = FWD(q, k, v, **kwargs)
+    assert flash.forward_scratch((q, k, v)) == _measure(FWD, (q, k, v), kwargs)
+    for grad in (torch.ones_like(out), torch.ones(b, n, h, d).to(dtype).transpose(1, 2),
+                 torch.ones(1, 1, 1, 1).to(dtype).expand_as(out)):
+        args = (grad, q, k, v, out, lse, 0.0, False)
+        assert flash.backward_scratch(args) == _measure(BWD, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_attention_on_onednn_gemms_is_probed(dtype: torch.dtype) -> None:
+    """Where oneDNN runs this dtype's GEMMs (this CPU), the kernel's scratch pads come on top
+    of the analytic model's buffers: the table probes the call, and matches the real run."""
+    if dtype not in scratch.onednn_matmul():
+        pytest.skip(f"this CPU runs {dtype} GEMMs through BLAS: the analytic model applies")
+    torch.manual_seed(0)
+    q, k, v = (_bhld(2, 4, m, 64, dtype, "bhld") for m in (200, 150, 150))
+    out, lse = FWD(q, k, v)
+    grad = torch.ones_like(out)
+    real_fwd, real_bwd = _measure(FWD, (q, k, v), {}), _measure(
+        BWD, (grad, q, k, v, out, lse, 0.0, False), {})
     models = scratch.table("cpu")
+    mode = CountingFakeMode()
+    fq, fk, fv, fo, fl, fg = (mode.from_tensor(t) for t in (q, k, v, out, lse, grad))
+    fwd = models.cost(FWD, (fq, fk, fv), {}, (fo, fl))  # outside the mode, as the tracker does
+    bwd = models.cost(BWD, (fg, fq, fk, fv, fo, fl, 0.0, False), {}, None)
+    assert fwd is not None and fwd.scratch == real_fwd
+    assert bwd is not None and bwd.scratch == real_bwd
+    assert models.probes_run > 0
+    assert any("oneDNN" in note for note in models.notes)
+
+
+def test_the_table_uses_the_model_and_runs_nothing() -> None:
+    with _without_onednn():
+        models = scratch.table("cpu")
     mode = CountingFakeMode()
     with mode:
         q = torch.empty(1, 8, 2048, 128, dtype=torch.bfloat16)

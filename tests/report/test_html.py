@@ -204,3 +204,65 @@ def test_estimate_page_across_gpus_shows_each_rank_and_the_formulas() -> None:
         assert f"{r.peak_bytes:,} bytes" in text
     for c in est.parallel.comparisons:
         assert html._e(c.name) in text
+
+
+class _Text(HTMLParser):
+    """The text of every ``p``, heading and table cell of a page, outside its SVG charts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[str] = []
+        self._open: list[str] = []
+        self._svg = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._svg += tag == "svg"
+        if tag in ("p", "h1", "h2", "td", "th") and not self._svg:
+            self._open.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._svg -= tag == "svg"
+        if tag in ("p", "h1", "h2", "td", "th") and not self._svg and self._open:
+            self.blocks.append(self._open.pop())
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self._open[-1] += data
+
+
+def test_estimate_page_carries_exactly_the_text_report(tmp_path: Path, capsys: Any) -> None:
+    """One report: each sentence and each table cell of the terminal's report is on the page,
+    the same numbers in the same units, the CUDA terms and what would shrink it included."""
+    page = tmp_path / "e.html"
+    assert main(["estimate", "seed-cnn", "--batch", "4", "--fit", "1GiB", "--html",
+                 str(page)]) == 0
+    report = capsys.readouterr().out
+    text = page.read_text()
+    _check(text)
+    parsed = _Text()
+    parsed.feed(text)
+    blocks = set(parsed.blocks)
+    assert "What would shrink it (each re-traced):" in report  # the text's sections
+    assert "CUDA device estimate" in report and "largest batch" in report
+    for line in report.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("  "):  # a table row: its cells
+            for cell in re.split(r"\s{2,}", line.strip()):
+                assert cell in blocks, (cell, line)
+        else:
+            assert line.rstrip(":") in blocks, line
+
+
+def test_estimate_page_sizes_are_human_bytes() -> None:
+    """Every size on the page is :func:`modelsize.report.units.human_bytes` of a byte count
+    the text report shows too (no formatting of the page's own)."""
+    from modelsize.cli.demo import seed_cnn
+    from modelsize.report.estimate_text import render_estimate
+    from modelsize.report.units import human_bytes
+
+    est = modelsize.estimate(seed_cnn(), (torch.randn(8, 1, 28, 28),), mode="train",
+                             device="cuda")
+    page, report = html.render_estimate(est), render_estimate(est)
+    for n in (est.peak_bytes, *est.categories.values(), est.device_estimate.total_bytes):
+        assert human_bytes(n) in report and html._e(human_bytes(n)) in page

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define the ``estimate`` sub-command's arguments on ``parser``."""
     parser.add_argument("model", nargs="?", metavar="MODEL",
                         help="built-in name (see --list), a config.json, or module:factory")
-    parser.add_argument("--list", action="store_true", help="list the built-in models and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="list the built-in models and exit (with --json: as JSON)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--train", dest="mode", action="store_const", const="train",
                       help="a training step: forward, loss, backward, optimizer (default)")
@@ -50,8 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="same as --impl fused")
     parser.add_argument("--amp", choices=["bf16", "fp16"], default=None,
                         help="autocast the forward and the loss to this dtype")
-    parser.add_argument("--dtype", choices=_DTYPES, default="float32",
-                        help="dtype of a built-in model's weights (default float32)")
+    parser.add_argument("--dtype", choices=_DTYPES, default=None,
+                        help="dtype of the model's weights (default: a config.json's own "
+                        "dtype, else float32; a factory's model keeps its own); the report "
+                        "names the one used and where it came from")
     parser.add_argument("--accumulate", type=_positive, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation)")
     parser.add_argument("--checkpoint", action="append", default=None, metavar="MODULES",
@@ -151,11 +154,11 @@ class Progress:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize estimate`` (prints the report or JSON; returns the exit code)."""
+    if getattr(args, "list", False):
+        return _print_list(getattr(args, "json", False))
     from modelsize.estimation import require_torch
     from modelsize.report.files import check_output_file
 
-    if getattr(args, "list", False):
-        return _print_list()
     check_output_file(getattr(args, "html", None))
     if not args.model:
         raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
@@ -177,12 +180,17 @@ def run(args: argparse.Namespace) -> int:
     parse_name(optimizer)
     verify_budget = _size(args.verify_budget, "--verify-budget") if args.verify_budget else None
     target = resolve(args.model, args.dtype, args.input)
+    if args.seq is not None and not target.seq:
+        raise UsageError(f"--seq: {target.name} has no sequence dimension ("
+                         + (f"it takes {target.kind}" if target.kind else
+                            "its first input is not token ids") + "); --batch sets the batch")
     batch = args.batch or target.batch
     seq = args.seq or target.seq
     checkpoint = tuple(p.strip() for group in (args.checkpoint or ()) for p in group.split(",")
                        if p.strip())
     sources = (("device", Source.GIVEN if args.device else Source.CLI_DEFAULT),
-               ("optimizer", Source.GIVEN if args.optimizer else Source.CLI_DEFAULT))
+               ("optimizer", Source.GIVEN if args.optimizer else Source.CLI_DEFAULT),
+               ("dtype", target.dtype_source))
     options = Options(args.mode, optimizer, args.impl, args.amp, device, args.accumulate,
                       checkpoint, args.optimize_frozen, sources)
     progress = Progress(target.name, sys.stderr.isatty())
@@ -203,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         progress.done()
     if args.json:
         data = est.to_dict()
-        data["description"] = target.description
+        data.update(_target_json(target))
         data["batch"], data["seq"] = batch, seq
         data["suggestions"] = [s.to_dict() for s in suggestions]
         data.update(_fit_json(fits))
@@ -213,15 +221,23 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
                                          seq=seq, suggestions=suggestions, fit=fits))
-    _html(args, est)
+    _html(args, est, description=target.description, batch=batch, seq=seq,
+          suggestions=suggestions, fit=fits)
     return 0
 
 
-def _html(args: argparse.Namespace, est: Any) -> None:
+def _target_json(target: Any) -> dict[str, Any]:
+    """What was built: the description, the class (and whether modelsize chose it)."""
+    return {"description": target.description, "model_class": target.model_class or None,
+            "model_class_inferred": target.inferred}
+
+
+def _html(args: argparse.Namespace, est: Any, **report: Any) -> None:
+    """``--html FILE``: the same report as the text one (see :mod:`modelsize.report.html`)."""
     if getattr(args, "html", None):
         from modelsize.report import html
 
-        html.write(args.html, html.render_estimate(est))
+        html.write(args.html, html.render_estimate(est, **report))
 
 
 def _run_parallel(args: argparse.Namespace, target: Any, batch: int, seq: int,
@@ -280,7 +296,7 @@ def _run_parallel(args: argparse.Namespace, target: Any, batch: int, seq: int,
     est = replace(est, setup=replace(est.setup, sources=dict(options.sources)))
     if args.json:
         data = est.to_dict()
-        data["description"] = target.description
+        data.update(_target_json(target))
         data["batch"], data["seq"] = batch, seq
         data.update(_fit_json(fits))
         print(json.dumps(data))
@@ -289,7 +305,7 @@ def _run_parallel(args: argparse.Namespace, target: Any, batch: int, seq: int,
 
         sys.stdout.write(render_estimate(est, description=target.description, batch=batch,
                                          seq=seq, fit=fits))
-    _html(args, est)
+    _html(args, est, description=target.description, batch=batch, seq=seq, fit=fits)
     return 0
 
 
@@ -308,9 +324,13 @@ def _size(text: str, option: str) -> int:
         raise UsageError(f"{option}: {exc}") from None
 
 
-def _print_list() -> int:
+def _print_list(as_json: bool = False) -> int:
+    """The built-in models (needs neither torch nor transformers)."""
     from modelsize.estimation import zoo
 
+    if as_json:
+        print(json.dumps({"models": [m.to_dict() for m in zoo.MODELS.values()]}))
+        return 0
     for m in zoo.MODELS.values():
         shape = f"batch {m.batch}" + (f" x seq {m.seq}" if m.seq else f", {m.image}px images")
         print(f"  {m.name:12s} {m.description} (default {shape})")

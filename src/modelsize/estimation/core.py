@@ -101,7 +101,7 @@ def estimate(
             if verify:
                 est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
                                                             est, verify_budget))
-            return est
+            return replace(est, setup=replace(est.setup, dtype=weights_dtype(model)))
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
@@ -115,6 +115,7 @@ def estimate(
     finally:
         start.restore()
     est = summarize(trace, program, label, described, sources)
+    est = replace(est, setup=replace(est.setup, dtype=weights_dtype(model)))
     if verify:
         batch, resize = resize_batch(inputs)
         known = est.peak_bytes if settings.device == "cpu" else None
@@ -126,6 +127,17 @@ def estimate(
 
 DEFAULT_DEVICE = "cpu"
 DEFAULT_OPTIMIZER = "adamw"
+
+
+def weights_dtype(model: nn.Module) -> str:
+    """The dtype of ``model``'s floating-point parameters: one name, or the names joined by
+    ``+`` (most elements first) when they differ; ``""`` when it has none."""
+    counts: dict[str, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            name = str(p.dtype).removeprefix("torch.")
+            counts[name] = counts.get(name, 0) + p.numel()
+    return "+".join(sorted(counts, key=lambda k: -counts[k]))
 
 
 @dataclass(frozen=True)
@@ -236,6 +248,10 @@ def summarize(trace: Trace, program: Program, name: str,
     notes = list(mode.scratch.notes) if mode.scratch is not None else []
     if program.device == "cuda":
         notes.append("cuda: traced with the CPU kernels' shapes; device terms are not validated")
+        if mode.host_rng_copies:
+            from modelsize.estimation.rng import host_note
+
+            notes.append(host_note(mode.host_rng_copies))
     train = program.mode == "train"
     setup = Setup(
         model=name,

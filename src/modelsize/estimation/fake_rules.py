@@ -34,6 +34,8 @@ from typing import Any, cast
 import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -150,9 +152,143 @@ def _layer_norm_backward(mode: Any, func: Any, args: Sequence[Any],
                             device=grad_input.device), *out[1:])
 
 
+# -- sparse COO ------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+#: fake sparse tensor -> the real values of its indices, where the trace knows them
+_REAL_INDICES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the note of a coalesce whose indices' values the trace does not have
+UNKNOWN_INDICES = ("sparse gradients: the index values are not known (meta or fake inputs), "
+                   "so coalesce keeps every index as distinct: an upper bound; pass the real "
+                   "input tensors for the exact count")
+
+
+def _sparse(mode: Any, sparse_dim: int, dense_dim: int, size: Sequence[int],
+            indices: torch.Tensor, values: torch.Tensor, coalesced: bool | None) -> Any:
+    """A sparse COO tensor over ``indices`` and ``values`` (no allocation), under ``mode``."""
+    with mode:
+        return _aten._sparse_coo_tensor_with_dims_and_tensors.default(
+            sparse_dim, dense_dim, list(size), indices, values, dtype=values.dtype,
+            layout=torch.sparse_coo, device=values.device, is_coalesced=coalesced)
+
+
+def _sparse_coo(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``_sparse_coo_tensor_with_dims_and_tensors``: as the fake kernel does; the real values
+    of the indices are kept beside the result when the trace has them."""
+    out = FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+    values = getattr(mode, "real_values", None)
+    indices = _bind(func, args, kwargs)["indices"]
+    real = values.value_of(indices) if values is not None else None
+    if real is not None:
+        _REAL_INDICES[out] = real
+    return out
+
+
+def _clone(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``clone`` of a sparse COO tensor: a contiguous copy of the values, then of the indices.
+
+    The autograd engine's ``AccumulateGrad`` clones a new sparse gradient only when its
+    indices or values are not contiguous, or when something else holds them: a real run
+    otherwise keeps them (a shallow copy). Under a dispatch mode the Python references of
+    ``_indices()`` and ``_values()`` always fail the engine's use-count test, so the rule
+    takes the real run's branch.
+    """
+    x = args[0]
+    if x.layout is not torch.sparse_coo:
+        return FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+    with mode:
+        indices, values = x._indices(), x._values()
+        node = torch._C._current_autograd_node()
+        if (node is not None and node.name() == "torch::autograd::AccumulateGrad"
+                and not torch.is_grad_enabled() and indices.is_contiguous()
+                and values.is_contiguous()):
+            out = _sparse(mode, x.sparse_dim(), x.dense_dim(), x.shape, indices, values,
+                          x.is_coalesced())
+            if x in _REAL_INDICES:
+                _REAL_INDICES[out] = _REAL_INDICES[x]
+            return out
+        new_values = torch.empty(values.shape, dtype=values.dtype, device=values.device)
+        new_indices = torch.empty(indices.shape, dtype=indices.dtype, device=indices.device)
+        coalesced = x.is_coalesced()
+    out = _sparse(mode, x.sparse_dim(), x.dense_dim(), x.shape, new_indices, new_values,
+                  coalesced)
+    if x in _REAL_INDICES:
+        _REAL_INDICES[out] = _REAL_INDICES[x]
+    return out
+
+
+def _coalesce(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``_coalesce`` of a sparse COO tensor (CPU): every entry's room, narrowed to the
+    distinct indices."""
+    x = args[0]
+    with mode:
+        indices, values = x._indices(), x._values()
+    sparse_dim, nnz = int(indices.shape[0]), int(indices.shape[1])
+    real = _REAL_INDICES.get(x)
+    if real is not None:
+        with _disable_current_modes():
+            distinct_indices = torch.unique(real.reshape(sparse_dim, -1), dim=1)
+        distinct = int(distinct_indices.shape[1])
+    else:
+        distinct_indices, distinct = None, nnz
+        notes = getattr(getattr(mode, "scratch", None), "notes", None)
+        if notes is not None and UNKNOWN_INDICES not in notes and nnz > 1:
+            notes.append(UNKNOWN_INDICES)
+    with mode:  # the kernel's sort buffers: scratch.py
+        new_indices = torch.empty((sparse_dim, nnz), dtype=indices.dtype)
+        new_values = torch.empty(values.shape, dtype=values.dtype)
+        kept_indices = new_indices.narrow(1, 0, distinct)
+        kept_values = new_values.narrow(0, 0, distinct)
+    out = _sparse(mode, x.sparse_dim(), x.dense_dim(), x.shape, kept_indices, kept_values, True)
+    if distinct_indices is not None:
+        _REAL_INDICES[out] = distinct_indices
+    return out
+
+
+def _sparse_mask(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``dense.sparse_mask(mask)``: the dense values at the mask's indices, multiplied by the
+    mask's one-element ones; the result owns a copy of the mask's indices."""
+    dense, mask = args[0], args[1]
+    if mask.layout is not torch.sparse_coo or dense.layout is not torch.strided:
+        return FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+    sparse_dim = mask.sparse_dim()
+    with mode:  # the ones and the gathered values: scratch.py
+        indices = mask._indices()
+        rows = (int(indices.shape[1]), *dense.shape[sparse_dim:])
+        new_indices = torch.empty(indices.shape, dtype=indices.dtype)
+        new_values = torch.empty(rows, dtype=dense.dtype)
+        coalesced = mask.is_coalesced()
+    out = _sparse(mode, sparse_dim, mask.dense_dim(), dense.shape, new_indices, new_values,
+                  coalesced)
+    if mask in _REAL_INDICES:
+        _REAL_INDICES[out] = _REAL_INDICES[mask]
+    return out
+
+
+#: the note of in-place arithmetic on a sparse tensor, which the rules do not model
+SPARSE_INPLACE = ("in-place arithmetic on a sparse tensor (SGD's momentum buffer on sparse "
+                  "gradients) is not modelled: the CPU kernels replace its indices and values "
+                  "with new, larger ones (an uncoalesced sum), which the estimate leaves out")
+
+
+def _sparse_inplace(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``add_``/``mul_`` on a sparse ``self``: noted (see :data:`SPARSE_INPLACE`)."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].layout is torch.sparse_coo:
+        notes = getattr(getattr(mode, "scratch", None), "notes", None)
+        if notes is not None and SPARSE_INPLACE not in notes:
+            notes.append(SPARSE_INPLACE)
+    return FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+
+
 #: ATen overload -> the rule that replaces its fake implementation.
 RULES: dict[Any, Callable[..., Any]] = {
     torch.ops.aten._grouped_mm.default: _grouped_mm,
     torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward,
     torch.ops.aten.native_layer_norm_backward.default: _layer_norm_backward,
+    torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_coo,
+    torch.ops.aten.clone.default: _clone,
+    torch.ops.aten._coalesce.default: _coalesce,
+    torch.ops.aten.sparse_mask.default: _sparse_mask,
+    torch.ops.aten.add_.Tensor: _sparse_inplace,
+    torch.ops.aten.mul_.Tensor: _sparse_inplace,
 }

@@ -18,7 +18,9 @@ queries) and the keys into blocks of ``kvSplitSize`` = min(512, keys), and give 
 The masks the op accepts (float, of the query's dtype, 2-d or 4-d) are read in place.
 Checked against the allocator's own events, dtype by dtype, thread count by thread count, in
 tests/estimation/test_flash.py. The model does not cover the packed float16 path of CPUs with
-AMX-FP16 (its blocks are padded to 64): :func:`packs_half` says when the tracker must probe.
+AMX-FP16 (its blocks are padded to 64): :func:`packs_half` says when the tracker must probe;
+nor bfloat16 and float16 on CPUs where oneDNN runs those GEMMs (AVX512-BF16, AVX512-FP16,
+AMX: ``scratch.onednn_matmul``), whose scratch pads come on top: probed there too.
 """
 
 from __future__ import annotations

@@ -619,6 +619,7 @@ def run_rank_trace(
     loss_fn = program.loss or default_loss
     # outside the fake mode: an input's real twin (RealValues) must stay a real tensor
     values = RealValues()
+    mode.real_values = values
     args, kwargs = _fake_inputs(inputs, copier, {}, mode, values)
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(fake_process_group(world, rank, layout.mesh_tp))

@@ -98,6 +98,10 @@ class Source(str, Enum):
     """The default of :func:`modelsize.estimate`."""
     CLI_DEFAULT = "cli-default"
     """The default of the ``modelsize estimate`` command, which estimates for a GPU."""
+    CONFIG = "config"
+    """The model's ``config.json`` (its ``dtype``)."""
+    MODEL = "model"
+    """The model as it was given (a factory's weights' dtype)."""
 
     def __str__(self) -> str:
         return self.value
@@ -109,7 +113,7 @@ class Setup:
 
     ``optimize_frozen``: the optimizer was built on every parameter, frozen ones included
     (by default only on those that require grad, as fine-tuning code does). ``sources``
-    says where ``device`` and ``optimizer`` came from.
+    says where ``device``, ``optimizer`` and, from the CLI, ``dtype`` came from.
     """
 
     model: str
@@ -124,6 +128,8 @@ class Setup:
     inputs: tuple[tuple[str, tuple[int, ...], str], ...]
     optimize_frozen: bool = False
     sources: dict[str, Source] = field(default_factory=dict)
+    dtype: str = ""
+    """The dtype of the model's floating-point weights (``bfloat16+float32`` when mixed)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -139,6 +145,7 @@ class Setup:
             "steps": self.steps,
             "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in self.inputs],
             "optimize_frozen": self.optimize_frozen,
+            "dtype": self.dtype or None,
             "sources": {k: str(v) for k, v in self.sources.items()},
         }
 

@@ -6,7 +6,9 @@ runs. Two kinds of models fill the gap on CPU:
 * **analytic**, where the rule is simple and device-independent: the CPU BLAS path of ``mm``,
   ``addmm``, ``bmm`` and ``baddbmm`` clones an operand whose strides BLAS cannot take (an
   expanded or sliced gradient, say) into a contiguous temporary; the CTC loss backward keeps a
-  ``log_beta`` table the size of the forward's ``log_alpha``;
+  ``log_beta`` table the size of the forward's ``log_alpha``; a sparse COO ``_coalesce``
+  sorts its indices (three ``nnz``-long int64 buffers), ``sparse_mask`` gathers the dense rows
+  it keeps (see :mod:`modelsize.estimation.fake_rules` for their outputs);
 * **probed**, where the kernel's buffers depend on the instruction set, the shapes, the layout
   and the thread count. For those ops the tracker runs the real kernel once per distinct
   signature on zero-filled inputs under the CPU profiler and reads the allocator's own
@@ -21,6 +23,13 @@ SegFormer, ResNet; ``torch.nn`` transformers, recurrent nets and U-Net parts):
 
 * oneDNN convolutions and LSTMs: reordered inputs and weights, primitive scratch pads, the LSTM
   workspace that PyTorch's meta kernel reports as 0 bytes;
+* bfloat16 and float16 ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` on a CPU where PyTorch runs
+  them through oneDNN (``use_mkldnn_matmul``: AVX512-BF16 or AMX for bfloat16, AVX512-FP16 or
+  AMX-FP16 for float16; float32 too under a reduced ``fp32_precision``): the primitive's
+  scratch pad and packed operands, 0.2 to 3 times the operands' size and not linear in any
+  dimension, so each signature runs at its full size (up to :data:`PROBE_LIMIT`). Elsewhere
+  those calls take the BLAS path above. Which path runs depends on this CPU, so the
+  estimate's notes say so when a oneDNN matmul's scratch was counted;
 * the fused inference fast paths of ``nn.TransformerEncoderLayer`` and
   ``nn.MultiheadAttention`` (``_transformer_encoder_layer_fwd``,
   ``_native_multi_head_attention``): their meta kernels return the output alone, while the
@@ -36,7 +45,14 @@ SegFormer, ResNet; ``torch.nn`` transformers, recurrent nets and U-Net parts):
   to channels-last and back when the output is small;
 * kernels that copy an input they cannot read in place, probed only when an input is not
   contiguous: softmax and log-softmax (forward and backward), layer norm, ``gelu_backward``,
-  ``embedding`` and ``embedding_dense_backward``, upsampling backward.
+  ``embedding`` and ``embedding_dense_backward``, upsampling backward;
+* pointwise ops whose tensor arguments differ in dtype (``Tag.pointwise``, probed then): the
+  CPU TensorIterator promotes each input of another dtype than the computation's to a
+  temporary copy in that dtype (``op.tensor().to(common_dtype)`` in ``compute_types``), and
+  an in-place or ``out=`` result of another dtype to a temporary it copies back. Under
+  autocast that is a float32 copy of a half activation added to a float32 buffer (BART's and
+  Pegasus's ``final_logits_bias``: a copy of the logits), a size the meta kernel never
+  allocates. CUDA kernels cast as they load: no copy.
 
 Each model returns the bytes the kernel holds beyond its outputs at its high-water mark; a
 probed op can also correct the size of an output the meta kernel gets wrong.
@@ -45,6 +61,7 @@ probed op can also correct the size of an output the meta kernel gets wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -95,6 +112,12 @@ class Probe:
     when: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
     bound: Bound | None = None
     reads_values: Callable[[Sequence[Any], dict[str, Any]], bool] | None = None
+    scalable: bool = True
+    """False: the scratch is not linear in the batch, so a call runs at its full size (up to
+    :data:`PROBE_LIMIT`) or not at all."""
+    note: str = ""
+    """Added to the estimate's notes once a call of this op had scratch (``{dtype}``: the
+    first tensor argument's dtype)."""
 
 
 @dataclass
@@ -111,6 +134,11 @@ class ScratchModels:
     notes: list[str] = field(default_factory=list)
     probes_run: int = 0
     wrap_numbers: bool = False
+    promotion: Probe | None = None
+    """The probe of a pointwise op whose tensor arguments differ in dtype (any pointwise op
+    not otherwise modelled), or None."""
+    onednn_matmul: frozenset[torch.dtype] = frozenset()
+    """The dtypes whose CPU matmuls run through oneDNN on this machine (:func:`onednn_matmul`)."""
     _tensor_params: dict[Any, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
     def wrapped(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:
@@ -145,25 +173,45 @@ class ScratchModels:
                                     result.element_size() if result is not None else 0)
         return total
 
+    def covers(self, func: Any) -> bool:
+        """Whether some call of ``func`` may have scratch here (asked once per op)."""
+        return (func in self.analytic or func in self.probed or func in self.outputs
+                or (self.promotion is not None and _promotes(func)))
+
     def cost(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
              out: Any) -> KernelCost | None:
-        """The scratch (and output corrections) of one op call, or None when it has none."""
+        """The scratch (and output corrections) of one op call, or None when it has none.
+
+        An op both analytic and probed is modelled analytically, unless its probe has a
+        ``when`` that holds for the call (a matmul on the oneDNN path; elsewhere BLAS).
+        """
+        probe = self.probed.get(func)
+        if probe is not None and probe.when is not None and not probe.when(args, kwargs):
+            probe = None
         fn = self.analytic.get(func)
-        if fn is not None:
+        if fn is not None and (probe is None or probe.when is None):
             n = fn(args)
             return KernelCost(n) if n else None
         fix = self.outputs.get(func)
         if fix is not None:
             return KernelCost(0, fix(args))
-        probe = self.probed.get(func)
-        if probe is None or (probe.when is not None and not probe.when(args, kwargs)):
+        if probe is None and fn is None and self.promotion is not None and _promotes(func):
+            promotion = self.promotion
+            if promotion.when is None or promotion.when(args, kwargs):
+                probe = promotion
+        if probe is None:
             return None
         key = (func, torch.is_grad_enabled(), _aliasing(args, kwargs),
                *(_signature(a) for a in args),
                *sorted((k, _signature(v)) for k, v in kwargs.items()))
         if key not in self.cache:
             self.cache[key] = self._probe(func, args, kwargs, out, probe)
-        return self.cache[key]
+        cost = self.cache[key]
+        if cost is not None and cost.scratch and probe.note:
+            first = next((a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)), None)
+            dtype = str(first.dtype).replace("torch.", "") if first is not None else "?"
+            _note(self.notes, probe.note.format(dtype=dtype))
+        return cost
 
     def _probe(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
                probe: Probe) -> KernelCost | None:
@@ -182,12 +230,13 @@ class ScratchModels:
         try:
             if nbytes <= PROBE_BUDGET or (
                 batch is not None and batch <= 3 and nbytes <= PROBE_LIMIT
-            ):
+            ) or (not probe.scalable and nbytes <= PROBE_LIMIT):
                 self.probes_run += 1
                 events, sizes = _run(func, args, kwargs, {}, probe.prepare)
                 return _cost(events, sizes, out)
-            if batch is None:
-                self._missing(func, "too large to run, no batch dim", bound)
+            if batch is None or not probe.scalable:
+                self._missing(func, f"a real run needs {nbytes} bytes" if not probe.scalable
+                              else "too large to run, no batch dim", bound)
                 return None
             if batch <= 3 or nbytes * 3 // batch > PROBE_LIMIT:
                 self._missing(func, f"a real run needs {nbytes * min(batch, 3) // batch} bytes",
@@ -531,6 +580,27 @@ def _non_contiguous(*keys: Key) -> Callable[[Sequence[Any], dict[str, Any]], boo
     return when
 
 
+@functools.cache
+def _promotes(func: Any) -> bool:
+    """A pointwise op (TensorIterator) that draws no random numbers: one a probe may run."""
+    tags = getattr(func, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def _mixed_dtypes(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Tensor arguments of more than one dtype (the kernel may promote some of them)."""
+    dtypes = {t.dtype for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)}
+    return len(dtypes) > 1
+
+
+def _promotion_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """Every tensor argument copied to an 8-byte dtype, and the result once more."""
+    largest = max((t.numel() for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)),
+                  default=0)
+    return 8 * (sum(t.numel() for t in _flat(args, kwargs) if isinstance(t, torch.Tensor))
+                + largest) + 64
+
+
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -684,9 +754,110 @@ def _baddbmm(args: Sequence[Any]) -> int:
     return _bmm(args[1:3])
 
 
+def onednn_matmul() -> frozenset[torch.dtype]:
+    """The dtypes whose CPU ``mm``/``addmm``/``bmm``/``baddbmm`` PyTorch runs through oneDNN
+    on this machine (``use_mkldnn_matmul`` in ATen's ``mkldnn/Matmul.cpp``): bfloat16 where
+    oneDNN supports it here, float16 likewise, float32 under a reduced ``fp32_precision``."""
+    mkldnn = torch.backends.mkldnn
+    if not (mkldnn.is_available() and mkldnn.enabled):
+        return frozenset()
+    out = set()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        out.add(torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        out.add(torch.float16)
+    matmul = getattr(mkldnn, "matmul", None)
+    if (getattr(matmul, "fp32_precision", "none") in ("bf16", "tf32")
+            or torch.get_float32_matmul_precision() != "highest"):
+        out.add(torch.float32)
+    return frozenset(out)
+
+
+def cpu_description() -> str:
+    """This CPU's vector extensions as PyTorch sees them: ``AVX512, AMX-BF16, AVX512-FP16``."""
+    caps: dict[str, Any] = getattr(torch.cpu, "get_capabilities", dict)()
+    named = [torch.backends.cpu.get_cpu_capability()]
+    for key, name in (("amx_bf16", "AMX-BF16"), ("amx_fp16", "AMX-FP16"),
+                      ("avx512_bf16", "AVX512-BF16"), ("avx512_fp16", "AVX512-FP16")):
+        if caps.get(key):
+            named.append(name)
+    return ", ".join(named)
+
+
+def _matmul_operands(args: Sequence[Any], at: int) -> tuple[Any, Any]:
+    return args[at], args[at + 1]
+
+
+def _onednn_when(at: int, dtypes: frozenset[torch.dtype]
+                 ) -> Callable[[Sequence[Any], dict[str, Any]], bool]:
+    """A matmul whose operands (at ``at`` and ``at + 1``) take the oneDNN path here."""
+
+    def when(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        a, b = _matmul_operands(args, at)
+        return a.dtype in dtypes and b.dtype == a.dtype and a.numel() > 0 and b.numel() > 0
+
+    return when
+
+
+def _matmul_bound(at: int) -> Bound:
+    """Twice the operands and the result in float32, and 32 KiB per thread (the largest
+    measured: 3x the operands for small problems, 0.03-0.7x for large ones)."""
+
+    def bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+        a, b = _matmul_operands(args, at)
+        rows, inner, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return 8 * batch * (rows * inner + inner * cols + rows * cols) + (
+            32768 * (torch.get_num_threads() + 1))
+
+    return bound
+
+
+def _dtype_of(at: int, dtypes: set[torch.dtype] | frozenset[torch.dtype]
+              ) -> Callable[[Sequence[Any], dict[str, Any]], bool]:
+    """The tensor argument at ``at`` has one of ``dtypes``."""
+
+    def when(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        return isinstance(args[at], torch.Tensor) and args[at].dtype in dtypes
+
+    return when
+
+
+def _grouped_mm_bound(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The largest group's GEMM can be no larger than the whole problem's."""
+    a, b = args[0], args[1]
+    threads = torch.get_num_threads()
+    return 8 * (a.numel() + b.numel() + a.shape[-2] * b.shape[-1]) + 32768 * (threads + 1)
+
+
 def _ctc_backward(args: Sequence[Any]) -> int:
     """``log_beta``, shaped like the forward's ``log_alpha`` (measured: exactly its size)."""
     return _nbytes(args[6])
+
+
+def _sparse_parts(t: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO tensor's indices and values, read without dispatch."""
+    with torch._C._DisableTorchDispatch():
+        return t._indices(), t._values()
+
+
+def _coalesce(args: Sequence[Any]) -> int:
+    """``_coalesce``: sort's values and order and an ``arange`` (``nnz`` int64s each), and the
+    flattened indices with more than one sparse dimension (measured)."""
+    indices, _ = _sparse_parts(args[0])
+    nnz = int(indices.shape[1])
+    return 8 * nnz * (4 if indices.shape[0] > 1 else 3)
+
+
+def _sparse_mask(args: Sequence[Any]) -> int:
+    """``dense.sparse_mask(mask)``: a one-element ones and the dense rows gathered at the
+    mask's indices (measured)."""
+    dense, mask = args[0], args[1]
+    if mask.layout is not torch.sparse_coo or dense.layout is not torch.strided:
+        return 0
+    indices, _ = _sparse_parts(mask)
+    row = math.prod(dense.shape[indices.shape[0]:])
+    return dense.element_size() * (1 + int(indices.shape[1]) * row)
 
 
 def table(device_type: str) -> ScratchModels:
@@ -703,12 +874,21 @@ def table(device_type: str) -> ScratchModels:
         aten.baddbmm.default: _baddbmm,
         aten._ctc_loss_backward.default: _ctc_backward,
         aten._ctc_loss_backward.Tensor: _ctc_backward,
+        aten._coalesce.default: _coalesce,
+        aten.sparse_mask.default: _sparse_mask,
     }
-    if not flash.packs_half():  # else the probes below measure the packed float16 path
-        models.analytic[aten._scaled_dot_product_flash_attention_for_cpu.default] = (
-            flash.forward_scratch)
-        models.analytic[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
-            flash.backward_scratch)
+    models.analytic[aten._scaled_dot_product_flash_attention_for_cpu.default] = (
+        flash.forward_scratch)
+    models.analytic[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
+        flash.backward_scratch)
+    models.onednn_matmul = onednn_matmul()
+    # Flash attention in a dtype whose GEMMs oneDNN runs here (its scratch pads), or in the
+    # packed float16 path of AMX-FP16 CPUs, is probed; the analytic model covers the rest.
+    probed_flash = models.onednn_matmul | ({torch.float16} if flash.packs_half() else set())
+    note = ("cpu: {dtype} matmuls run through oneDNN on this CPU ("
+            + cpu_description().replace("{", "").replace("}", "")
+            + "); their scratch, counted, is this CPU's (a CPU without oneDNN support "
+            "for {dtype} runs them through BLAS, without it)")
     models.probed = {
         aten.convolution.default: Probe(_conv_dims),
         aten.convolution_backward.default: Probe(_conv_backward_dims),
@@ -719,9 +899,11 @@ def table(device_type: str) -> ScratchModels:
         aten._native_multi_head_attention.default: Probe(
             _attention_dims(9, 12, 0, 1, 2), bound=_mha_bound),
         aten._scaled_dot_product_flash_attention_for_cpu.default: Probe(
-            _sdpa_dims(0, 1, 2), bound=_flash_bound),
+            _sdpa_dims(0, 1, 2), when=_dtype_of(0, probed_flash), bound=_flash_bound,
+            note=note),
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: Probe(
-            _sdpa_dims(0, 1, 2, 3, 4, 5), bound=_flash_backward_bound),
+            _sdpa_dims(0, 1, 2, 3, 4, 5), when=_dtype_of(1, probed_flash),
+            bound=_flash_backward_bound, note=note),
         aten._safe_softmax.default: Probe(_leading(0), bound=_safe_softmax_bound),
         aten.native_batch_norm.default: Probe(_leading(0), bound=_batch_norm_bound),
         aten.native_batch_norm_backward.default: Probe(_leading(0, 1), bound=_twice_all),
@@ -738,6 +920,16 @@ def table(device_type: str) -> ScratchModels:
             _leading(0, 1), when=lambda a, k: _non_contiguous(0, 1)(a, k) or bool(a[4]),
             bound=_embedding_backward_bound),
     }
+    models.promotion = Probe(_all_leading, when=_mixed_dtypes, bound=_promotion_bound)
+    if models.onednn_matmul:
+        for matmul, at in ((aten.mm.default, 0), (aten.addmm.default, 1), (aten.bmm.default, 0),
+                       (aten.baddbmm.default, 1)):
+            models.probed[matmul] = Probe(_no_batch, when=_onednn_when(at, models.onednn_matmul),
+                                      bound=_matmul_bound(at), scalable=False, note=note)
+        # one oneDNN GEMM per group: its scratch follows the group sizes, the offsets' values
+        models.probed[aten._grouped_mm.default] = Probe(
+            _no_batch, when=_onednn_when(0, models.onednn_matmul), bound=_grouped_mm_bound,
+            reads_values=lambda a, k: True)
     models.probed[aten._weight_norm_interface.default] = Probe(
         _no_batch, bound=_weight_norm_bound)
     models.probed[aten._weight_norm_interface_backward.default] = Probe(

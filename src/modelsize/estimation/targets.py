@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,22 +37,39 @@ class Target:
     seq: int
     repeated_block: str = ""
     float32: bool = True
+    dtype: str = "float32"
+    """The weights' dtype the model was built in."""
+    dtype_source: Source = Source.CLI_DEFAULT
+    """Where ``dtype`` came from: ``given`` (``--dtype``), ``config`` (the config.json's),
+    ``model`` (a factory's own model), or the CLI's default (float32)."""
+    model_class: str = ""
+    inferred: bool = False
+    """The class was chosen by modelsize (a config.json without ``architectures``)."""
+    kind: str = ""
+    """``tokens``, ``image``, ``audio`` for built-in and config models; ``""`` for factories."""
 
 
-def resolve(spec: str, dtype: str = "float32", inputs: list[str] | None = None) -> Target:
-    """Turn MODEL (with the weights' ``dtype`` and input shapes such as ``8x3x224x224``)
-    into a :class:`Target`."""
+def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None) -> Target:
+    """Turn MODEL (with the weights' ``dtype``, None for the model's own or float32, and a
+    factory's input shapes such as ``8x3x224x224``) into a :class:`Target`."""
     import torch
 
     from modelsize.estimation import zoo
 
-    weights_dtype = getattr(torch, dtype)
     path = Path(spec)
     entry: zoo.ZooModel | None = zoo.MODELS.get(spec.lower())
     is_config = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
     if entry is None and is_config:
         entry = zoo.from_config_json(path)
     if entry is not None:
+        if inputs:
+            raise UsageError(f"--input sets the input shapes of a module:factory model; "
+                             f"{printable(entry.name)} makes its own (--batch"
+                             + (", --seq)" if entry.seq else ")"))
+        name, source = ((dtype, Source.GIVEN) if dtype else
+                        (entry.dtype, Source.CONFIG) if entry.dtype else
+                        ("float32", Source.CLI_DEFAULT))
+        weights_dtype = getattr(torch, name)
         model = zoo.build(entry, weights_dtype)
         accepted = _accepted_kwargs(model)
         chosen = entry
@@ -63,9 +82,11 @@ def resolve(spec: str, dtype: str = "float32", inputs: list[str] | None = None) 
 
         return Target(entry.name, entry.description, model, make, entry.batch, entry.seq,
                       entry.repeated_block or _repeated_block(model),
-                      weights_dtype == torch.float32)
+                      weights_dtype == torch.float32, name, source,
+                      entry.model_class or type(model).__name__, entry.inferred,
+                      str(entry.kind))
     if ":" in spec and not path.exists():
-        return _factory_target(spec, inputs)
+        return _factory_target(spec, inputs, dtype)
     if path.suffix == ".json" or path.exists():
         raise UsageError(f"{printable(spec)}: expected a Hugging Face config.json or its folder")
     known = ", ".join(zoo.names())
@@ -83,11 +104,17 @@ def _accepted_kwargs(model: Any) -> set[str] | None:
     return set(params)
 
 
-def _factory_target(spec: str, inputs: list[str] | None) -> Target:
+def _factory_target(spec: str, inputs: list[str] | None, dtype: str | None = None) -> Target:
     import torch
     from torch import nn
 
+    from modelsize.estimation.core import weights_dtype
+
     module_name, _, attr = spec.partition(":")
+    # As ``python -m`` does: the current folder first, so a module beside the user is found
+    # without PYTHONPATH=.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -111,14 +138,40 @@ def _factory_target(spec: str, inputs: list[str] | None) -> Target:
             return tuple(_meta(dt, _resized(shape, batch, seq)) for dt, shape in shapes)
         return _resize_inputs(given_inputs, batch, seq)
 
+    if dtype:
+        made = made.to(getattr(torch, dtype))  # floating inputs follow, in make() below
     first = shapes[0][1] if shapes else _first_shape(given_inputs)
     batch = first[0] if first else 1
     # Only token ids have a sequence dimension we can name; 8x3x32x32 is a batch of images.
     tokens = _first_dtype(shapes, given_inputs) in _INTEGER
     seq = first[1] if len(first) > 1 and tokens else 0
     is_fp32 = all(p.dtype == torch.float32 for p in made.parameters())
-    return Target(spec, f"{type(made).__name__} from {spec}", made, make, batch, seq,
-                  _repeated_block(made), is_fp32)
+    own = weights_dtype(made)
+    make_in = make if not dtype else _cast_floats(make, getattr(torch, dtype))
+    return Target(spec, f"{type(made).__name__} from {spec}", made, make_in, batch, seq,
+                  _repeated_block(made), is_fp32, dtype or own,
+                  Source.GIVEN if dtype else Source.MODEL, type(made).__name__)
+
+
+def _cast_floats(make: Callable[[int, int, bool], Any], dtype: Any
+                 ) -> Callable[[int, int, bool], Any]:
+    """``make`` with its floating-point inputs in ``dtype`` (the factory model was cast)."""
+    import torch
+
+    def cast(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to(dtype)
+        return v
+
+    def made(batch: int, seq: int, train: bool) -> Any:
+        inputs = make(batch, seq, train)
+        if isinstance(inputs, dict):
+            return {k: cast(v) for k, v in inputs.items()}
+        if isinstance(inputs, tuple):
+            return tuple(cast(v) for v in inputs)
+        return cast(inputs)
+
+    return made
 
 
 def parse_input(text: str) -> tuple[str, tuple[int, ...]]:

@@ -50,7 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimation.optimizers import Implementation, OptimizerSpec, make_factory
-from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin
+from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin, parts
 
 _ATEN = torch.ops.aten
 LossFn = Callable[[Any], torch.Tensor]
@@ -175,14 +175,12 @@ def checkpointed(model: nn.Module, patterns: Sequence[str],
                  real: bool = False) -> Iterator[list[str]]:
     """Wrap the ``forward`` of the modules matching ``patterns`` in non-reentrant checkpoint.
 
-    Checkpoint keeps a copy of the CPU RNG state (``torch.get_rng_state()``, a real tensor)
-    until the region's backward is done. Unless ``real`` (a real run, which keeps the real
-    state), the wrapper stands a fake tensor of the same size in for it, held by the
-    recomputation closure so that it lives exactly as long.
+    Checkpoint keeps a copy of the CPU RNG state (``torch.get_rng_state()``) until the
+    region's backward is done; a trace counts it through :mod:`modelsize.estimation.rng`, a
+    real run (``real``) allocates it.
     """
     import torch.utils.checkpoint as cp
 
-    rng_nbytes = torch.get_rng_state().nbytes
     matched: list[tuple[nn.Module, bool, Any]] = []
     names: list[str] = []
     for name, m in model.named_modules():
@@ -195,16 +193,7 @@ def checkpointed(model: nn.Module, patterns: Sequence[str],
             orig = m.forward
 
             def wrapped(*args: Any, __orig: Any = orig, **kwargs: Any) -> Any:
-                if real:
-                    return cp.checkpoint(__orig, *args, use_reentrant=False, **kwargs)
-                rng_state = torch.empty(rng_nbytes, dtype=torch.uint8)
-
-                def run(*a: Any, __state: Any = rng_state, **k: Any) -> Any:
-                    return __orig(*a, **k)
-
-                del rng_state
-                return cp.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
-                                     **kwargs)
+                return cp.checkpoint(__orig, *args, use_reentrant=False, **kwargs)
 
             m.forward = wrapped  # type: ignore[method-assign]
             matched.append((m, had, orig))
@@ -277,6 +266,7 @@ def run_trace(
             mode.track(fakes[id(b)], Origin.BUFFER)
         state[name] = fakes[id(b)]
     values = RealValues()
+    mode.real_values = values
     args, kwargs = _fake_inputs(inputs, copier, fakes, mode, values)
     del fakes
     train = program.mode == "train"
@@ -462,6 +452,11 @@ class _SavedScalars(TorchFunctionMode):
         self.pending.clear()
 
 
+def _storage_keys(t: torch.Tensor) -> set[int]:
+    """The storages holding ``t`` (a sparse tensor's indices and values: two)."""
+    return {p.untyped_storage()._cdata for p in parts(t)}
+
+
 class ValueReadError(RuntimeError):
     """The model read a tensor's value that the trace cannot know (one line, user's code named)."""
 
@@ -507,7 +502,7 @@ class RealValues(TorchDispatchMode):
 
     def _set(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         self.values[fake] = real
-        self._storages.add(fake.untyped_storage()._cdata)
+        self._storages.update(_storage_keys(fake))
 
     def value_of(self, t: Any) -> torch.Tensor | None:
         """The real value behind ``t``, or None."""
@@ -584,8 +579,8 @@ class RealValues(TorchDispatchMode):
 
     def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         real = self._real_args(func, args, kwargs)
-        if real is not None and sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
-                                    if isinstance(t, FakeTensor)) > VALUE_LIMIT:
+        if real is not None and sum(p.untyped_storage().nbytes() for t in tree_leaves(out)
+                                    if isinstance(t, FakeTensor) for p in parts(t)) > VALUE_LIMIT:
             real = None
         if real is None:
             written = self._written(func, args, kwargs)
@@ -625,11 +620,11 @@ class RealValues(TorchDispatchMode):
 
     def _forget(self, t: torch.Tensor) -> None:
         """``t`` was written with values we do not have: it and its aliases lose their twins."""
-        key = t.untyped_storage()._cdata
-        if key not in self._storages:
+        keys = _storage_keys(t)
+        if not keys & self._storages:
             return
         for k in list(self.values.keys()):
-            if k.untyped_storage()._cdata == key:
+            if _storage_keys(k) & keys:
                 del self.values[k]
 
     # -- data-dependent ops -----------------------------------------------------------------
@@ -782,7 +777,9 @@ _SAVES_SCALAR = {
 def _grad_marker(mode: CountingFakeMode) -> Callable[[torch.Tensor], None]:
     def mark(p: torch.Tensor) -> None:
         if p.grad is not None:
-            mode.track(p.grad, Origin.BACKWARD).is_grad = True
+            mode.track(p.grad, Origin.BACKWARD)
+            for rec in mode.allocations_of(p.grad):  # a sparse gradient's indices and values
+                rec.is_grad = True
 
     return mark
 
@@ -807,4 +804,6 @@ def _mark_state(mode: CountingFakeMode, optimizer: torch.optim.Optimizer,
     for st in optimizer.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor):
-                mode.track(local(v), Origin.OPTIMIZER).is_state = True
+                mode.track(local(v), Origin.OPTIMIZER)
+                for rec in mode.allocations_of(local(v)):
+                    rec.is_state = True

@@ -25,7 +25,9 @@ comparing the two, allocation by allocation, against the CPU profiler; see tests
   scalars): :mod:`modelsize.estimation.scratch`;
 * a few meta kernels report output sizes the CPU kernels do not produce (oneDNN LSTM
   workspace, eval-mode BatchNorm statistics): corrected by the same module;
-* autograd keeps wrapped Python scalars saved for backward: ``trace._SavedScalars``.
+* autograd keeps wrapped Python scalars saved for backward: ``trace._SavedScalars``;
+* activation checkpointing copies the CPU generator's state (C++, no dispatch):
+  :mod:`modelsize.estimation.rng`.
 
 Memory allocated outside PyTorch's allocator (BLAS internals, the Python heap) is invisible
 here, as it is to the allocator and its profiler.
@@ -44,7 +46,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from modelsize.estimation import kernels
+from modelsize.estimation import kernels, rng
 from modelsize.estimation.fake_rules import RULES
 from modelsize.estimation.scratch import ScratchModels
 
@@ -92,6 +94,23 @@ class Phase:
     end: int = -1
 
 
+def parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors whose storages hold ``tensor``'s bytes: itself when strided; a sparse COO
+    tensor's indices and values; a compressed one's index arrays and values (read without
+    dispatch: no op is counted)."""
+    layout = tensor.layout
+    if layout is torch.strided:
+        return (tensor,)
+    with torch._C._DisableTorchDispatch():
+        if layout is torch.sparse_coo:
+            return (tensor._indices(), tensor._values())
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    return ()
+
+
 def _tensors(out: Any) -> Iterator[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         yield out
@@ -119,9 +138,6 @@ class CountingFakeMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.scratch = scratch
         self.device_type = device_type or (scratch.device_type if scratch else "cpu")
-        self._scratch_ops = (
-            set(scratch.analytic) | set(scratch.probed) | set(scratch.outputs) if scratch else set()
-        )
         self.allocations: list[Allocation] = []
         self.phases: list[Phase] = []
         self.live: dict[int, Allocation] = {}
@@ -134,6 +150,8 @@ class CountingFakeMode(FakeTensorMode):
         self.timeline: list[int] = []
         self.ops: list[Any] = []
         self.scratch_at: dict[int, int] = {}
+        self.host_rng_copies = 0  # RNG states a trace for CUDA left uncounted (rng.py)
+        self.real_values: Any = None  # the trace's RealValues, for rules that read index values
         self.progress: Callable[[int], None] | None = None
         self.modules: list[str] = []
         self.origin = Origin.OTHER
@@ -146,7 +164,11 @@ class CountingFakeMode(FakeTensorMode):
     # -- registration -----------------------------------------------------------------------
 
     def track(self, tensor: torch.Tensor, origin: Origin) -> Allocation:
-        """Count ``tensor``'s storage from now on (no-op if it is already counted)."""
+        """Count ``tensor``'s storage from now on (no-op if it is already counted); a sparse
+        tensor's storages (see :func:`parts`) all, the record of its values returned."""
+        if tensor.layout is not torch.strided:
+            recs = [self.track(t, origin) for t in parts(tensor)]
+            return recs[-1] if recs else Allocation(0, origin, self.tick, 0, "")
         st = tensor.untyped_storage()
         key = st._cdata
         rec = self.live.get(key)
@@ -186,8 +208,15 @@ class CountingFakeMode(FakeTensorMode):
             self.live_bytes -= rec.nbytes
 
     def allocation_of(self, tensor: torch.Tensor) -> Allocation | None:
-        """The live record of ``tensor``'s storage, if counted."""
+        """The live record of ``tensor``'s storage, if counted (None for a sparse tensor)."""
+        if tensor.layout is not torch.strided:
+            return None
         return self.live.get(tensor.untyped_storage()._cdata)
+
+    def allocations_of(self, tensor: torch.Tensor) -> list[Allocation]:
+        """The live records of the storages that hold ``tensor`` (a sparse one has several)."""
+        recs = (self.live.get(t.untyped_storage()._cdata) for t in parts(tensor))
+        return [r for r in recs if r is not None]
 
     def _free(self, key: int) -> None:
         rec = self.live.pop(key, None)
@@ -210,9 +239,11 @@ class CountingFakeMode(FakeTensorMode):
 
     def __enter__(self) -> CountingFakeMode:
         kernels.acquire()
+        rng.acquire()
         try:
             super().__enter__()
         except BaseException:
+            rng.release()
             kernels.release()
             raise
         return self
@@ -222,6 +253,7 @@ class CountingFakeMode(FakeTensorMode):
         try:
             super().__exit__(exc_type, exc_val, exc_tb)
         finally:
+            rng.release()
             kernels.release()
 
     def _cached_dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
@@ -262,6 +294,8 @@ class CountingFakeMode(FakeTensorMode):
         old, new = args
         if not (isinstance(old, FakeTensor) and isinstance(new, FakeTensor)) or old is new:
             return False
+        if old.layout is not torch.strided or new.layout is not torch.strided:
+            return False
         if old.shape != new.shape or old.dtype != new.dtype:
             return False
         rec_old, rec_new = self.allocation_of(old), self.allocation_of(new)
@@ -282,7 +316,7 @@ class CountingFakeMode(FakeTensorMode):
     def _op_info(self, func: Any) -> tuple[bool, Any, bool]:
         """Whether ``func`` runs as one kernel, its fake rule, whether it has scratch (once)."""
         info = (kernels.runs_as_kernel(func, self.device_type), RULES.get(func),
-                func in self._scratch_ops)
+                self.scratch is not None and self.scratch.covers(func))
         self._ops[func] = info
         return info
 
@@ -318,26 +352,27 @@ class CountingFakeMode(FakeTensorMode):
         scratch = self.scratch
         extra = scratch.wrapped(func, args, kwargs, out) if scratch and scratch.wrap_numbers else 0
         counted = False
-        for t in _tensors(out):
-            if not isinstance(t, FakeTensor):
+        for whole in _tensors(out):
+            if not isinstance(whole, FakeTensor):
                 continue
             if not counted:
                 self.tick += 1
                 self.ops.append(func)
                 counted = True
-            st = t.untyped_storage()
-            rec = self.live.get(st._cdata)
-            if rec is None:
-                self.track(t, self.origin)
-            elif rec.nbytes != st.nbytes():  # resize_ and friends
-                self.live_bytes += st.nbytes() - rec.nbytes
-                rec.nbytes = st.nbytes()
+            for t in parts(whole):
+                st = t.untyped_storage()
+                rec = self.live.get(st._cdata)
+                if rec is None:
+                    self.track(t, self.origin)
+                elif rec.nbytes != st.nbytes():  # resize_ and friends
+                    self.live_bytes += st.nbytes() - rec.nbytes
+                    rec.nbytes = st.nbytes()
         if scratch is not None and scratch_op:
             cost = scratch.cost(func, args, kwargs, out)
             if cost is not None:
                 extra += cost.scratch
                 for t, real in zip(_tensors(out), cost.output_nbytes, strict=False):
-                    rec = self.live.get(t.untyped_storage()._cdata)
+                    rec = self.allocation_of(t)
                     if real is not None and rec is not None and rec.created == self.tick:
                         self.live_bytes += real - rec.nbytes
                         rec.nbytes = real

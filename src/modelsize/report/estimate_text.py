@@ -1,9 +1,16 @@
-"""Plain-text rendering of an :class:`~modelsize.estimation.Estimate` (and of ``--fit``)."""
+"""The estimate's report: its sections, and their plain-text rendering (and ``--fit``'s).
+
+:func:`head_lines` and :func:`sections` hold every number the report shows, formatted once
+(sizes through :func:`modelsize.report.units.human_bytes`); :func:`render_estimate` lays them
+out as text and :func:`modelsize.report.html.render_estimate` as a page, so the two show the
+same numbers in the same units.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from modelsize.errors import printable
 from modelsize.estimation.result import (
@@ -14,7 +21,10 @@ from modelsize.estimation.result import (
     Suggestion,
 )
 from modelsize.report.table import table
-from modelsize.report.units import human_mem, percent
+from modelsize.report.units import human_bytes, percent
+
+#: The one size formatter of the estimate's report, text and HTML alike.
+size = human_bytes
 
 _PHASE_WORDS = {
     "forward": "the forward",
@@ -31,6 +41,8 @@ _SOURCE_WORDS = {
     Source.GIVEN: "given",
     Source.DEFAULT: "the default",
     Source.CLI_DEFAULT: "the CLI's default",
+    Source.CONFIG: "the config's",
+    Source.MODEL: "the model's own",
 }
 
 
@@ -69,10 +81,11 @@ def _what(est: Estimate) -> str:
         ckpt = f", checkpointing {', '.join(s.checkpoint)}" if s.checkpoint else ""
         what = (f"training step with {s.optimizer}{impl}{_source(est, 'optimizer')}"
                 f"{_frozen(est)}{acc}{ckpt}")
+    weights = f", {s.dtype} weights{_source(est, 'dtype')}" if s.dtype else ""
     amp = f", {s.amp} autocast" if s.amp else ""
     if s.amp and est.parallel is not None and est.parallel.mixed_precision == "policy":
         amp = f", {s.amp} parameters by FSDP2's MixedPrecisionPolicy"
-    return what + amp
+    return what + weights + amp
 
 
 def _frozen(est: Estimate) -> str:
@@ -121,66 +134,115 @@ def module_groups(modules: dict[str, int]) -> list[tuple[str, int]]:
     return sorted(groups.items(), key=lambda kv: -kv[1])
 
 
-def render_estimate(est: Estimate, *, description: str = "", batch: int | None = None,
-                    seq: int | None = None, suggestions: Sequence[Suggestion] = (),
-                    fit: FitResult | Sequence[FitResult] | None = None,
-                    modules: int = 6) -> str:
-    """The human report: peak, what it is made of, what dominates, what would shrink it."""
+@dataclass(frozen=True)
+class Section:
+    """One part of the estimate's report, as every renderer shows it (text and HTML).
+
+    ``rows`` is a table (the first row its header when ``header``), ``align`` one ``l`` or
+    ``r`` per column; ``lines`` are sentences after the table. Numbers are formatted here,
+    once, so every renderer shows the same ones.
+    """
+
+    key: str
+    title: str = ""
+    rows: tuple[tuple[str, ...], ...] = ()
+    align: str = ""
+    header: bool = False
+    lines: tuple[str, ...] = ()
+
+
+def head_lines(est: Estimate, description: str = "", batch: int | None = None,
+               seq: int | None = None) -> list[str]:
+    """The report's first lines: the model and device, the program, the peak, and when
+    present the verification and the ranks."""
     s = est.setup
     peak = est.peak_bytes
     lines = [_title(est, description), f"{_what(est)}, {_shape(est, batch, seq)}"]
     where = _PHASE_WORDS.get(est.phase.name, est.phase.name)
     step = f" of step {est.phase.step}" if s.mode == "train" else ""
-    lines.append(f"peak {human_mem(peak)} ({peak:,} bytes) in {where}{step}, "
+    lines.append(f"peak {size(peak)} ({peak:,} bytes) in {where}{step}, "
                  f"op {est.phase.start}..{est.phase.end} of {est.op_count:,}; "
                  f"traced in {est.trace_seconds:.1f} s")
     if est.verification is not None:
         lines.append(render_verification(est))
     if est.parallel is not None:
         lines.append(render_parallel_head(est))
-    lines.append("")
-    rows = [["at the peak", "bytes", "size", "share"]]
+    return lines
+
+
+def sections(est: Estimate, *, suggestions: Sequence[Suggestion] = (),
+             fit: FitResult | Sequence[FitResult] | None = None,
+             modules: int = 6) -> list[Section]:
+    """The report after its head: categories at the peak, what dominates, activations by
+    module, what would shrink it, the CUDA terms, the formulas across GPUs, the fits, notes."""
+    peak = est.peak_bytes
+    out: list[Section] = []
+    rows = [("at the peak", "bytes", "size", "share")]
     for cat in MemoryCategory:
         n = est.categories[cat]
         if cat is MemoryCategory.COMMUNICATION and est.parallel is None and not n:
             continue  # one device: no collectives
         label = cat.value
         if cat is MemoryCategory.TEMPORARIES and est.scratch_bytes:
-            label += f" (kernel scratch {human_mem(est.scratch_bytes)})"
-        rows.append([label, f"{n:,}", human_mem(n), percent(n, peak) if n else "-"])
-    rows.append(["total", f"{peak:,}", human_mem(peak), "100%"])
-    lines += table(rows, "lrrr")
+            label += f" (kernel scratch {size(est.scratch_bytes)})"
+        rows.append((label, f"{n:,}", size(n), percent(n, peak) if n else "-"))
+    rows.append(("total", f"{peak:,}", size(peak), "100%"))
     top_cat = max(MemoryCategory, key=lambda c: est.categories[c])
-    lines += ["", f"Dominated by {top_cat.value} ({percent(est.categories[top_cat], peak)} "
-                  "of the peak)."]
+    out.append(Section("categories", "", tuple(rows), "lrrr", header=True))
+    out.append(Section("dominant", lines=(
+        f"Dominated by {top_cat.value} ({percent(est.categories[top_cat], peak)} of the "
+        "peak).",)))
     groups = module_groups(est.module_activations)
     if groups and modules:
-        lines.append("Forward activations by module (alive when the forward ends):")
-        mrows = [[printable(n, 60), human_mem(b)] for n, b in groups[:modules]]
+        mrows = [(printable(n, 60), size(b)) for n, b in groups[:modules]]
         if len(groups) > modules:
             rest = sum(b for _, b in groups[modules:])
-            mrows.append([f"({len(groups) - modules} more)", human_mem(rest)])
-        lines += table(mrows, "lr")
+            mrows.append((f"({len(groups) - modules} more)", size(rest)))
+        out.append(Section("modules", "Forward activations by module (alive when the forward "
+                           "ends):", tuple(mrows), "lr"))
     if suggestions:
-        lines += ["", "What would shrink it (each re-traced):"]
-        srows = [[sg.change, sg.label, human_mem(sg.peak_bytes),
-                  f"{100.0 * (sg.peak_bytes - peak) / peak:+.0f}%"] for sg in suggestions]
-        lines += table(srows, "llrr")
+        srows = tuple((sg.change, sg.label, size(sg.peak_bytes),
+                       f"{100.0 * (sg.peak_bytes - peak) / peak:+.0f}%") for sg in suggestions)
+        out.append(Section("suggestions", "What would shrink it (each re-traced):", srows,
+                           "llrr"))
     dev = est.device_estimate
     if dev.device == "cuda":
-        lines += ["", "CUDA device estimate (not validated on a GPU; terms named):"]
-        drows = [[t.name, human_mem(t.nbytes), t.note] for t in dev.terms]
-        drows.append(["max_memory_allocated", human_mem(dev.allocated_bytes), ""])
-        drows.append(["total with context", human_mem(dev.total_bytes), ""])
-        lines += table(drows, "lrl")
+        drows = [(t.name, size(t.nbytes), t.note) for t in dev.terms]
+        drows.append(("max_memory_allocated", size(dev.allocated_bytes), ""))
+        drows.append(("total with context", size(dev.total_bytes), ""))
+        out.append(Section("cuda", "CUDA device estimate (not validated on a GPU; terms "
+                           "named):", tuple(drows), "lrl"))
     if est.parallel is not None:
-        lines += ["", *render_comparisons(est)]
+        crows, tail = comparison_rows(est)
+        out.append(Section("formulas", "", tuple(crows), "lrrl", header=True,
+                           lines=(tail,) if tail else ()))
     fits = [fit] if isinstance(fit, FitResult) else list(fit or ())
     if fits:
-        lines.append("")
-        lines += [render_fit(f).rstrip("\n") for f in fits]
-    for note in est.notes:
-        lines.append(f"note: {printable(note, 300)}")
+        out.append(Section("fit", lines=tuple(render_fit(f).rstrip("\n") for f in fits)))
+    if est.notes:
+        out.append(Section("notes", lines=tuple(f"note: {printable(note, 300)}"
+                                               for note in est.notes)))
+    return out
+
+
+#: sections the text report runs on from the one before, without a blank line
+_JOINED = ("modules", "notes")
+
+
+def render_estimate(est: Estimate, *, description: str = "", batch: int | None = None,
+                    seq: int | None = None, suggestions: Sequence[Suggestion] = (),
+                    fit: FitResult | Sequence[FitResult] | None = None,
+                    modules: int = 6) -> str:
+    """The human report: peak, what it is made of, what dominates, what would shrink it."""
+    lines = head_lines(est, description, batch, seq)
+    for section in sections(est, suggestions=suggestions, fit=fit, modules=modules):
+        if section.key not in _JOINED:
+            lines.append("")
+        if section.title:
+            lines.append(section.title)
+        if section.rows:
+            lines += table([list(r) for r in section.rows], section.align)
+        lines += section.lines
     return "\n".join(lines) + "\n"
 
 
@@ -200,11 +262,11 @@ def render_parallel_head(est: Estimate) -> str:
         how += (", mixed precision by FSDP2's MixedPrecisionPolicy"
                 if par.mixed_precision == "policy" else ", mixed precision by torch.autocast")
     if par.cpu_offload:
-        host = (f" (host {human_mem(par.host_bytes)} at that moment, "
-                f"{human_mem(par.host_peak_bytes)} at most)"
+        host = (f" (host {size(par.host_bytes)} at that moment, "
+                f"{size(par.host_peak_bytes)} at most)"
                 if par.host_bytes is not None and par.host_peak_bytes is not None else "")
         how += f", CPU offload: GPU memory{host}"
-    ranks = ", ".join(f"rank {r.rank} {human_mem(r.peak_bytes)}" for r in par.ranks)
+    ranks = ", ".join(f"rank {r.rank} {size(r.peak_bytes)}" for r in par.ranks)
     reshard = "" if par.method != "traced" or par.reshard_after_forward else (
         ", no reshard after forward")
     units = f", {len(par.units)} shard units" if par.units and par.strategy != "tp" else ""
@@ -212,21 +274,29 @@ def render_parallel_head(est: Estimate) -> str:
             f"worst rank {par.worst_rank} ({ranks})")
 
 
-def render_comparisons(est: Estimate) -> list[str]:
-    """What the ZeRO paper's formula and DeepSpeed's estimators say for the same rank."""
+def comparison_rows(est: Estimate) -> tuple[list[tuple[str, ...]], str]:
+    """What the ZeRO paper's formula and DeepSpeed's estimators say for the same rank: the
+    table (header first) and the sentence on what they leave out."""
     par = est.parallel
     assert par is not None
     peak = est.peak_bytes
-    rows = [["formulas for the same rank", "size", "vs this estimate", "counts"]]
+    rows: list[tuple[str, ...]] = [("formulas for the same rank", "size", "vs this estimate",
+                                    "counts")]
     for c in par.comparisons:
         diff = f"{100.0 * (c.nbytes - peak) / peak:+.0f}%" if peak else "-"
-        rows.append([c.name, human_mem(c.nbytes), diff, c.counts])
+        rows.append((c.name, size(c.nbytes), diff, c.counts))
     missing = [cat.value for cat in (MemoryCategory.ACTIVATIONS, MemoryCategory.TEMPORARIES,
                                      MemoryCategory.COMMUNICATION, MemoryCategory.BUFFERS,
                                      MemoryCategory.INPUTS) if est.categories[cat]]
     tail = (f"The formulas leave out what this estimate counts as {', '.join(missing)} "
             "(see the table above)." if missing else "")
-    return [*table(rows, "lrrl"), *([tail] if tail else [])]
+    return rows, tail
+
+
+def render_comparisons(est: Estimate) -> list[str]:
+    """What the ZeRO paper's formula and DeepSpeed's estimators say for the same rank."""
+    rows, tail = comparison_rows(est)
+    return [*table([list(r) for r in rows], "lrrl"), *([tail] if tail else [])]
 
 
 def render_fit(fit: FitResult, description: str = "") -> str:
@@ -239,13 +309,13 @@ def render_fit(fit: FitResult, description: str = "") -> str:
         return _render_fewest(fit, head, traced)
     if fit.best == 0:
         first = traced.get(1, 0)
-        return (f"{head}nothing fits {human_mem(fit.budget_bytes)}: {fit.dimension} 1 already "
-                f"needs {human_mem(first)} ({fit.measure}). {len(fit.probes)} trace(s).\n")
+        return (f"{head}nothing fits {size(fit.budget_bytes)}: {fit.dimension} 1 already "
+                f"needs {size(first)} ({fit.measure}). {len(fit.probes)} trace(s).\n")
     above = traced.get(fit.best + 1)
     tail = (f"; {fit.best + 1} needs {_beside(above, fit.budget_bytes)}" if above is not None
             else f" (the search limit, {fit.limit})")
-    return (f"{head}largest {fit.dimension} that fits {human_mem(fit.budget_bytes)}: "
-            f"{fit.best} ({human_mem(fit.best_bytes)} {fit.measure}){tail}. "
+    return (f"{head}largest {fit.dimension} that fits {size(fit.budget_bytes)}: "
+            f"{fit.best} ({size(fit.best_bytes)} {fit.measure}){tail}. "
             f"{len(fit.probes)} exact traces.\n")
 
 
@@ -259,18 +329,18 @@ def _render_fewest(fit: FitResult, head: str, traced: dict[int, int]) -> str:
     if fit.best == 0:
         last = traced.get(fit.limit, 0)
         return (f"{head}no number of {many} up to {fit.limit} fits "
-                f"{human_mem(fit.budget_bytes)}: {count(fit.limit)} still need "
-                f"{human_mem(last)} ({fit.measure}); what every rank holds whole does not "
+                f"{size(fit.budget_bytes)}: {count(fit.limit)} still need "
+                f"{size(last)} ({fit.measure}); what every rank holds whole does not "
                 f"shrink with more {many}. {len(fit.probes)} exact traces.\n")
     below = max((n for n in traced if n < fit.best), default=None)
     tail = (f"; {count(below)} {'needs' if below == 1 else 'need'} "
             f"{_beside(traced[below], fit.budget_bytes)}" if below is not None else "")
-    return (f"{head}fewest {many} that fit {human_mem(fit.budget_bytes)}: {fit.best} "
-            f"({human_mem(fit.best_bytes)} {fit.measure}){tail}. "
+    return (f"{head}fewest {many} that fit {size(fit.budget_bytes)}: {fit.best} "
+            f"({size(fit.best_bytes)} {fit.measure}){tail}. "
             f"{len(fit.probes)} exact traces.\n")
 
 
 def _beside(n: int, budget: int) -> str:
     """``n`` for a reader comparing it with ``budget``: exact bytes where both round alike."""
-    return (f"{human_mem(n)} ({n:,} bytes > {budget:,})" if human_mem(n) == human_mem(budget)
-            else human_mem(n))
+    return (f"{size(n)} ({n:,} bytes > {budget:,})" if size(n) == size(budget)
+            else size(n))

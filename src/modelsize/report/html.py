@@ -379,28 +379,53 @@ def _parallel_section(est: Estimate) -> str:
             f"{''.join(rows)}</svg>")
 
 
-def render_estimate(est: Estimate) -> str:
-    """The page for ``modelsize estimate --html``."""
+#: Column headers of the report's sections that have none in the text report.
+_SECTION_HEADERS = {
+    "modules": ("module", "activations"),
+    "suggestions": ("change", "what it does", "peak", "vs now"),
+    "cuda": ("term", "size", "note"),
+}
+
+
+def _section(section: Any) -> str:
+    """One section of the estimate's report (:class:`modelsize.report.estimate_text.Section`)
+    as HTML: its title, its table, its sentences; the cells are the text report's."""
+    out = f"<h2>{_e(section.title.rstrip(':'))}</h2>" if section.title else ""
+    if section.rows:
+        rows = [list(r) for r in section.rows]
+        headers = rows.pop(0) if section.header else list(
+            _SECTION_HEADERS.get(section.key, ("",) * len(rows[0])))
+        out += table(headers, rows, [a == "r" for a in section.align])
+    out += "".join(f"<p>{_e(line)}</p>" for line in section.lines)
+    return out
+
+
+def render_estimate(est: Estimate, *, description: str = "", batch: int | None = None,
+                    seq: int | None = None, suggestions: Sequence[Any] = (),
+                    fit: Any = None) -> str:
+    """The page for ``modelsize estimate --html``: the text report's head and sections (the
+    same numbers, formatted by the same functions), with the category bar, the memory
+    timeline and the activations treemap drawn beside them."""
+    from modelsize.report.estimate_text import head_lines, sections
+
     s = est.setup
     parts = _estimate_parts(est)
-    what = "training step" if s.mode == "train" else "inference"
     acts = sorted(est.module_activations.items(), key=lambda kv: -kv[1])
-    body = (
-        f"<h1>{_e(s.model)}</h1><p class=\"sub\">{_e(what)} on {_e(s.device)}"
-        + (f" with {_e(s.optimizer)}" if s.mode == "train" and s.optimizer else "")
-        + f"; peak {est.peak_bytes:,} bytes ({human_bytes(est.peak_bytes)}) in "
-        f"{_e(est.phase.name)} of step {est.phase.step}</p>"
-        f"<h2>At the peak</h2>{stacked_bar(parts, est.peak_bytes)}{legend(c for c, _ in parts)}"
-        + table(("category", "bytes", "share"),
-                [(c, _bytes_cell(n), percent(n, est.peak_bytes)) for c, n in parts],
-                (False, True, True))
-        + _parallel_section(est)
-        + f"<h2>Memory over the program</h2>{timeline_chart(est)}"
-        + "<h2>Forward activations by module</h2>"
-        + (treemap([(m, n, "activations", f"{m}\n{n:,} bytes ({human_bytes(n)})")
-                    for m, n in acts[:150]], height=360) if acts else "<p>None.</p>")
-    )
-    return page(f"modelsize estimate {s.model}", body)
+    body = [f"<h1>{_e(s.model)}</h1>"]
+    body += [f"<p class=\"sub\">{_e(line)}</p>" for line in head_lines(est, description,
+                                                                          batch, seq)]
+    for section in sections(est, suggestions=suggestions, fit=fit):
+        if section.key == "categories":
+            body.append(f"<h2>At the peak</h2>{stacked_bar(parts, est.peak_bytes)}"
+                        f"{legend(c for c, _ in parts)}")
+        body.append(_section(section))
+        if section.key == "dominant":
+            body.append(_parallel_section(est))
+            body.append(f"<h2>Memory over the program</h2>{timeline_chart(est)}")
+        elif section.key == "modules":
+            body.append(treemap([(m, n, "activations", f"{m}\n{n:,} bytes ({human_bytes(n)})")
+                                 for m, n in acts[:150]], height=360))
+    return page(f"modelsize estimate {s.model}", "".join(body))
 
 
 def card_estimate(est: Estimate) -> str:
