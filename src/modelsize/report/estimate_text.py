@@ -60,7 +60,11 @@ def _title(est: Estimate, description: str) -> str:
 
 def _what(est: Estimate) -> str:
     s = est.setup
-    if s.mode == "infer":
+    if est.generation is not None:
+        from modelsize.report.generate_text import describe_program
+
+        what = describe_program(est.generation)
+    elif s.mode == "infer":
         what = "inference (one forward, no_grad)"
     else:
         impl = s.implementation if s.implementation not in (None, "default") else ""
@@ -131,6 +135,10 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
     lines = [_title(est, description), f"{_what(est)}, {_shape(est, batch, seq)}"]
     where = _PHASE_WORDS.get(est.phase.name, est.phase.name)
     step = f" of step {est.phase.step}" if s.mode == "train" else ""
+    if est.generation is not None:
+        from modelsize.report.generate_text import describe_phase
+
+        where = describe_phase(est.phase, est.generation)
     lines.append(f"peak {human_mem(peak)} ({peak:,} bytes) in {where}{step}, "
                  f"op {est.phase.start}..{est.phase.end} of {est.op_count:,}; "
                  f"traced in {est.trace_seconds:.1f} s")
@@ -144,6 +152,8 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
         n = est.categories[cat]
         if cat is MemoryCategory.COMMUNICATION and est.parallel is None and not n:
             continue  # one device: no collectives
+        if cat is MemoryCategory.KV_CACHE and est.generation is None and not n:
+            continue  # no generation: no cache
         label = cat.value
         if cat is MemoryCategory.TEMPORARIES and est.scratch_bytes:
             label += f" (kernel scratch {human_mem(est.scratch_bytes)})"
@@ -153,6 +163,10 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
     top_cat = max(MemoryCategory, key=lambda c: est.categories[c])
     lines += ["", f"Dominated by {top_cat.value} ({percent(est.categories[top_cat], peak)} "
                   "of the peak)."]
+    if est.generation is not None:
+        from modelsize.report.generate_text import render_generation
+
+        lines += render_generation(est)
     groups = module_groups(est.module_activations)
     if groups and modules:
         lines.append("Forward activations by module (alive when the forward ends):")

@@ -32,6 +32,7 @@ COLORS: dict[str, str] = {
     "duplicates": "#009E73", "graph": "#999999", "metadata": "#BBBBBB", "other": "#666666",
     # estimate categories
     "parameters": "#0072B2", "temporaries": "#882255", "inputs": "#009E73",
+    "kv_cache": "#117733",
 }
 
 _CSS = """
@@ -344,6 +345,28 @@ def _estimate_parts(est: Estimate) -> list[tuple[str, int]]:
     return [(getattr(c, "value", str(c)), n) for c, n in est.categories.items() if n]
 
 
+def _program_word(mode: str) -> str:
+    return {"train": "training step", "generate": "generation"}.get(mode, "inference")
+
+
+def _generation_section(est: Estimate) -> str:
+    """With ``--generate``: the cache by layer kind (the numbers of the text report)."""
+    gen = getattr(est, "generation", None)
+    if gen is None:
+        return ""
+    rows = [(g.kind.value, str(g.layers), _bytes_cell(g.bytes_per_token),
+             _bytes_cell(g.bytes_per_sequence), str(g.tokens),
+             "-" if g.capacity is None else str(g.capacity), _bytes_cell(g.nbytes))
+            for g in gen.groups]
+    return (f"<h2>Cache: {_e(gen.cache_class)}, {gen.rows} rows</h2><p>"
+            f"{_e(human_bytes(gen.prefill_cache_bytes))} after the prefill, "
+            f"{_e(human_bytes(gen.final_cache_bytes))} at the end; one more token adds "
+            f"{gen.bytes_per_token:,} bytes per row.</p>"
+            + table(("layer kind", "layers", "bytes per token", "bytes per sequence",
+                     "tokens held", "capacity", "bytes at the end"), rows,
+                    (False, True, True, True, True, True, True)))
+
+
 def _parallel_section(est: Estimate) -> str:
     """With ``--gpus``: the ranks traced (worst first) and the formulas beside, on one scale."""
     par = getattr(est, "parallel", None)
@@ -383,7 +406,7 @@ def render_estimate(est: Estimate) -> str:
     """The page for ``modelsize estimate --html``."""
     s = est.setup
     parts = _estimate_parts(est)
-    what = "training step" if s.mode == "train" else "inference"
+    what = _program_word(s.mode)
     acts = sorted(est.module_activations.items(), key=lambda kv: -kv[1])
     body = (
         f"<h1>{_e(s.model)}</h1><p class=\"sub\">{_e(what)} on {_e(s.device)}"
@@ -395,6 +418,7 @@ def render_estimate(est: Estimate) -> str:
                 [(c, _bytes_cell(n), percent(n, est.peak_bytes)) for c, n in parts],
                 (False, True, True))
         + _parallel_section(est)
+        + _generation_section(est)
         + f"<h2>Memory over the program</h2>{timeline_chart(est)}"
         + "<h2>Forward activations by module</h2>"
         + (treemap([(m, n, "activations", f"{m}\n{n:,} bytes ({human_bytes(n)})")
@@ -408,7 +432,7 @@ def card_estimate(est: Estimate) -> str:
     parts = _estimate_parts(est)
     s = est.setup
     return _card(f"<b>{_e(s.model)}</b> "
-            f"{'training step' if s.mode == 'train' else 'inference'} on {_e(s.device)}: peak "
+            f"{_program_word(s.mode)} on {_e(s.device)}: peak "
             f"<b>{_e(human_bytes(est.peak_bytes))}</b> in {_e(est.phase.name)}"
             f"{stacked_bar(parts, est.peak_bytes, height=18)}{legend(c for c, _ in parts)}")
 
