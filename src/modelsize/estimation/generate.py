@@ -359,12 +359,11 @@ class _CacheWatch:
         self.cache_class = ""
         self.groups: tuple[CacheGroup, ...] = ()
         self._cache: weakref.ref[Any] | None = None
-        config = getattr(model, "config", None)
+        config: Any = getattr(model, "config", None)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
             else config
-        self.latent_dims = int(getattr(text, "kv_lora_rank", 0) or 0) + int(
-            getattr(text, "qk_rope_head_dim", 0) or 0) if getattr(text, "kv_lora_rank", 0) \
-            else 0
+        rank = int(getattr(text, "kv_lora_rank", 0) or 0)
+        self.latent_dims = rank + int(getattr(text, "qk_rope_head_dim", 0) or 0) if rank else 0
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -386,7 +385,7 @@ class _CacheWatch:
                 finally:
                     self.prefilling = False
 
-            self.model._prefill = prefill  # type: ignore[method-assign]
+            vars(self.model)["_prefill"] = prefill  # an instance attribute, deleted below
         try:
             yield
         finally:
@@ -511,9 +510,9 @@ class _CacheWatch:
                 groups[kind]["nbytes"] += sum(n for n, _ in info["other"].values())
         out = []
         for kind in CacheKind:
-            g = groups.get(kind)
-            if g is None:
+            if kind not in groups:
                 continue
+            g = groups[kind]
             latent = None
             if kind is CacheKind.LATENT and self.latent_dims:
                 size = next(t.element_size() for *_, t in self._storages(cache)
@@ -579,13 +578,14 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def _call(model: nn.Module, kwargs: dict[str, Any], program: GenerateProgram) -> Any:
-    if not callable(getattr(model, "generate", None)):
+    generate: Any = getattr(model, "generate", None)
+    if not callable(generate):
         raise UsageError(f"{type(model).__name__} has no generate(): mode='generate' needs a "
                          "transformers model with a generation head")
     ctx = (torch.autocast("cpu", dtype=program.amp) if program.amp is not None
            else contextlib.nullcontext())
     with torch.no_grad(), ctx:
-        return model.generate(**kwargs, **program.kwargs())
+        return generate(**kwargs, **program.kwargs())
 
 
 def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,

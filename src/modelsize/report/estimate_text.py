@@ -154,6 +154,9 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
             continue  # one device: no collectives
         if cat is MemoryCategory.KV_CACHE and est.generation is None and not n:
             continue  # no generation: no cache
+        if est.generation is not None and not n and cat in (MemoryCategory.GRADIENTS,
+                                                             MemoryCategory.OPTIMIZER_STATE):
+            continue  # generation: no training state
         label = cat.value
         if cat is MemoryCategory.TEMPORARIES and est.scratch_bytes:
             label += f" (kernel scratch {human_mem(est.scratch_bytes)})"
