@@ -1,0 +1,78 @@
+"""The CUDA attention model of generation estimates (:mod:`modelsize.estimation.sdpa_cuda`).
+
+No GPU here: the backend choice is checked against PyTorch's rules written out case by case
+(``sdp_utils.cpp``), the split-KV heuristic against values worked by hand, and whole
+estimates against the sizes of the tensors each kernel allocates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from modelsize.estimation import MemoryCategory, estimate
+from modelsize.estimation.sdpa_cuda import Backend, choose, num_splits
+from tests.estimation import generators as gen
+
+BF16 = torch.bfloat16
+
+
+def _qkv(dim: int = 64, dtype: torch.dtype = BF16, q_len: int = 16, kv_len: int = 16,
+         heads: int = 8, kv_heads: int = 8) -> tuple[torch.Tensor, ...]:
+    meta = torch.device("meta")
+    return (torch.empty(2, heads, q_len, dim, dtype=dtype, device=meta),
+            torch.empty(2, kv_heads, kv_len, dim, dtype=dtype, device=meta),
+            torch.empty(2, kv_heads, kv_len, dim, dtype=dtype, device=meta))
+
+
+@pytest.mark.parametrize(("case", "kwargs", "backend"), [
+    ("bf16, no mask", {}, Backend.FLASH),
+    ("head dim 80: flash pads it to 88", {"dim": 80}, Backend.FLASH),
+    ("grouped KV heads with enable_gqa", {"kv_heads": 2, "gqa": True}, Backend.FLASH),
+    ("grouped KV heads without enable_gqa", {"kv_heads": 2}, Backend.MATH),
+    ("a mask", {"mask": True}, Backend.EFFICIENT),
+    ("float32", {"dtype": torch.float32}, Backend.EFFICIENT),
+    ("causal, 16 queries over 32 keys", {"causal": True, "kv_len": 32}, Backend.EFFICIENT),
+    ("head dim 260: over flash's 256, no multiple of 8", {"dim": 260}, Backend.MATH),
+    ("a mask and head dim 100 (not a multiple of 8)", {"dim": 100, "mask": True},
+     Backend.MATH),
+])
+def test_backend_choice(case: str, kwargs: dict[str, Any], backend: Backend) -> None:
+    mask = kwargs.pop("mask", False)
+    causal = kwargs.pop("causal", False)
+    gqa = kwargs.pop("gqa", False)
+    q, k, v = _qkv(**kwargs)
+    attn_mask = torch.ones(2, 1, q.shape[2], k.shape[2], dtype=torch.bool,
+                           device="meta") if mask else None
+    assert choose(q, k, v, attn_mask, 0.0, causal, gqa) is backend, case
+
+
+def test_split_kv_heuristic() -> None:
+    # 8 (batch x heads x query blocks) on 264 slots, 8 KV blocks: efficiencies 8s/264 for the
+    # eligible splits 1, 2, 3, 4, 8 (5-7 give the same blocks per split as 4): 8 is the best
+    assert num_splits(8, 8) == 8
+    assert num_splits(256, 64) == 1  # 256 >= 0.8 x 264: the SMs are already full
+    assert num_splits(8, 1) == 1  # one KV block: nothing to split
+
+
+def _bf16_llama() -> tuple[Any, dict[str, torch.Tensor]]:
+    model, _ = gen.llama()
+    return model.to(BF16), gen.tokens(batch=1, prompt=256)
+
+
+def test_flash_keeps_no_score_matrix_and_the_mask_costs_the_efficient_kernel() -> None:
+    model, inputs = _bf16_llama()
+    scores = 1 * 4 * 256 * 256 * 4  # batch x heads x queries x keys, float32
+    cpu = estimate(model, inputs, mode="generate", new_tokens=2, device="cpu")
+    cuda = estimate(model, inputs, mode="generate", new_tokens=2, device="cuda")
+    assert cuda.generation is not None
+    assert cuda.categories[MemoryCategory.TEMPORARIES] < scores
+    padded = dict(inputs)
+    padded["attention_mask"] = inputs["attention_mask"].clone()
+    padded["attention_mask"][0, :8] = 0
+    masked = estimate(model, padded, mode="generate", new_tokens=2, device="cuda")
+    # the boolean mask of 256 x 256 becomes an additive bf16 one before the kernel runs
+    assert masked.peak_bytes - cuda.peak_bytes >= 256 * 256 * 2
+    assert cpu.setup.device == "cpu" and cpu.generation is not None
