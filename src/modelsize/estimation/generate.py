@@ -562,6 +562,37 @@ def _attributes_kept(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _as_a_real_run(mode: CountingFakeMode) -> Iterator[None]:
+    """transformers' ``is_tracing(tensor)`` false for this trace's fake tensors.
+
+    transformers takes a fake tensor for a compile or export trace and then keeps tensors a
+    real run drops: it materialises the causal mask SDPA would skip (``_ignore_causal_mask_sdpa``),
+    keeps an all-ones attention mask. The trace is of the real run, whose values it computes
+    where the inputs give them.
+    """
+    try:
+        from transformers.utils import import_utils
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = getattr(import_utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x: Any) -> bool:
+        if isinstance(x, FakeTensor) and x.fake_mode is mode:
+            return False
+        return bool(original(x))
+
+    import_utils.is_fake_tensor = is_fake_tensor
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor = original
+
+
+@contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """transformers' log at error level for the block (generate's notices are not ours)."""
     try:
@@ -624,6 +655,7 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
     with contextlib.ExitStack() as stack:
         stack.enter_context(_attributes_kept(model))
         stack.enter_context(_quiet_transformers())
+        stack.enter_context(_as_a_real_run(mode))
         stack.enter_context(training_flags(model, False))
         stack.enter_context(_swapped_state(model, state))
         stack.enter_context(_module_names(mode, model))
