@@ -111,7 +111,7 @@ def hf_mem_kv(cfg: Any, context: int, batch: int, dtype_bytes: int) -> int | Non
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     layers = cfg.num_hidden_layers
     raw = cfg.to_dict()
-    if "sliding_window_pattern" in raw and raw["sliding_window_pattern"]:
+    if raw.get("sliding_window_pattern"):
         layers = cfg.num_hidden_layers // raw["sliding_window_pattern"]
     elif raw.get("layer_types"):
         layers = sum(1 for t in raw["layer_types"]

@@ -76,3 +76,25 @@ def test_flash_keeps_no_score_matrix_and_the_mask_costs_the_efficient_kernel() -
     # the boolean mask of 256 x 256 becomes an additive bf16 one before the kernel runs
     assert masked.peak_bytes - cuda.peak_bytes >= 256 * 256 * 2
     assert cpu.setup.device == "cpu" and cpu.generation is not None
+
+
+def test_offloaded_cache_keeps_one_layer_on_the_gpu() -> None:
+    import transformers as tf
+
+    layers, batch, prompt, new = 6, 2, 40, 3
+    config = tf.LlamaConfig(**{**gen.BASE, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config).to(BF16)
+    inputs = gen.tokens(batch=batch, prompt=prompt)
+    est = estimate(model, inputs, mode="generate", new_tokens=new, device="cuda",
+                   generation={"cache_implementation": "offloaded"})
+    info = est.generation
+    assert info is not None
+    # one layer's keys and values (2 KV heads x head dim 16, bf16) for the tokens held
+    layer = batch * 2 * 2 * 16 * 2 * (prompt + new - 1)
+    assert info.final_cache_bytes == layer  # layer 0, prefetched for the next step
+    assert info.host_cache_bytes == (layers - 1) * layer
+    assert est.categories[MemoryCategory.KV_CACHE] <= 2 * batch * 2 * 2 * 16 * 2 * prompt
+    dynamic = estimate(model, inputs, mode="generate", new_tokens=new, device="cuda")
+    assert dynamic.generation is not None and dynamic.generation.host_cache_bytes == 0
+    assert est.peak_bytes < dynamic.peak_bytes

@@ -356,6 +356,8 @@ class _CacheWatch:
         self.decode_steps = 0
         self.prefill_bytes = 0
         self.final_bytes = 0
+        self.host_bytes = 0
+        self.host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # an offloaded cache's host copies
         self.cache_class = ""
         self.groups: tuple[CacheGroup, ...] = ()
         self._cache: weakref.ref[Any] | None = None
@@ -402,6 +404,9 @@ class _CacheWatch:
         cache = _cache_of(kwargs)
         if cache is not None:
             self._mark(cache)
+            for part, _ in _subcaches(cache):
+                if getattr(part, "offloading", False):
+                    part.prefetch_stream = _NullStream()
         if self.prefilling or (not self.prefill_chunks and not self.decode_steps):
             self.prefill_chunks += 1
             self.label = f"prefill {self.prefill_chunks}"
@@ -418,6 +423,7 @@ class _CacheWatch:
         self._mark(cache)
         self.cache_class = type(cache).__name__
         nbytes = self._bytes(cache)
+        self.host_bytes = self._bytes(cache, host=True)
         if not self.decode_steps:
             self.prefill_bytes = nbytes
         self.final_bytes = nbytes
@@ -454,10 +460,11 @@ class _CacheWatch:
             if rec is not None:
                 self.records.add(id(rec))
 
-    def _bytes(self, cache: Any) -> int:
+    def _bytes(self, cache: Any, host: bool = False) -> int:
+        """Bytes of the cache's device storages (or of those in host memory)."""
         seen: dict[int, int] = {}
         for *_, t in self._storages(cache):
-            if isinstance(t, FakeTensor):
+            if isinstance(t, FakeTensor) and (t in self.host) == host:
                 st = t.untyped_storage()
                 seen[st._cdata] = st.nbytes()
         return sum(seen.values())
@@ -541,6 +548,89 @@ class _CacheWatch:
         if kind is CacheKind.SLIDING_WINDOW and isinstance(window, int):
             return window
         return None
+
+
+# -- an offloaded cache on a GPU ---------------------------------------------------------------
+
+#: Layer attributes an offloaded cache moves between the GPU and the host (transformers'
+#: ``offload``/``prefetch`` of each layer class).
+_MOVED = ("keys", "values", "indexer_keys", "conv_states", "recurrent_states")
+
+
+class _NullStream:
+    """A CUDA stream stand-in: waits and the stream context are no-ops on fake tensors."""
+
+    def wait_stream(self, other: Any) -> None:
+        """Nothing to wait for."""
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Offload:
+    """transformers' offloaded caches (``offloading=True``) as on a GPU, on fake CPU tensors.
+
+    ``offload()`` copies a layer's tensors to the host: the copies are not device memory (not
+    counted), and the device tensors are freed when the layer drops them; ``prefetch()``
+    copies them back, counted as new device memory. The CUDA stream calls become no-ops.
+    """
+
+    def __init__(self, mode: CountingFakeMode) -> None:
+        self.mode = mode
+        self.host: WeakIdKeyDictionary = WeakIdKeyDictionary()  # the copies in host memory
+
+    def _copy(self, t: torch.Tensor, host: bool) -> torch.Tensor:
+        counting = self.mode.counting
+        self.mode.counting = not host and counting
+        try:
+            out = t.clone()
+        finally:
+            self.mode.counting = counting
+        if host:
+            self.host[out] = True
+        return out
+
+    def _move(self, layer: Any, host: bool) -> None:
+        for name in _MOVED:
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor):
+                if (value in self.host) != host and value.numel():
+                    setattr(layer, name, self._copy(value, host))
+            elif isinstance(value, list):
+                for i, t in enumerate(value):
+                    if isinstance(t, torch.Tensor) and t.numel() and (t in self.host) != host:
+                        value[i] = self._copy(t, host)
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """Every cache layer class's ``offload``/``prefetch``, and ``torch.cuda.default_stream``."""
+        from transformers import cache_utils
+
+        saved: list[tuple[Any, str, Any]] = []
+        for cls in vars(cache_utils).values():
+            if not isinstance(cls, type) or cls.__module__ != cache_utils.__name__:
+                continue
+            if issubclass(cls, cache_utils.Cache):
+                continue
+            for name, host in (("offload", True), ("prefetch", False)):
+                if name in vars(cls):
+                    saved.append((cls, name, vars(cls)[name]))
+
+                    def method(layer: Any, __host: bool = host) -> None:
+                        self._move(layer, __host)
+
+                    setattr(cls, name, method)
+        saved.append((torch.cuda, "default_stream", torch.cuda.default_stream))
+        null: Any = _NullStream()
+        torch.cuda.default_stream = lambda device=None: null  # CPU builds have no CUDA stream
+        try:
+            yield
+        finally:
+            for owner, name, original in reversed(saved):
+                setattr(owner, name, original)
 
 
 # -- running it --------------------------------------------------------------------------------
@@ -666,6 +756,9 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
             from modelsize.estimation.sdpa_cuda import GenerationKernels
 
             stack.enter_context(GenerationKernels())
+            offload = _Offload(mode)
+            watch.host = offload.host
+            stack.enter_context(offload.patched())
         mode.origin = Origin.FORWARD
         mode.counting = True
         mode.begin_phase("setup", 0)
@@ -793,7 +886,7 @@ def _info(traced: GenerateTrace, program: GenerateProgram,
         rows=batch * program.beams, prefill_chunks=watch.prefill_chunks,
         cache_class=watch.cache_class, options=options,
         prefill_cache_bytes=watch.prefill_bytes, final_cache_bytes=watch.final_bytes,
-        groups=watch.groups, token_values=token_values,
+        host_cache_bytes=watch.host_bytes, groups=watch.groups, token_values=token_values,
         routing=traced.values.routing_note())
 
 

@@ -327,12 +327,15 @@ class GenerationInfo:
     prefill_cache_bytes: int
     """Bytes the cache holds when the prompt is done (before the first decode step)."""
     final_cache_bytes: int
-    """Bytes the cache holds after the last forward."""
+    """Bytes the cache holds on the device after the last forward."""
     groups: tuple[CacheGroup, ...]
     token_values: str
     """How the ids the trace cannot know (each step's argmax) were chosen."""
     routing: str = ""
     """Where a value the weights decide (MoE routing) was bounded, and which bound."""
+    host_cache_bytes: int = 0
+    """An offloaded cache on CUDA: bytes of its layers in host memory after the last forward
+    (not in the device estimate)."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -348,6 +351,7 @@ class GenerationInfo:
                 "options": dict(self.options),
                 "prefill_cache_bytes": self.prefill_cache_bytes,
                 "final_cache_bytes": self.final_cache_bytes,
+                "host_cache_bytes": self.host_cache_bytes,
                 "bytes_per_token": self.bytes_per_token,
                 "groups": [g.to_dict() for g in self.groups],
                 "token_values": self.token_values, "routing": self.routing}

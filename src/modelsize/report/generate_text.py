@@ -68,8 +68,10 @@ def render_generation(est: Estimate) -> list[str]:
     lines = ["", f"Cache ({printable(gen.cache_class) or 'none'}, {gen.rows} rows = batch "
                  f"{gen.batch} x {gen.beams} beam(s)): {human_mem(gen.prefill_cache_bytes)} "
                  f"after the prefill, {human_mem(gen.final_cache_bytes)} at the end "
-                 f"({gen.final_cache_bytes:,} bytes); per row, one more token adds "
-                 f"{gen.bytes_per_token:,} bytes."]
+                 f"({gen.final_cache_bytes:,} bytes)"
+                 + (f", and {human_mem(gen.host_cache_bytes)} offloaded to host memory"
+                    if gen.host_cache_bytes else "")
+                 + f"; per row, one more token adds {gen.bytes_per_token:,} bytes."]
     if len(rows) > 1:
         lines += table(rows, "lrrrrrr")
     lines.append(f"tokens: {printable(gen.token_values, 400)}")
