@@ -258,3 +258,19 @@ def test_a_model_without_generate_is_refused() -> None:
     with pytest.raises(UsageError, match="no generate"):
         estimate(torch.nn.Linear(4, 4), {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
                  mode="generate", new_tokens=2)
+
+
+def test_prompts_larger_than_the_value_limit_keep_their_values() -> None:
+    # 32 x 70,000 ids are 17.9 MB of int64, over the 16 MiB a twin may take by default:
+    # generate() still reads the mask (right padding check) and the ids (stopping criteria)
+    import transformers as tf
+
+    config = tf.LlamaConfig(**{**gen.BASE, "num_hidden_layers": 1,
+                               "max_position_embeddings": 100_000})
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    ids = torch.full((32, 70_000), 3, dtype=torch.long)
+    est = estimate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                   mode="generate", new_tokens=2)
+    assert est.generation is not None and est.generation.prompt_tokens == 70_000
+    assert est.categories[MemoryCategory.KV_CACHE] >= 32 * 70_000 * _kv(1, 2, 16)

@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from modelsize.errors import EstimateError, ModelSizeError, UsageError
+from modelsize.errors import EstimateError, MissingDependencyError, ModelSizeError, UsageError
 from modelsize.estimation.result import (
     CacheGroup,
     CacheKind,
@@ -736,6 +736,11 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
         state[name] = fakes[id(b)]
     token = filler_token(model)
     values = _GenerationValues(mode, token)
+    # generate() reads values of the ids and the mask (and of what it makes from them) at
+    # every step: they keep their twins however long the prompt
+    largest = max((v.nbytes for v in real_inputs.values() if isinstance(v, torch.Tensor)),
+                  default=0)
+    values.value_limit = max(values.value_limit, 4 * largest)
     _, kwargs = _fake_inputs(real_inputs, copier, fakes, mode, values)
     del fakes
     watch = _CacheWatch(mode, model)
@@ -837,6 +842,12 @@ def estimate_generate(model: nn.Module, inputs: Any, program: GenerateProgram, *
         where = user_code(traceback.extract_tb(exc.__traceback__))
         raise EstimateError(f"tracing {name} failed: the model needs tensor values "
                             f"({exc.func}) at {where}, which the trace does not have") from exc
+    except ImportError as exc:  # a cache backend generate() imports (optimum-quanto, hqq)
+        package = getattr(exc, "name", None) or "a package"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if "optimum-quanto" in first:
+            package = "optimum-quanto"
+        raise MissingDependencyError(package, f"generate() with {program.options}") from exc
     except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError,
             AssertionError, IndexError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
