@@ -139,11 +139,13 @@ def sdpa_choices(config: Any, batch: int, context: int, dtype: torch.dtype) -> d
     kv = config.num_key_value_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     try:
-        names = {int(b): b.name for b in torch.nn.attention.SDPBackend}
+        backends = torch.nn.attention.SDPBackend.__members__.items()
+        names = {int(b.value): name.lower() for name, b in backends}
         for phase, q_len, causal in (("prefill", context, True), ("decode", 1, False)):
             q = torch.empty(batch, heads, q_len, dim, dtype=dtype, device="cuda")
             k = torch.empty(batch, kv, context, dim, dtype=dtype, device="cuda")
-            choice = torch._fused_sdp_choice(q, k, k, None, 0.0, causal, None, True)
+            choice = torch._fused_sdp_choice(q, k, k, None, 0.0, causal, scale=None,
+                                             enable_gqa=True)
             out[phase] = names.get(int(choice), str(choice))
             del q, k
     except Exception as exc:  # the probe is informative only

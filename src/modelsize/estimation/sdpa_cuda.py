@@ -18,8 +18,10 @@ flash, memory-efficient, math; an sm80+ GPU such as the H100):
   ``num_splits`` from its ``num_splits_heuristic`` on 132 SMs (an H100 SXM);
 * **memory-efficient** (``_scaled_dot_product_efficient_attention``) with a mask, or in float32,
   when the head dims are multiples of 8 (4 in float32): the front door first turns a boolean
-  mask into an additive one of the query's dtype (``zeros_like`` + ``logical_not``), then pads
-  its last dim to a multiple of 16 (``preprocess_mask``); the kernel allocates the output, an
+  mask into an additive one of the query's dtype (``convert_boolean_attn_mask``: one
+  ``where(mask, 0, -inf)``, as PyTorch 2.6+ writes it; older versions also held a boolean
+  ``logical_not`` of the mask meanwhile), then pads its last dim to a multiple of 16
+  (``preprocess_mask``); the kernel allocates the output, an
   empty log-sum-exp under ``no_grad``, and a float32 output accumulator when the value dim
   exceeds 128 (no single-iteration kernel);
 * **math** otherwise: ``_scaled_dot_product_attention_math``, which keeps float16/bfloat16
@@ -137,11 +139,15 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out[..., :d].transpose(1, 2)
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``convert_boolean_attn_mask``: ``where(mask, 0, -inf)`` in the query's dtype."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.empty_like(mask, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def _mask_for_efficient(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if mask.dtype == torch.bool:  # convert_boolean_attn_mask
-        additive = torch.zeros_like(mask, dtype=dtype)
-        additive.masked_fill_(mask.logical_not(), float("-inf"))
-        mask = additive
+    mask = _additive(mask, dtype)
     last = mask.shape[-1]
     if last % 16:  # preprocess_mask: pad_bias to the kernel's 16-element alignment
         mask = F.pad(mask, (0, 16 - last % 16))[..., :last]
@@ -164,10 +170,8 @@ def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
           scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        additive = torch.zeros_like(attn_mask, dtype=query.dtype)
-        additive.masked_fill_(attn_mask.logical_not(), float("-inf"))
-        attn_mask = additive
+    if attn_mask is not None:
+        attn_mask = _additive(attn_mask, query.dtype)
     out = _ATEN._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
         enable_gqa=enable_gqa)
