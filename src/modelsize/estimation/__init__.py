@@ -5,7 +5,9 @@ the estimate of a 70B model costs what the trace of a small one costs. A counter
 bytes of every live storage; the peak, and what is live at the peak, is the answer.
 
 Modules: ``tracker`` (the counting fake-tensor mode), ``trace`` (the program: forward, loss,
-backward, optimizer step), ``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
+backward, optimizer step), ``generate`` (the program ``model.generate()``, its cache found by
+owner; ``generate_fit`` its ``--fit``, ``sdpa_cuda`` its attention on a GPU),
+``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
 rounding and workspaces), ``result`` (the :class:`Estimate`), ``zoo`` (built-in models),
 ``fit`` (largest batch under a budget), ``targets`` (what the CLI traces: built-in
 models, ``config.json`` files, factories), ``verify`` (the same program run for real on CPU

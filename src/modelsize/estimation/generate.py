@@ -64,6 +64,7 @@ from modelsize.estimation.result import (
     GenerationInfo,
     MemoryCategory,
     Source,
+    Verification,
 )
 from modelsize.estimation.trace import (
     Program,
@@ -902,12 +903,18 @@ def _info(traced: GenerateTrace, program: GenerateProgram,
 
 
 def verification(model: nn.Module, inputs: Mapping[str, Any], program: GenerateProgram,
-                 est: Estimate, *, budget: int | None = None, start: Any = None) -> Any:
+                 est: Estimate, *, budget: int | None = None,
+                 start: Any = None) -> Verification:
     """``generate()`` run for real on CPU beside its CPU estimate (a smaller batch when the
     full one does not fit ``budget``)."""
-    from modelsize.estimation.verify import resize_batch
+    from modelsize.estimation.verify import default_budget, resize_batch
     from modelsize.estimation.verify import verify as run_verify
 
+    if program.options.get("cache_implementation") in ("offloaded", "offloaded_static"):
+        return Verification(None, est.peak_bytes, None, None,
+                            default_budget() if budget is None else budget, 0.0,
+                            "the offloaded cache needs a GPU (CUDA streams): it cannot run "
+                            "on CPU")
     cpu = replace(program, device="cpu")
 
     def estimate_at(inp: Any) -> int:
