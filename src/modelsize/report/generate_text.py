@@ -65,8 +65,8 @@ def render_generation(est: Estimate) -> list[str]:
                      human_mem(g.bytes_per_sequence) if g.bytes_per_sequence else "-",
                      str(g.tokens) if g.bytes_per_token else "-",
                      str(g.capacity) if g.capacity is not None else "-", human_mem(g.nbytes)])
-    rows = f"{gen.rows} row{'s' if gen.rows != 1 else ''}"
-    lines = ["", f"Cache ({printable(gen.cache_class) or 'none'}, {rows} = batch "
+    row_count = f"{gen.rows} row{'s' if gen.rows != 1 else ''}"
+    lines = ["", f"Cache ({printable(gen.cache_class) or 'none'}, {row_count} = batch "
                  f"{gen.batch} x {gen.beams} beam(s)): {human_mem(gen.prefill_cache_bytes)} "
                  f"after the prefill, {human_mem(gen.final_cache_bytes)} at the end "
                  f"({gen.final_cache_bytes:,} bytes)"
