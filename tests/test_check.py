@@ -112,3 +112,27 @@ def test_pre_commit_hook_runs_check() -> None:
     hooks = (Path(__file__).parent.parent / ".pre-commit-hooks.yaml").read_text()
     assert "id: modelsize-check" in hooks
     assert "entry: modelsize check" in hooks
+
+
+def test_the_library_takes_sizes_as_the_cli_does(clean: Path) -> None:
+    """``check(path, max_size="10MB")`` raised a raw TypeError (issue 18 #20)."""
+    import modelsize
+
+    size = clean.stat().st_size  # 263 KiB: over 200kB and 200KiB, under 1MB
+    assert modelsize.check(clean, max_size="1MB").ok
+    assert modelsize.check(clean, max_size="1 MiB").ok
+    assert modelsize.check(clean, max_size=size).ok
+    (v,) = modelsize.check(clean, max_size="200kB").violations
+    assert v.bytes == size - 200_000
+    (v,) = modelsize.check(clean, max_size="200KiB").violations
+    assert v.bytes == size - 200 * 1024
+    assert modelsize.check(clean, forbid="wide_dtype,duplicates").ok
+
+
+@pytest.mark.parametrize("bad", ["huge", "-5MB", "1e999", "nan", -1, 1.5, True, [1]])
+def test_bad_max_size_in_the_library_is_one_usage_error(clean: Path, bad: Any) -> None:
+    from modelsize.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^max_size: ") as exc:
+        check(clean, max_size=bad)
+    assert "\n" not in str(exc.value)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import assert_one_line_error, run_cli
 
 
@@ -48,3 +50,20 @@ def test_version_and_help() -> None:
     assert run_cli("--version").returncode == 0
     proc = run_cli("--help")
     assert proc.returncode == 0 and "inspect" in proc.stdout
+
+
+def test_negative_top_is_refused(tmp_path: Path) -> None:
+    """``inspect --top -1`` printed "(-1 of 32)" (issue 18, smaller ones)."""
+    np = pytest.importorskip("numpy")
+    p = tmp_path / "a.npy"
+    np.save(p, np.zeros(4, dtype=np.float32))
+    for bad, why in (("-1", "must be 0 or more, got -1"), ("x", "expected a whole number")):
+        proc = run_cli("inspect", str(p), "--top", bad)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.splitlines() == [
+            f"modelsize inspect: argument --top: {why}" + (f", got {bad!r}" if bad == "x" else "")
+            + " (see modelsize inspect --help)"]
+        assert proc.stdout == ""
+    proc = run_cli("inspect", str(p), "--top", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "-1 of" not in proc.stdout

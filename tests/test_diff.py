@@ -154,3 +154,28 @@ def test_cli_bad_input(tmp_path: Path) -> None:
                           "b.pt")
     assert_one_line_error(run_cli("diff", str(tmp_path / "a.pt"), str(tmp_path / "nope.pt")),
                           "nope.pt")
+
+
+def test_slimmed_checkpoint_pairs_every_kept_tensor_with_its_source(tmp_path: Path) -> None:
+    """Issue 18 item 16: ``{"model", "optimizer", "epoch", "grads"}`` slimmed to the model's
+    state dict: ``model.fc.weight`` -> ``fc.weight`` is one tensor kept, not one removed and
+    one added, although ``grads.fc.weight`` has the same key."""
+    import modelsize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    src, out = tmp_path / "train.pt", tmp_path / "train.slim.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+                "grads": {n: p.grad for n, p in model.named_parameters()}}, src)
+    report = modelsize.slim(src, out)
+    assert {k.name for k in report.kept} == set(model.state_dict())
+
+    d = diff(src, out)
+    assert d.added == ()
+    assert d.unchanged == len(model.state_dict()) and not d.changed
+    assert d.renamed == len(model.state_dict())
+    assert {t.name for t in d.removed} == {x.name for x in report.dropped}
+    assert all(t.category != Category.WEIGHTS for t in d.removed)

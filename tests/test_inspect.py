@@ -112,3 +112,79 @@ def test_bare_optimizer_state_dict_is_optimizer_state(
     optim = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     assert by[Category.OPTIMIZER_STATE] == optim
     assert by[Category.WEIGHTS] == 0
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_one_float64_tensor_is_one_tensor(tmp_path: Path) -> None:
+    """Issue 18: "1 tensors are float64"."""
+    path = tmp_path / "mixed.pt"
+    torch.save({"a": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(4),
+                "c": torch.zeros(3)}, path)
+    wide = [f for f in inspect(path).findings if f.kind == FindingKind.WIDE_DTYPE]
+    assert wide[0].message.startswith("1 tensor is float64")
+    torch.save({"a": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.float64),
+                "c": torch.zeros(3)}, path)
+    wide = [f for f in inspect(path).findings if f.kind == FindingKind.WIDE_DTYPE]
+    assert wide[0].message.startswith("2 tensors are float64")
+
+
+class _WithGraph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("path, words", [
+    ("onnx/mlp.onnx", "computation graph"),
+    ("keras/model.keras", "config.json"),
+    ("keras/legacy.h5", "model_config"),
+    ("module", "pickled module objects"),
+])
+def test_graph_bytes_are_described_in_the_formats_terms(tmp_path: Path, path: str,
+                                                        words: str) -> None:
+    """Issue 18: an ONNX or Keras model's structure was "pickled module objects"."""
+    if path == "module":
+        file = tmp_path / "module.pt"
+        torch.save(_WithGraph(), file)
+    else:
+        file = FIXTURES / path
+    report = inspect(file)
+    assert report.inventory.bytes_by_category[Category.GRAPH] * 100 >= report.file_bytes
+    sentence = next(s for s in report.summary.split(". ") if "model structure" in s)
+    assert words in sentence
+    assert ("pickled" in sentence) == (path == "module")
+
+
+@pytest.mark.parametrize("path, described", [
+    ("keras/model.keras", "Adam optimizer state (momentum, velocity)"),  # Keras 3 optimizer/vars/N
+    ("keras/legacy.h5", "Adam optimizer state (m, v)"),  # tf.keras optimizer_weights/Adam/m/...
+])
+def test_keras_optimizer_slots_are_named(path: str, described: str) -> None:
+    """Issue 18: Keras 3 stores optimizer variables as ``optimizer/vars/N``: described as
+    "(vars)". Their names come from the optimizer's class in ``config.json`` (the fixture's
+    generator compiled with ``optimizer="adam"``)."""
+    from modelsize.findings import optimizer_description
+
+    report = inspect(FIXTURES / path)
+    assert optimizer_description(report.inventory) == described
+    finding = next(f for f in report.findings if f.kind == FindingKind.OPTIMIZER_STATE)
+    assert described in finding.message and "vars" not in finding.message
+
+
+def test_keras_optimizer_slots_follow_the_config() -> None:
+    """The slots each Keras 3 optimizer makes, as keras/src/optimizers names them."""
+    from modelsize.formats._keras_optimizer import optimizer_facts
+
+    def facts(cls: str, **config: object) -> dict[str, str]:
+        return optimizer_facts({"compile_config": {"optimizer": {"class_name": cls,
+                                                                 "config": config}}})
+
+    assert facts("Adam", amsgrad=True)["optimizer_slots"] == "momentum, velocity, velocity_hat"
+    assert facts("RMSprop", momentum=0.9, centered=True)["optimizer_slots"] == (
+        "velocity, momentum, average_gradient")
+    assert facts("SGD", momentum=0.0) == {"optimizer": "SGD"}
+    assert facts("MyOptimizer") == {"optimizer": "MyOptimizer"}
+    assert optimizer_facts({"config": {}}) == {}
+    assert optimizer_facts([1, 2]) == {}

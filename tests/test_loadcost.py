@@ -103,6 +103,55 @@ def test_formats_without_ways_say_so() -> None:
     assert cost.ways == () and cost.notes
 
 
+def test_the_unsafe_loader_is_never_recommended(tmp_path: Path) -> None:
+    """The summary named torch.load(weights_only=False) "fastest" (issue 18, smaller ones)."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(16, 16)}, path)
+    cost = measure_load_cost(read(path), ways=["torch.load(weights_only=True)",
+                                                "torch.load(weights_only=False)"])
+    flags = {w.way: (w.status, w.unsafe) for w in cost.ways}
+    assert flags == {"torch.load(weights_only=True)": (WayStatus.MEASURED, False),
+                     "torch.load(weights_only=False)": (WayStatus.MEASURED, True)}
+    assert cost.cheapest is not None and cost.cheapest.way == "torch.load(weights_only=True)"
+    assert cost.fastest is not None and cost.fastest.way == "torch.load(weights_only=True)"
+    out = cost.to_dict()
+    assert "weights_only=False" not in f"{out['cheapest']} {out['fastest']}"
+    assert [w["unsafe"] for w in out["ways"]] == [False, True]
+    # Rendered, even when the unsafe way measured fastest and cheapest
+    fake = LoadCost(Path("m.pt"), "pytorch", 100, (
+        WayResult("torch.load(weights_only=True)", "torch", WayStatus.MEASURED, 2 << 20, 0.5),
+        WayResult("torch.load(weights_only=False)", "torch", WayStatus.MEASURED, 1 << 20, 0.1,
+                  unsafe=True),
+    ))
+    text = render_load_cost(fake)
+    (row,) = [ln for ln in text.splitlines() if ln.startswith("  torch.load(weights_only=False)")]
+    assert "UNSAFE" in row
+    summary = text[text.index("Cheapest"):]
+    assert "weights_only=False" not in summary and "fastest" not in summary
+    only_unsafe = LoadCost(Path("m.pt"), "pytorch", 100, fake.ways[1:])
+    assert only_unsafe.cheapest is None
+    assert "No safe way" in render_load_cost(only_unsafe)
+
+
+@pytest.mark.parametrize(("version", "unsafe"), [("2.5.1+cu121", True), ("2.6.0", False),
+                                                 ("2.13.0+cpu", False), ("1.13.1", True)])
+def test_plain_torch_load_is_unsafe_before_torch_2_6(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str, unsafe: bool) -> None:
+    import importlib.metadata
+
+    pytest.importorskip("torch")
+    import torch
+
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(2)}, path)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    cost = measure_load_cost(read(path), ways=["torch.load()"],
+                             timeout=0.001)  # the flag is decided before the child runs
+    (way,) = cost.ways
+    assert way.unsafe is unsafe
+
+
 def test_render() -> None:
     cost = LoadCost(Path("m.pt"), "pytorch", 100, (
         WayResult("torch.load()", "torch", WayStatus.MEASURED, 2 << 20, 0.5, 300 << 20, 2.0),
@@ -112,7 +161,7 @@ def test_render() -> None:
                   note="not run: unsafe"),
     ))
     text = render_load_cost(cost)
-    assert "Cheapest: torch.load(mmap=True) (1 MiB" in text
+    assert "Cheapest: torch.load(mmap=True) (1 MiB" in text  # binary units
     assert "fastest: torch.load() (500 ms)" in text
     assert "skipped: not run: unsafe" in text
 

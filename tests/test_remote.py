@@ -199,3 +199,152 @@ def test_missing_or_unsupported_remote_files(tmp_path: Path, serve: Any, name: s
 def test_nothing_listening_is_one_line(capsys: Any) -> None:
     assert main(["inspect", "http://127.0.0.1:9/x.safetensors"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+# -- the printed fix of a remote file runs as printed (issue 18 #18) ----------------------------
+
+
+@pytest.fixture()
+def remote_ckpt(tmp_path: Path) -> tuple[Path, Any]:
+    """``srv/ckpt.pt``: a training checkpoint (model + Adam state) to serve, and its state."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    (tmp_path / "srv").mkdir()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+               tmp_path / "srv" / "ckpt.pt")
+    return tmp_path / "srv" / "ckpt.pt", model.state_dict()
+
+
+def test_the_printed_fix_of_a_remote_file_runs_as_printed(
+        tmp_path: Path, serve: Any, remote_ckpt: Any, capsys: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It printed ``-o <a temp folder deleted on exit>/ckpt.slim.pt``, and slim turned the URL
+    into ``http:/host/ckpt.pt`` and exited 2."""
+    import shlex
+
+    torch = pytest.importorskip("torch")
+    path, state = remote_ckpt
+    base, _served = serve(path.parent)
+    url = f"{base}/ckpt.pt"
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["inspect", url, "--json"]) == 0
+    (finding,) = json.loads(capsys.readouterr().out)["findings"]
+    assert finding["action"] == f"modelsize slim {url} --drop optimizer_state -o ckpt.slim.pt"
+    assert main(shlex.split(finding["action"])[1:]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{url} (pytorch, {path.stat().st_size:,} bytes) -> ckpt.slim.pt")
+    assert "modelsize-download" not in out and "Verified" in out
+    assert sorted(p.name for p in work.iterdir()) == ["ckpt.slim.pt"]
+    slim = torch.load(work / "ckpt.slim.pt", weights_only=True)
+    assert slim.keys() == state.keys()
+    assert all(torch.equal(slim[k], state[k]) for k in state)
+    # without -o: OUT in the current folder too; --json names the URL
+    (work / "ckpt.slim.pt").unlink()
+    assert main(["slim", url, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["input"] == url and data["output"] == "ckpt.slim.pt"
+    assert sorted(p.name for p in work.iterdir()) == ["ckpt.slim.pt"]
+    # diff URL local, and check URL
+    assert main(["diff", url, "ckpt.slim.pt"]) == 0
+    out = capsys.readouterr().out
+    assert url in out and "modelsize-remote" not in out
+    assert main(["check", url]) == 1
+    (line, _summary) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{url}: optimizer_state: ") and finding["action"] in line
+    result = modelsize.check(url, forbid=["optimizer_state"])
+    assert str(result.path) == url and not result.ok
+
+
+def test_slim_url_downloads_in_bounded_chunks_beside_the_output(
+        tmp_path: Path, serve: Any, remote_ckpt: Any, capsys: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelsize import remote
+
+    path, _state = remote_ckpt
+    base, served = serve(path.parent)
+    monkeypatch.setattr(remote, "CHUNK", 4096)
+    seen: list[Path] = []
+    real = remote.download
+
+    def spy(url: str, dest: Path, stats: Any) -> None:
+        seen.append(dest)
+        real(url, dest, stats)
+
+    monkeypatch.setattr(remote, "download", spy)
+    out = tmp_path / "out" / "small.pt"
+    out.parent.mkdir()
+    assert main(["slim", f"{base}/ckpt.pt", "-o", str(out)]) == 0
+    capsys.readouterr()
+    (dest,) = seen
+    assert dest.parent.parent == out.parent and dest.parent.name.startswith(".modelsize-download")
+    assert max(served) <= 4096  # no request asked for more than one chunk
+    assert sum(served) >= path.stat().st_size
+    assert sorted(p.name for p in out.parent.iterdir()) == ["small.pt"]
+
+
+def test_slim_url_without_room_for_the_download_is_one_line(
+        tmp_path: Path, serve: Any, remote_ckpt: Any, capsys: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    path, _state = remote_ckpt
+    base, _served = serve(path.parent)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.chdir(tmp_path)
+    assert main(["slim", f"{base}/ckpt.pt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"needs {path.stat().st_size:,} bytes" in err and "has 1,000 free" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["srv"]
+
+
+def test_slim_url_from_a_server_without_ranges_is_one_line(
+        tmp_path: Path, serve: Any, remote_ckpt: Any, capsys: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _state = remote_ckpt
+    base, _served = serve(path.parent, ranges=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["slim", f"{base}/ckpt.pt"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["srv"]
+
+
+def test_an_hf_repo_slims_into_a_folder_named_like_the_repo(
+        tmp_path: Path, serve: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "org" / "tiny"
+    repo.mkdir(parents=True)
+    save_file({"a": torch.randn(32, 16, dtype=torch.float64), "b": torch.randn(16)},
+              str(repo / "model-00001-of-00001.safetensors"))
+    (repo / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "model-00001-of-00001.safetensors",
+                                        "b": "model-00001-of-00001.safetensors"}}))
+    base, _served = serve(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", base)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["inspect", "hf://org/tiny", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    actions = [f["action"] for f in out["findings"]]
+    assert actions == ["modelsize slim hf://org/tiny --cast float32 -o tiny.slim"]
+    assert main(["slim", "hf://org/tiny", "--cast", "float32", "-o", "tiny.slim"]) == 0
+    capsys.readouterr()
+    assert (work / "tiny.slim").is_dir() and sorted(p.name for p in work.iterdir()) == [
+        "tiny.slim"]
+
+
+def test_the_library_says_a_url_is_one(tmp_path: Path) -> None:
+    from modelsize.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^http://host/x.pt: a URL"):
+        modelsize.inspect("http://host/x.pt")

@@ -2,6 +2,11 @@
 
 import sys
 
-from modelsize.cli import main
+try:
+    from modelsize.cli import main
 
-sys.exit(main())
+    code = main()
+except KeyboardInterrupt:  # a Ctrl-C before main()'s own funnel is in place
+    sys.stderr.write("modelsize: interrupted\n")
+    code = 130
+sys.exit(code)

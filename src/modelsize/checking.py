@@ -16,7 +16,7 @@ from typing import Any
 from modelsize.errors import UsageError
 from modelsize.findings import FindingKind
 from modelsize.inspection import inspect
-from modelsize.report.units import human_bytes, percent
+from modelsize.report.units import human_bytes, parse_size, percent
 
 #: What ``modelsize check`` forbids unless told otherwise: what a file shipped for inference
 #: should never carry. ``ema`` and ``wide_dtype`` are matters of taste: forbid them by name.
@@ -49,7 +49,7 @@ class Violation:
 class CheckResult:
     """The rules one model file breaks (none: it passes)."""
 
-    path: Path
+    path: Path | str  # a str for a URL
     format: str
     file_bytes: int
     violations: tuple[Violation, ...]
@@ -75,8 +75,10 @@ def parse_forbid(names: str | Iterable[str]) -> tuple[FindingKind, ...]:
     """``"optimizer_state,duplicates"`` -> finding kinds; ``""`` or ``"none"`` forbids none."""
     items = names.split(",") if isinstance(names, str) else list(names)
     out: list[FindingKind] = []
-    known = {k.value: k for k in FindingKind}
+    known = {k.value: k for k in FindingKind if k != FindingKind.FIX_ALL}
     for raw in items:
+        if not isinstance(raw, str):
+            raise UsageError(f"--forbid: expected finding names, not {type(raw).__name__}")
         name = raw.strip().lower().replace("-", "_")
         if not name or name == "none":
             continue
@@ -88,24 +90,61 @@ def parse_forbid(names: str | Iterable[str]) -> tuple[FindingKind, ...]:
     return tuple(out)
 
 
-def check(path: str | Path, *, max_size: int | None = None,
+def parse_max_size(value: int | str | None, option: str = "max_size") -> int | None:
+    """A size limit as the CLI takes it (``"500MB"``, ``"2GiB"``, ``"1e9"``) or as bytes (an
+    ``int``); ``None`` is no limit. Anything else is a one-line :class:`UsageError`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise UsageError(f"{option}: {exc}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise UsageError(f"{option}: a size cannot be negative (got {value})")
+        return value
+    raise UsageError(f"{option}: expected a number of bytes or a size such as '500MB' or "
+                     f"'2GiB', not {type(value).__name__}")
+
+
+def _url(path: str | Path) -> str | None:
+    """``path`` if it is a URL modelsize reads remotely (``http(s)://``, ``hf://``...)."""
+    if "://" not in str(path):
+        return None
+    from modelsize.remote import is_remote
+
+    return str(path) if is_remote(path) else None
+
+
+def _inspect_remote(url: str) -> Any:
+    from modelsize.remote import inspect_remote
+
+    return inspect_remote(url).report
+
+
+def check(path: str | Path, *, max_size: int | str | None = None,
           forbid: Iterable[FindingKind | str] = DEFAULT_FORBID) -> CheckResult:
-    """Hold the model at ``path`` to the rules: at most ``max_size`` bytes, no finding in
-    ``forbid``. Unreadable input raises the same errors :func:`modelsize.inspect` does."""
-    kinds = parse_forbid([k.value if isinstance(k, FindingKind) else k for k in forbid])
-    report = inspect(path)
+    """Hold the model at ``path`` to the rules: at most ``max_size`` (bytes, or a size as the
+    CLI takes it: ``"500MB"``, ``"2GiB"``), no finding in ``forbid``. Unreadable input raises
+    the same errors :func:`modelsize.inspect` does."""
+    limit = parse_max_size(max_size)
+    kinds = parse_forbid(forbid if isinstance(forbid, str) else
+                         [k.value if isinstance(k, FindingKind) else k for k in forbid])
+    url = _url(path)
+    report = inspect(path) if url is None else _inspect_remote(url)
     size = report.file_bytes
     violations: list[Violation] = []
-    if max_size is not None and size > max_size:
+    if limit is not None and size > limit:
         violations.append(Violation(
-            "max_size", size - max_size,
-            f"{human_bytes(size)} is over the limit of {human_bytes(max_size)} "
-            f"by {human_bytes(size - max_size)}",
-            f"modelsize inspect {report.inventory.path}",
+            "max_size", size - limit,
+            f"{human_bytes(size)} is over the limit of {human_bytes(limit)} "
+            f"by {human_bytes(size - limit)}",
+            f"modelsize inspect {url or report.inventory.path}",
         ))
     for f in report.findings:
         if f.kind in kinds:
             share = f" ({percent(f.bytes, size)} of the file)" if f.bytes else ""
             violations.append(Violation(f.kind.value, f.bytes, f.message.rstrip(".") + share,
                                         f.action))
-    return CheckResult(Path(path), report.format, size, tuple(violations))
+    return CheckResult(url or Path(path), report.format, size, tuple(violations))

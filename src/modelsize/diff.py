@@ -5,7 +5,9 @@ matched by name; names that differ only by a file label (``mp0.model:``, ``shard
 wrapper prefix (``module.`` of DDP/DeepSpeed, ``_orig_mod.`` of ``torch.compile``) are
 matched too when that leaves no ambiguity, so a DeepSpeed checkpoint compares with the state
 dict exported from it; so are names inside a training checkpoint's container
-(``model_state_dict.fc1.weight``) and the same key in a weights-only file (``fc1.weight``).
+(``model_state_dict.fc1.weight``) and the same key in a weights-only file (``fc1.weight``),
+also when the checkpoint holds that key twice (``model.fc1.weight`` and ``grads.fc1.weight``):
+then the tensor of the same category is its pair.
 A matched tensor whose dtype, shape or category differs is *changed*; values are never read.
 
 Two files of different formats rarely share names: a SavedModel says
@@ -146,11 +148,48 @@ def _first_by_name(tensors: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
     return out
 
 
-def _unique_by(tensors: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
+def _by_stripped(tensors: Iterable[TensorRecord]) -> dict[str, list[TensorRecord]]:
     groups: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         groups.setdefault(_stripped(t), []).append(t)
-    return {k: v[0] for k, v in groups.items() if len(v) == 1}
+    return groups
+
+
+#: What tells apart tensors of one key in a training checkpoint (``model.fc.weight``,
+#: ``grads.fc.weight``, ``ema.fc.weight``), tried in turn: everything, then the category.
+_KIN_KEYS: tuple[Callable[[TensorRecord], tuple[Any, ...]], ...] = (
+    lambda t: (t.category, "ema" in t.tags, t.dtype, t.shape),
+    lambda t: (t.category, "ema" in t.tags),
+)
+
+
+def _match_stripped(a: list[TensorRecord], b: list[TensorRecord],
+                    ) -> list[tuple[TensorRecord, TensorRecord]]:
+    """Pairs of tensors with the same key once containers, file labels and wrapper prefixes
+    are stripped. A key held by one tensor on each side pairs them; a key several tensors of
+    one side share (a checkpoint's ``model.fc.weight`` and ``grads.fc.weight`` beside
+    ``fc.weight``) pairs those whose category (EMA tag, dtype, shape) is unique to one tensor
+    on each side within the key: a slimmed copy keeps the weights, never the gradients."""
+    left, right = _by_stripped(a), _by_stripped(b)
+    pairs: list[tuple[TensorRecord, TensorRecord]] = []
+    for key, xs in left.items():
+        ys = right.get(key)
+        if ys is None:
+            continue
+        if len(xs) == 1 and len(ys) == 1:
+            pairs.append((xs[0], ys[0]))
+            continue
+        for kin in _KIN_KEYS:
+            groups: dict[tuple[Any, ...], tuple[list[TensorRecord], list[TensorRecord]]] = {}
+            for side, tensors in enumerate((xs, ys)):
+                for t in tensors:
+                    groups.setdefault(kin(t), ([], []))[side].append(t)
+            found = [(x[0], y[0]) for x, y in groups.values() if len(x) == 1 and len(y) == 1]
+            pairs += found
+            taken = {id(t) for pair in found for t in pair}
+            xs = [t for t in xs if id(t) not in taken]
+            ys = [t for t in ys if id(t) not in taken]
+    return pairs
 
 
 def compare(a: Inventory, b: Inventory) -> Diff:
@@ -161,15 +200,12 @@ def compare(a: Inventory, b: Inventory) -> Diff:
     only_b = [t for n, t in right.items() if n not in left]
     renamed = 0
     if only_a and only_b:
-        ua, ub = _unique_by(only_a), _unique_by(only_b)
-        matched = {k for k in ua if k in ub}
-        for k in matched:
-            pairs.append((ua[k].name, ua[k], ub[k]))
+        matched = _match_stripped(only_a, only_b)
+        pairs += [(x.name, x, y) for x, y in matched]
         renamed = len(matched)
-        taken_a = {id(ua[k]) for k in matched}
-        taken_b = {id(ub[k]) for k in matched}
-        only_a = [t for t in only_a if id(t) not in taken_a]
-        only_b = [t for t in only_b if id(t) not in taken_b]
+        taken = {id(t) for pair in matched for t in pair}
+        only_a = [t for t in only_a if id(t) not in taken]
+        only_b = [t for t in only_b if id(t) not in taken]
     by_layout = 0
     if only_a and only_b and a.format != b.format:
         for x, y in _match_by_layout(only_a, only_b):

@@ -8,6 +8,8 @@
     │   ├── UnknownFormatError       a file, but no reader recognises it
     │   ├── CorruptFileError         a reader recognised it, but it is truncated, corrupt or lying
     │   └── UsageError               arguments that make no sense together
+    ├── OutputError                  OUT cannot be written: disk full, read-only, no permission,
+    │                                or it appeared meanwhile; nothing was left behind (exit 2)
     ├── MissingDependencyError       an optional framework is needed but not installed (exit 2)
     ├── EstimateError                the model could not be traced (exit 2)
     ├── AccountingError              a bug: categories did not add up (exit 1)
@@ -75,6 +77,11 @@ class CorruptFileError(InputError):
 
 class UsageError(InputError):
     """Arguments that cannot work together."""
+
+
+class OutputError(ModelSizeError):
+    """The output cannot be written where asked (no space, a read-only folder, no permission,
+    or another writer got there first). Nothing was left behind; the input is untouched."""
 
 
 class MissingDependencyError(ModelSizeError):

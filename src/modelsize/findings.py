@@ -29,6 +29,12 @@ class FindingKind(str, Enum):
     DUPLICATES = "duplicates"
     EMA = "ema"
     WIDE_DTYPE = "wide_dtype"
+    #: What slim's ONNX graph passes remove that the file's metadata sizes (debug info,
+    #: BatchNorm folds): a lower bound.
+    GRAPH_PASSES = "graph_passes"
+    #: Not a problem: the one command that fixes every finding below it, listed first where
+    #: several findings have fixes.
+    FIX_ALL = "fix_all"
 
     def __str__(self) -> str:
         return self.value
@@ -55,6 +61,8 @@ _SLOT_OWNERS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"adam", "adam_1"}), "Adam"),
     (frozenset({"m", "v"}), "Adam"),
     (frozenset({"momentum_buffer"}), "SGD momentum"),
+    # Keras's momentum + velocity: Adam, Nadam, Lamb, or RMSprop with momentum: unnamed.
+    (frozenset({"momentum", "velocity"}), ""),
     (frozenset({"momentum"}), "momentum"),
     (frozenset({"square_avg"}), "RMSprop"),
     (frozenset({"rmsprop"}), "RMSprop"),
@@ -63,7 +71,10 @@ _SLOT_OWNERS: tuple[tuple[frozenset[str], str], ...] = (
 )
 
 _GENERIC_NAME = {"step", "state", "param_groups", "lr", "iterations", "iteration", "global_step",
-                 "optimizer", "optimizer_state", "optimizer_states"}
+                 "optimizer", "optimizer_state", "optimizer_states", "vars", "learning_rate"}
+#: Slot names Keras appends to a variable's name (``dense_kernel_momentum``), longest first.
+_KERAS_SLOTS = ("accumulated_delta_var", "accumulated_grad", "average_gradient", "velocity_hat",
+                "accumulator", "momentum", "velocity", "linear", "norm")
 #: Name components that say how a variable is stored, not what it is (TF object-graph keys).
 _PLUMBING = {"ATTRIBUTES", "VARIABLE_VALUE", "OBJECT_CONFIG_JSON"}
 
@@ -73,9 +84,13 @@ def _slot(t: TensorRecord) -> str:
     for tag in t.tags:
         if tag.startswith("slot="):
             return tag[5:]
+    parts = t.name.split("/")
+    if parts[0] == "optimizer_weights" and len(parts) >= 4:
+        return parts[2]  # tf.keras: optimizer_weights/Adam/m/dense/kernel:0
     for p in reversed(t.name.replace("/", ".").split(".")):
+        p = p.split(":", 1)[0]  # TF variable names end in ":0"
         if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_"):
-            return p
+            return next((s for s in _KERAS_SLOTS if p.endswith("_" + s)), p)
     return "state"
 
 
@@ -94,12 +109,16 @@ def optimizer_description(inv: Inventory) -> str:
         sizes[slot] = sizes.get(slot, 0) + t.stored_nbytes
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
     big = [s for s, n in ranked if n and s not in _GENERIC_NAME]
+    if inv.facts.get("optimizer_slots"):
+        # Slots the file stores without names (a Keras 3 archive's optimizer/vars/N): the
+        # reader knows them from the optimizer's class.
+        big = inv.facts["optimizer_slots"].split(", ")
     name = inv.facts.get("optimizer")
     if not name:
         lowered = {s.lower() for s in sizes}
         for slots, owner in _SLOT_OWNERS:
             if slots <= lowered:
-                name = owner
+                name = owner or None
                 break
     head = f"{name} optimizer state" if name else "optimizer state"
     described = f"{head} ({', '.join(big[:4])})" if big else head
@@ -107,17 +126,18 @@ def optimizer_description(inv: Inventory) -> str:
     return described
 
 
-def slim_target(path: Path, suffix: str | None = None) -> Path:
+def slim_target(path: Path, suffix: str | None = None, tag: str = "slim") -> Path:
     """Where ``modelsize slim`` writes by default: ``x.pt`` -> ``x.slim.pt``; ``suffix``
-    replaces the extension (``--to safetensors``); a directory or prefix gets ``.slim``."""
+    replaces the extension (``--to safetensors``); a directory or prefix gets ``.slim``.
+    ``tag`` replaces ``slim`` (the fix of one finding among several: ``x.no-optimizer.pt``)."""
     if suffix is None and path.is_file() and path.name.endswith(".weights.h5"):
         # Keras 3's load_weights insists on the .weights.h5 ending.
-        return path.with_name(path.name[: -len(".weights.h5")] + ".slim.weights.h5")
+        return path.with_name(path.name[: -len(".weights.h5")] + f".{tag}.weights.h5")
     ext = path.suffix if (suffix is None and path.is_file()) else ""
     stem = path.name[: -len(ext)] if ext else path.name
     if suffix is not None and path.is_file() and path.suffix:
         stem = path.name[: -len(path.suffix)]
-    return path.with_name(f"{stem}.slim{suffix if suffix is not None else ext}")
+    return path.with_name(f"{stem}.{tag}{suffix if suffix is not None else ext}")
 
 
 #: The ``modelsize slim`` flags that fix each finding.
@@ -130,27 +150,88 @@ SLIM_FLAGS: dict[FindingKind, tuple[str, ...]] = {
     FindingKind.DUPLICATES: ("--dedupe",),
     FindingKind.EMA: ("--drop", "ema"),
     FindingKind.WIDE_DTYPE: ("--cast", "float32"),
+    FindingKind.GRAPH_PASSES: (),
+    FindingKind.FIX_ALL: (),
 }
+
+#: What the output of one finding's fix is called when several findings have fixes
+#: (``x.no-optimizer.pt``): never the combined fix's ``x.slim.pt``, never each other's.
+FIX_TAGS: dict[FindingKind, str] = {
+    FindingKind.UNSAFE_CODE: "slim",  # its own extension: x.slim.safetensors
+    FindingKind.OPTIMIZER_STATE: "no-optimizer",
+    FindingKind.GRADIENTS: "no-gradients",
+    FindingKind.ACTIVATIONS: "no-activations",
+    FindingKind.UNUSED_STORAGE: "no-unused",
+    FindingKind.DUPLICATES: "dedupe",
+    FindingKind.EMA: "no-ema",
+    FindingKind.WIDE_DTYPE: "float32",
+    FindingKind.GRAPH_PASSES: "graph",
+}
+
+#: Input formats whose slimmed copy has another format by default, and its extension: slim
+#: writes a pickle's arrays as an ``.npz`` archive (it writes no pickles).
+OUTPUT_SUFFIX: dict[str, str] = {"pickle": ".npz"}
 
 
 def _saved_model(inv: Inventory) -> bool:
     return inv.facts.get("layout") == "saved_model"
 
 
-def _slim(inv: Inventory, *flags: str) -> str:
+def _slim(inv: Inventory, *flags: str, tag: str = "slim") -> str:
     path = inv.path
     if _saved_model(inv) and "safetensors" not in flags:
         # A SavedModel's slim keeps what the serving signatures read: optimizer state,
         # Keras' second copies and anything else no signature reads go without flags (which
         # pick tensors, and do not apply to it).
         flags = ()
-    suffix = ".safetensors" if "safetensors" in flags else None
-    args = ["modelsize", "slim", str(path), *flags, "-o", str(slim_target(path, suffix))]
+    suffix = ".safetensors" if "safetensors" in flags else OUTPUT_SUFFIX.get(inv.format)
+    target = slim_target(path, suffix, tag)
+    url = inv.facts.get("remote_url")  # read from a URL: slim downloads it, OUT goes here
+    args = ["modelsize", "slim", url or str(path), *flags, "-o",
+            target.name if url else str(target)]
     return shlex.join(args)
 
 
+def _own_flags(inv: Inventory, kind: FindingKind) -> tuple[str, ...]:
+    """The flags that fix ``kind`` alone (the combined fix merges :data:`SLIM_FLAGS`)."""
+    if kind == FindingKind.UNUSED_STORAGE and inv.format != "onnx":
+        # Without flags slim drops every category inference does not need; ONNX's graph
+        # passes (on by default, off with --drop) remove unused initializers themselves.
+        return ("--drop", "unused_storage")
+    return SLIM_FLAGS[kind]
+
+
 def find(inv: Inventory) -> list[Finding]:
-    """Every finding for an inventory, largest saving first (unsafe code always first)."""
+    """Every finding for an inventory, largest saving first (unsafe code always first).
+
+    Where several findings save bytes, the first entry is the combined fix (kind
+    ``fix_all``, its bytes the sum), and each finding's own fix writes an output of its own
+    name (``x.no-optimizer.pt``, ``x.no-gradients.pt``), so that every printed command runs
+    as printed, in any order."""
+    found = _find(inv)
+    fixable = _fixable(inv, found)
+    if len(fixable) < 2:
+        return found
+    kinds = {f.kind for f in fixable}
+    out: list[Finding] = []
+    for f in found:
+        if f.kind in kinds:
+            tagged = _slim(inv, *_own_flags(inv, f.kind), tag=FIX_TAGS[f.kind])
+            f = Finding(f.kind, f.bytes, f.message, tagged)
+        out.append(f)
+    total = min(sum(f.bytes for f in fixable), inv.file_bytes)
+    command = fix_command(inv, found)
+    assert command is not None
+    combined = Finding(
+        FindingKind.FIX_ALL, total, "every finding below at once ("
+        + ", ".join(f.kind.value for f in fixable) + ")",
+        command,
+    )
+    return [combined, *out]
+
+
+def _find(inv: Inventory) -> list[Finding]:
+    """Every finding, largest saving first (unsafe code first), each with its own fix."""
     by = inv.bytes_by_category
     out: list[Finding] = []
     if inv.unsafe_globals:
@@ -218,7 +299,8 @@ def find(inv: Inventory) -> list[Finding]:
         n = sum(t.stored_nbytes for t in wide)
         floats = [t for t in inv.tensors if DTYPES.get(t.dtype, DTYPES["int8"]).floating]
         every = len(wide) == len(floats)
-        which = "every floating-point tensor is" if every else f"{len(wide)} tensors are"
+        which = ("every floating-point tensor is" if every else
+                 f"{len(wide)} tensor is" if len(wide) == 1 else f"{len(wide)} tensors are")
         out.append(Finding(
             FindingKind.WIDE_DTYPE, n // 2,
             f"{which} float64 ({human_bytes(n)}); deep-learning models train and serve in float32 "
@@ -228,9 +310,57 @@ def find(inv: Inventory) -> list[Finding]:
             "its tensors alone)" if _saved_model(inv)
             else _slim(inv, *SLIM_FLAGS[FindingKind.WIDE_DTYPE]),
         ))
+    graph = _graph_passes(inv)
+    if graph is not None:
+        out.append(graph)
     first = out[:1] if out and out[0].kind == FindingKind.UNSAFE_CODE else []
     rest = sorted(out[len(first):], key=lambda f: -f.bytes)
     return first + rest
+
+
+def _fact(inv: Inventory, key: str) -> int:
+    value = inv.facts.get(key, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _graph_passes(inv: Inventory) -> Finding | None:
+    """What slim's ONNX graph passes remove at least (sized from the file's metadata by the
+    reader: :mod:`modelsize.formats._onnx_savings`)."""
+    if inv.format != "onnx":
+        return None
+    debug = _fact(inv, "onnx.debug_info_bytes")
+    folds, folded = _fact(inv, "onnx.batchnorm_folds"), _fact(inv, "onnx.batchnorm_fold_bytes")
+    if not debug + folded:
+        return None
+    parts = []
+    if debug:
+        parts.append(f"{human_bytes(debug)} of debug info (doc strings and metadata of the "
+                     "graph's nodes and values)")
+    if folded:
+        parts.append(f"{folds} BatchNormalization{'s' if folds > 1 else ''} folded into the "
+                     f"Conv or Gemm before {'them' if folds > 1 else 'it'} "
+                     f"({human_bytes(folded)})")
+    return Finding(
+        FindingKind.GRAPH_PASSES, debug + folded,
+        f"modelsize slim's graph passes remove at least {human_bytes(debug + folded)}: "
+        + " and ".join(parts) + "; they may save more (constant folding, duplicate constants: "
+        "modelsize slim --dry-run lists what each pass saves)",
+        _slim(inv, *SLIM_FLAGS[FindingKind.GRAPH_PASSES]),
+    )
+
+
+def _graph_may_save(inv: Inventory) -> str | None:
+    """For an ONNX model with no finding: what slim's graph passes may still change."""
+    if inv.format != "onnx":
+        return None
+    nodes, ids = _fact(inv, "onnx.constant_nodes"), _fact(inv, "onnx.identity_nodes")
+    if not nodes + ids:
+        return None
+    what = [f"fold {nodes} node{'s' if nodes > 1 else ''} whose inputs are all constants"
+            if nodes else "", f"remove {ids} Identity node{'s' if ids > 1 else ''}" if ids else ""]
+    return (f"No finding, but modelsize slim's graph passes may "
+            f"{' and '.join(w for w in what if w)} (and store equal constants once): "
+            f"modelsize slim {shlex.quote(str(inv.path))} --dry-run says what that saves.")
 
 
 def fix_command(inv: Inventory, findings: list[Finding]) -> str | None:
@@ -244,7 +374,8 @@ def fix_command(inv: Inventory, findings: list[Finding]) -> str | None:
 
 def _fixable(inv: Inventory, findings: list[Finding]) -> list[Finding]:
     """The findings that save bytes and that ``modelsize slim`` fixes in place."""
-    return [f for f in findings if f.bytes and f.kind != FindingKind.UNSAFE_CODE
+    return [f for f in findings if f.bytes
+            and f.kind not in (FindingKind.UNSAFE_CODE, FindingKind.FIX_ALL)
             and not (_saved_model(inv) and f.kind == FindingKind.WIDE_DTYPE)]
 
 
@@ -274,10 +405,36 @@ _DESCRIBE: dict[Category, str] = {
     Category.UNUSED_STORAGE: "storage no tensor reaches: a view was saved with the whole tensor "
     "it came from",
     Category.DUPLICATES: "second copies of identical tensors stored separately",
-    Category.GRAPH: "model structure (pickled module objects, code, graph definitions)",
+    Category.GRAPH: "model structure",
     Category.METADATA: "headers, names and container structure",
     Category.OTHER: "other data",
 }
+
+
+#: What a format's ``graph`` bytes are (reader name -> description).
+_GRAPH_OF: dict[str, str] = {
+    "onnx": "the computation graph (nodes, their attributes, the graph's inputs, outputs and "
+            "value_info)",
+    "keras": "the model's architecture and compile settings (config.json)",
+    "keras-h5": "the model's architecture (the model_config attribute)",
+    "tensorflow": "the computation graph and its object graph (MetaGraphDef, SavedModel "
+                  "functions)",
+    "tflite": "the computation graph (operators, tensors and subgraphs of the flatbuffer)",
+    "t7": "the Lua module objects around the tensors",
+    "gguf": "the model's architecture and tokenizer (key-value metadata)",
+    "safetensors": "the model's architecture (config.json)",
+    "safetensors-index": "the model's architecture (config.json)",
+}
+
+
+def graph_description(inv: Inventory) -> str:
+    """What this file's ``graph`` bytes hold, in its format's terms."""
+    what = _GRAPH_OF.get(inv.format)
+    if what is not None:
+        return f"model structure: {what}"
+    if inv.facts.get("torchscript") or inv.facts.get("layout") == "torchscript":
+        return "model structure: TorchScript code and the pickled module objects"
+    return "model structure: pickled module objects (the classes a load imports and builds)"
 
 
 def explain(inv: Inventory, findings: list[Finding]) -> str:
@@ -300,6 +457,8 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     for cat, n in rest[:4]:
         if cat == Category.OPTIMIZER_STATE:
             what = f"{optimizer_description(inv)}, only needed to resume training"
+        elif cat == Category.GRAPH:
+            what = graph_description(inv)
         else:
             what = _DESCRIBE[cat]
         sentences.append(f"{human_bytes(n)} ({percent(n, total)}) is {what}.")
@@ -311,10 +470,12 @@ def explain(inv: Inventory, findings: list[Finding]) -> str:
     if fixable and command:
         saved = sum(f.bytes for f in fixable)
         saved = min(saved, total)
+        bound = " at least" if any(f.kind == FindingKind.GRAPH_PASSES for f in fixable) else ""
         sentences.append(
-            f"Slimming it for inference would save {human_bytes(saved)} "
+            f"Slimming it for inference would save{bound} {human_bytes(saved)} "
             f"({percent(saved, total)}): {command}."
         )
     elif not unsafe:
-        sentences.append("Nothing to slim: every byte is needed to load the model.")
+        sentences.append(_graph_may_save(inv)
+                         or "Nothing to slim: every byte is needed to load the model.")
     return " ".join(sentences)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelsize import formats
+from modelsize import formats, inputs
 from modelsize.findings import Finding, explain, find
 from modelsize.inventory import Inventory, TensorRecord
 
@@ -74,7 +74,10 @@ def inspect(path: str | Path) -> Report:
     """Read a checkpoint's metadata (never its tensor data, never its code) and explain it.
 
     ``path`` may be a file, a directory holding a checkpoint, or a multi-file prefix.
-    Raises :class:`~modelsize.errors.InputError` subclasses on unreadable input.
+    Raises :class:`~modelsize.errors.InputError` subclasses on unreadable input, and when a
+    file of it changed while it was being read (a sum over two versions would be wrong).
     """
-    inventory = formats.read(path)
+    with inputs.watch(path, "inspect") as files:
+        inventory = formats.read(path)
+        files.confirm(f.path for f in inventory.files)
     return report_for(inventory)

@@ -6,10 +6,12 @@ vs building the model and ``load_weights``, NumPy ``load`` vs ``mmap_mode``...).
 reports its peak RSS (``ru_maxrss``) and wall time right after importing the framework and
 again after loading: the difference is what the load itself costs. The framework's own import
 cost is measured in a child of its own that only imports it, and reported beside. The
-cheapest way is the one with the smallest peak RSS (then the fastest).
+cheapest way is the safe way with the smallest peak RSS (then the fastest).
 
 Safety: a way that would unpickle without restrictions (``torch.load(weights_only=False)``,
-DCP's ``pickle.load`` of ``.metadata``) is skipped when the inventory lists unsafe globals.
+``torch.load()`` before torch 2.6, DCP's ``pickle.load`` of ``.metadata``) is marked unsafe:
+it runs whatever code a pickle names, so it is never named cheapest or fastest (the report
+would read as advice to use it), and it is skipped when the inventory lists unsafe globals.
 Ways whose framework is not installed are skipped, saying so. A way that would load more bytes
 than the machine has available is skipped rather than run into swap.
 
@@ -23,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,8 @@ class WayResult:
     total_peak_rss_bytes: int | None = None
     total_seconds: float | None = None
     note: str = ""
+    #: the way unpickles without restrictions: it runs any code the file names
+    unsafe: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -99,7 +104,7 @@ class WayResult:
             "way": self.way, "framework": self.framework, "status": self.status.value,
             "peak_rss_bytes": self.peak_rss_bytes, "seconds": self.seconds,
             "total_peak_rss_bytes": self.total_peak_rss_bytes,
-            "total_seconds": self.total_seconds, "note": self.note,
+            "total_seconds": self.total_seconds, "note": self.note, "unsafe": self.unsafe,
         }
 
 
@@ -136,14 +141,16 @@ class LoadCost:
 
     @property
     def cheapest(self) -> WayResult | None:
-        """The measured way with the smallest peak RSS (then the shortest time)."""
-        return min(self.measured, key=lambda w: (w.peak_rss_bytes or 0, w.seconds or 0.0),
-                   default=None)
+        """The safe measured way with the smallest peak RSS (then the shortest time); an
+        unsafe way is never recommended, however cheap."""
+        return min((w for w in self.measured if not w.unsafe),
+                   key=lambda w: (w.peak_rss_bytes or 0, w.seconds or 0.0), default=None)
 
     @property
     def fastest(self) -> WayResult | None:
-        """The measured way with the shortest time."""
-        return min(self.measured, key=lambda w: w.seconds or 0.0, default=None)
+        """The safe measured way with the shortest time."""
+        return min((w for w in self.measured if not w.unsafe),
+                   key=lambda w: w.seconds or 0.0, default=None)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -177,6 +184,7 @@ def _torch_load(**kwargs: str) -> str:
 
 
 _TORCH_WAYS = (
+    # unrestricted_unpickling of torch.load() is decided by the installed torch: _plan.
     Way("torch.load()", "torch", _TORCH, _torch_load()),
     Way("torch.load(mmap=True)", "torch", _TORCH, _torch_load(mmap="True"), maps_lazily=True),
     Way("torch.load(weights_only=True)", "torch", _TORCH, _torch_load(weights_only="True")),
@@ -234,13 +242,16 @@ def _plan(inv: Inventory) -> tuple[list[Way], list[str], list[str]]:
     if fmt in ("pytorch", "pytorch-legacy", "pytorch-sharded", "deepspeed"):
         paths = [str(p) for p in files if p.suffix not in (".json",) and p.name != "latest"]
         ways = list(_TORCH_WAYS)
+        if _torch_load_defaults_to_pickle():
+            ways[0] = replace(ways[0], unrestricted_unpickling=True)
         notes = []
         if fmt == "pytorch-legacy":
             ways = [w for w in ways if not w.maps_lazily]
             notes.append("torch.load(mmap=True) needs the zip format: legacy files cannot map")
         if fmt == "deepspeed":
             notes.append("DeepSpeed files pickle DeepSpeed classes: only weights_only=False "
-                         "loads them, and only where deepspeed is installed")
+                         "loads them (unsafe: it runs any code the file's pickle names), and "
+                         "only where deepspeed is installed")
         return ways, paths, notes
     if fmt == "torch-dcp":
         return list(_DCP_WAYS), [str(inv.path if inv.path.is_dir() else inv.path.parent)], []
@@ -266,6 +277,21 @@ def _plan(inv: Inventory) -> tuple[list[Way], list[str], list[str]]:
                                "code: no way to measure without it"]
         return ways, paths, notes
     return [], [], [f"no load ways are known for {fmt} files"]
+
+
+def _torch_load_defaults_to_pickle() -> bool:
+    """Whether the installed torch's ``torch.load()`` unpickles without restrictions (its
+    default became ``weights_only=True`` in torch 2.6); read from its metadata, no import."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = re.match(r"(\d+)\.(\d+)", version("torch"))
+    except PackageNotFoundError:
+        return False
+    if found is None:
+        return False
+    major, minor = int(found[1]), int(found[2])
+    return (major, minor) < (2, 6)
 
 
 def _available_memory() -> int | None:
@@ -336,8 +362,11 @@ def measure_load_cost(
         ), (), tuple(notes))
     available = _available_memory()
     for way in planned:
+        unsafe = way.unrestricted_unpickling
+
         def skip(why: str, way: Way = way) -> None:
-            results.append(WayResult(way.name, way.framework, WayStatus.SKIPPED, note=why))
+            results.append(WayResult(way.name, way.framework, WayStatus.SKIPPED, note=why,
+                                     unsafe=way.unrestricted_unpickling))
 
         if importlib.util.find_spec(way.framework) is None:
             skip(f"{way.framework} is not installed")
@@ -359,11 +388,13 @@ def measure_load_cost(
         base = imports[way.imports]
         if isinstance(base, str):
             results.append(WayResult(way.name, way.framework, WayStatus.FAILED,
-                                     note=f"importing {way.framework} failed: {base}"))
+                                     note=f"importing {way.framework} failed: {base}",
+                                     unsafe=unsafe))
             continue
         sample = _run_child(way.imports, way.load, paths, timeout)
         if isinstance(sample, str):
-            results.append(WayResult(way.name, way.framework, WayStatus.FAILED, note=sample))
+            results.append(WayResult(way.name, way.framework, WayStatus.FAILED, note=sample,
+                                     unsafe=unsafe))
             continue
         # The import's share is measured in the same child (right after its imports), which
         # is steadier than subtracting the import-only child's numbers.
@@ -373,6 +404,7 @@ def measure_load_cost(
             seconds=sample.seconds - sample.import_seconds,
             total_peak_rss_bytes=sample.peak, total_seconds=sample.seconds,
             note="memory-mapped: RAM grows as tensors are first used" if way.maps_lazily else "",
+            unsafe=unsafe,
         ))
     return LoadCost(
         inv.path, inv.format, inv.file_bytes, tuple(results),

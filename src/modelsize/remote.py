@@ -18,12 +18,20 @@ place ``inspect`` reads tensor bytes) is switched off, and the report says so. T
 ``https://huggingface.co``) and inspects its weight files (``*.safetensors`` with their index,
 else ``pytorch_model*.bin``); ``hf://org/repo/path/file`` one file. ``s3://``, ``gs://`` and
 any other protocol go through fsspec when the user has it and the filesystem installed.
+
+``slim`` needs every byte: :func:`downloaded` copies the remote files through the same range
+requests, in chunks of :data:`CHUNK` bytes (memory stays bounded whatever the file's size),
+into a hidden temporary folder beside the output, after checking that the folder's disk has
+room for the size the server announced; the folder is removed on the way out. The findings of
+a remote file name the URL as the input of their fix and put its output in the current folder
+(``modelsize slim URL ... -o x.slim.pt``): a fix runs as printed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -49,6 +57,10 @@ CACHE_BLOCKS = 1024
 MAX_REGION = 256 * 2**20
 TIMEOUT = 30.0
 _SAFETENSORS_MAX_HEADER = 100_000_000
+#: Bytes fetched per request when downloading a whole file (the most held in memory at once).
+CHUNK = 16 * 2**20
+#: Facts key of an inventory read from a URL (the findings' fixes name the URL).
+URL_FACT = "remote_url"
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
@@ -323,15 +335,62 @@ class Remote:
 def mirrored(url: str) -> Iterator[Remote]:
     """Mirror the header regions of a remote checkpoint into a temporary folder."""
     with tempfile.TemporaryDirectory(prefix="modelsize-remote-") as tmp:
-        root = Path(tmp)
-        stats = Stats(url)
-        if url.lower().startswith("hf://"):
-            yield _hf(url, root, stats)
-            return
-        name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
-        local = root / name
-        mirror(url, local, stats)
-        yield Remote(url, local, stats, [url])
+        yield _fill(url, Path(tmp), mirror)
+
+
+def _fill(url: str, root: Path, fetch: Any) -> Remote:
+    """The remote checkpoint's files in ``root``, each written by ``fetch(url, dest,
+    stats)`` (:func:`mirror` or :func:`download`), under the names it has remotely: the
+    reports and the default output names follow them."""
+    stats = Stats(url)
+    if url.lower().startswith("hf://"):
+        return _hf(url, root, stats, fetch)
+    name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
+    local = root / name
+    fetch(url, local, stats)
+    return Remote(url, local, stats, [url])
+
+
+def download(url: str, dest: Path, stats: Stats) -> None:
+    """Copy the whole file at ``url`` into ``dest``, :data:`CHUNK` bytes per request, after
+    checking that ``dest``'s disk has room for the size the server announced."""
+    src = RangeSource(url, stats)
+    check_space(dest.parent, src.size, url)
+    with open(dest, "wb") as fh:
+        for start in range(0, src.size, CHUNK):
+            data = src.fetch(start, min(start + CHUNK, src.size))
+            if not data:
+                raise RemoteError(f"{printable(url)}: the server sent nothing at byte {start} "
+                                  f"of {src.size}")
+            fh.write(data)
+        if fh.tell() != src.size:
+            raise RemoteError(f"{printable(url)}: got {fh.tell()} bytes of {src.size}")
+
+
+def check_space(folder: Path, nbytes: int, url: str) -> None:
+    """Refuse (one line) a download of ``nbytes`` into ``folder`` that its disk cannot hold."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # unknown: the write itself says so
+    if nbytes > free:
+        raise RemoteError(f"{printable(url)}: downloading it needs {nbytes:,} bytes and "
+                          f"{printable(str(folder))} has {free:,} free")
+
+
+@contextmanager
+def downloaded(url: str, near: str | os.PathLike[str] = ".") -> Iterator[Remote]:
+    """The whole remote checkpoint, downloaded into a hidden temporary folder in ``near``
+    (the output's folder: the same disk, never a RAM-backed ``/tmp``), removed on exit."""
+    try:
+        tmp = tempfile.mkdtemp(prefix=".modelsize-download-", dir=near)
+    except OSError as exc:
+        raise RemoteError(f"{printable(url)}: cannot download into "
+                          f"{printable(os.fspath(near))}: {exc.strerror or exc}") from None
+    try:
+        yield _fill(url, Path(tmp), download)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _safe_name(name: str) -> str:
@@ -345,7 +404,7 @@ def hf_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def _hf(url: str, root: Path, stats: Stats) -> Remote:
+def _hf(url: str, root: Path, stats: Stats, fetch: Any) -> Remote:
     rest = url[len("hf://"):].strip("/")
     parts = rest.split("/")
     if len(parts) < 2 or not all(parts[:2]):
@@ -355,12 +414,15 @@ def _hf(url: str, root: Path, stats: Stats) -> Remote:
         repo, revision = repo.split("@", 1)
     base = f"{hf_endpoint()}/{repo}/resolve/{urllib.parse.quote(revision)}/"
     files = ["/".join(parts[2:])] if len(parts) > 2 else _hf_weight_files(url, repo, stats)
+    if len(files) > 1:  # a folder named like the repo: "tiny.slim" for its output
+        root = root / _safe_name(repo.split("/")[-1])
+        root.mkdir()
     for f in files:
         dest = root / _safe_name(f)
         if f.endswith(".json"):
             dest.write_bytes(_get(base + f, stats, limit=MAX_REGION))
         else:
-            mirror(base + urllib.parse.quote(f), dest, stats)
+            fetch(base + urllib.parse.quote(f), dest, stats)
     local = root / _safe_name(files[0]) if len(files) == 1 else root
     return Remote(url, local, stats, [base + f for f in files])
 
@@ -436,14 +498,35 @@ class RemoteReport:
 
 
 def inspect_remote(url: str) -> RemoteReport:
-    """:func:`modelsize.inspect` for a URL: only header regions are fetched."""
-    from modelsize.inspection import inspect
+    """:func:`modelsize.inspect` for a URL: only header regions are fetched. The findings'
+    fixes name the URL, and write into the current folder."""
+    from modelsize.inspection import report_for
+
+    with remote_inventory(url) as (inventory, stats, local):
+        # while the mirror is there: a fix's output name depends on what the input is
+        return RemoteReport(url, report_for(inventory), stats, local)
+
+
+def read_remote(url: str) -> tuple[Any, Stats, str]:
+    """:func:`remote_inventory`, returned once the mirror is gone."""
+    with remote_inventory(url) as found:
+        return found
+
+
+@contextmanager
+def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
+    """The :class:`~modelsize.inventory.Inventory` of a URL (header regions only, duplicates
+    not searched), what reading it cost, and the path of its temporary mirror, which exists
+    until the context ends (the inventory's paths name it: reports put the URL in its
+    place). ``facts[URL_FACT]`` is the URL."""
+    from modelsize import formats
     from modelsize.inventory import READ_DATA
 
     with mirrored(url) as remote:
         token = READ_DATA.set(False)
         try:
-            report = inspect(remote.local)
+            inventory = formats.read(remote.local)
         finally:
             READ_DATA.reset(token)
-        return RemoteReport(url, report, remote.stats, str(remote.local))
+        inventory.facts[URL_FACT] = url
+        yield inventory, remote.stats, str(remote.local)

@@ -168,7 +168,14 @@ def test_slim_writes_the_state_dict_torch_reads(name: str, tmp_path: Path) -> No
     expected = without_category(kept)
     container = "state_dict."  # the checkpoint's model; its optimizer state is dropped
     expected = {k.removeprefix(container): t for k, t in expected.items()}
-    assert torch_tensors(out) == expected
+    if report.copied:
+        # Nothing to slim: the output is the input byte for byte (issue 18), CUDA storage
+        # locations included, so a CPU machine loads it as it loads the input.
+        assert out.read_bytes() == (FIXTURES / name).read_bytes()
+        got = tensors_of(torch.load(out, weights_only=True, map_location="cpu"))
+    else:
+        got = torch_tensors(out)
+    assert got == expected
     assert report.output.file_bytes == out.stat().st_size
 
 

@@ -209,14 +209,37 @@ def test_directory_with_index_reads_the_same(tmp_path: Path) -> None:
 
 
 def test_directory_without_index(tmp_path: Path) -> None:
+    """Shards named as Hugging Face names them are one model without an index."""
     w = torch.randn(8, 8)
-    st_torch.save_file({"w": w}, str(tmp_path / "model.safetensors"))
-    st_torch.save_file({"adapter.w": torch.randn(2, 8)}, str(tmp_path / "adapter.safetensors"))
+    st_torch.save_file({"w": w}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    st_torch.save_file({"head.w": torch.randn(2, 8)},
+                       str(tmp_path / "model-00002-of-00002.safetensors"))
     inv = _read(tmp_path)
     assert inv.format == "safetensors"
     assert len(inv.files) == 2
     assert inv.bytes_by_category[Category.WEIGHTS] == _nbytes(w) + 2 * 8 * 4
     assert inv.file_bytes == sum(p.stat().st_size for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("names", [
+    ("tied.safetensors", "tied.slim.safetensors"),
+    ("model.safetensors", "adapter.safetensors"),
+    ("model-00001-of-00002.safetensors", "model-00001-of-00003.safetensors"),
+    ("model-00001-of-00002.safetensors", "other-00002-of-00002.safetensors"),
+])
+def test_separate_models_in_one_folder_are_refused(tmp_path: Path, names: tuple[str, ...]
+                                                   ) -> None:
+    """Issue 18 item 22: files that share a folder without an index or shard names are
+    separate models: adding them up invents duplicates and a --dedupe that merges them."""
+    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    for name in names:
+        st_torch.save_file({"embed.weight": t, "head.weight": t.clone()}, str(tmp_path / name))
+    with pytest.raises(InputError, match="separate safetensors models"):
+        _read(tmp_path)
+    proc = run_cli("inspect", str(tmp_path))
+    assert_one_line_error(proc, tmp_path)
+    assert all(n in proc.stderr for n in names)
+    assert _read(tmp_path / names[0]).format == "safetensors"  # each file alone reads
 
 
 @pytest.mark.slow

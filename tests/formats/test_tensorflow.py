@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import shutil
 import struct
 from pathlib import Path
@@ -342,3 +343,59 @@ def test_truncated_shard_is_corrupt(tmp_path: Path) -> None:
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CorruptFileError, match="claims bytes"):
         read(tmp_path / "ck")
+
+
+# -- an empty prefix -----------------------------------------------------------------------
+
+
+def _empty_prefix_bundle(folder: Path, state: bool) -> Path:
+    """TensorFlow's tf1 fixture renamed to ``.index``, ``.data-00000-of-00001``, ``.meta``
+    (an empty prefix, as one published package ships its checkpoint), with a stale state
+    file naming the prefix it was saved under when ``state``."""
+    folder.mkdir()
+    for f in (FIXTURES / "tf1").glob("model.ckpt.*"):
+        shutil.copy(f, folder / f.name[len("model.ckpt"):])
+    if state:
+        (folder / "checkpoint").write_text('model_checkpoint_path: "model.ckpt"\n')
+    return folder
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["no-state-file", "stale-state-file"])
+def test_bundle_with_an_empty_prefix_reads_like_any_prefix(tmp_path: Path, state: bool) -> None:
+    folder = _empty_prefix_bundle(tmp_path / "pkg", state)
+    expected = _expected(CASES["tf1/model.ckpt"])
+    for given in (folder, folder / ".index", folder / ".data-00000-of-00001",
+                  folder / ".meta", f"{folder}/"):
+        inv = read(given)
+        assert inv.bytes_by_category == expected, given
+        assert sorted(f.path.name for f in inv.files) == [
+            ".data-00000-of-00001", ".index", ".meta"]
+        assert inv.facts["prefix"] == f"{folder}/"
+        assert sniff_format(given) == "tensorflow"
+    truth = {k: (v["category"], v["bytes"]) for k, v in CASES["tf1/model.ckpt"]["tensors"].items()}
+    assert _by_checkpoint_name(read(folder)) == truth
+
+
+def test_bundle_with_an_empty_prefix_slims(tmp_path: Path) -> None:
+    folder = _empty_prefix_bundle(tmp_path / "pkg", state=False)
+    proc = run_cli("inspect", "pkg", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("slim", "pkg", "--drop", "optimizer_state", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = read(tmp_path / "pkg.slim")
+    assert out.bytes_by_category[Category.OPTIMIZER_STATE] == 0
+    weights = {k: v["bytes"] for k, v in CASES["tf1/model.ckpt"]["tensors"].items()
+               if v["category"] == "weights"}
+    got = {k: n for k, (c, n) in _by_checkpoint_name(out).items() if c == "weights"}
+    assert got == weights
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".data-00000-of-00001", ".index", ".meta"]
+    # one file of the bundle given: the fix inspect prints runs as printed
+    proc = run_cli("inspect", "pkg/.index", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (action,) = [f["action"] for f in json.loads(proc.stdout)["findings"]]
+    proc = run_cli(*shlex.split(action)[1:], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out_prefix = shlex.split(action)[-1]
+    out = read(tmp_path / f"{out_prefix}.index")
+    assert {k: n for k, (c, n) in _by_checkpoint_name(out).items() if c == "weights"} == weights

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import random
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import modelsize
 from modelsize.categories import Category
@@ -372,3 +375,107 @@ def test_diff_with_its_saved_model_matches_kernels_by_layout(converted: dict[str
         assert names[c.b.name]["shape"] == list(c.b.shape)
         assert c.b.dtype == ("int8" if kind == "int8" else "float32")
     assert d.to_dict()["tensors"]["matched_by_layout"] == 4
+
+
+# -- sparse tensors: densified as TFLite's Densify does --------------------------------------
+_SPARSE = r'''
+import json, os, sys, warnings
+import numpy as np
+warnings.filterwarnings("ignore")
+import tensorflow as tf
+
+out = sys.argv[1]
+tf.keras.utils.set_random_seed(0)
+inp = tf.keras.Input((64,))
+layer = tf.keras.layers.Dense(48)
+model = tf.keras.Model(inp, layer(inp))
+w, b = layer.get_weights()
+keep = np.random.default_rng(0).random(w.shape) < 0.1
+layer.set_weights([np.where(keep, w, 0).astype("f4"), b])
+c = tf.lite.TFLiteConverter.from_keras_model(model)
+c.optimizations = [tf.lite.Optimize.EXPERIMENTAL_SPARSITY]
+path = os.path.join(out, "sparse.tflite")
+with open(path, "wb") as f:
+    f.write(c.convert())
+# The reference kernels (no XNNPACK) keep the DENSIFY operator's output.
+it = tf.lite.Interpreter(model_path=path, experimental_preserve_all_tensors=True,
+                         experimental_op_resolver_type=(
+                             tf.lite.experimental.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES))
+it.allocate_tensors()
+x = it.get_input_details()[0]
+it.set_tensor(x["index"], np.zeros(x["shape"], np.float32))
+it.invoke()
+[dense] = [it.get_tensor(d["index"]) for d in it.get_tensor_details()
+           if d["name"] == "Densify_output"]
+print(json.dumps({"path": path, "dense": dense.astype("<f4").tobytes().hex(),
+                  "shape": list(dense.shape), "nonzero": int((dense != 0).sum())}))
+'''
+
+
+@pytest.fixture(scope="module")
+def sparse_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tflite_sparse")
+    proc = run_in_tf(_SPARSE, str(out))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sparse_tensor_reads_dense_as_the_interpreter_densifies_it(
+        sparse_model: dict[str, Any], tmp_path: Path) -> None:
+    """Before: ``slim --to safetensors`` of a sparse model said the tensor was stored "in a way
+    modelsize cannot decode"; now its tensor is the DENSIFY operator's output, byte for byte."""
+    from modelsize.slimming.verify import crc_of
+
+    path = Path(sparse_model["path"])
+    inv = _read(path)
+    [kernel] = [t for t in inv.tensors if "sparse" in t.tags]
+    assert list(kernel.shape) == sparse_model["shape"]
+    dense = bytes.fromhex(sparse_model["dense"])
+    assert crc_of(inv, kernel) == (zlib.crc32(dense), len(dense))
+    out = tmp_path / "dense.safetensors"
+    report = modelsize.slim(path, out, to="safetensors")
+    assert report.verified
+    [tensor] = load_file(str(out)).values()
+    assert tensor.tobytes() == dense and int((tensor != 0).sum()) == sparse_model["nonzero"]
+
+
+def test_lying_sparsity_is_refused_in_one_line(sparse_model: dict[str, Any],
+                                               tmp_path: Path) -> None:
+    """Segments that run backwards or past the indices: one line, exit 2, nothing written."""
+    data = bytearray(Path(sparse_model["path"]).read_bytes())
+    # The CSR level's segments: 49 increasing uint16/int32 values ending in the value count;
+    # reverse two of them.
+    inv = _read(Path(sparse_model["path"]))
+    [kernel] = [t for t in inv.tensors if "sparse" in t.tags]
+    count = next(s.nbytes for s in inv.storages if s.key == kernel.storage) // 4
+    found, width = -1, 0
+    for code, size in (("<i4", 4), ("<u2", 2), ("<u1", 1)):
+        for start in range(8, len(data) - 49 * size, size):
+            vals = np.frombuffer(bytes(data[start:start + 49 * size]), dtype=code)
+            if vals[0] == 0 and vals[-1] == count and (np.diff(vals.astype(np.int64)) >= 0).all():
+                found, width = start, size
+                break
+        if found >= 0:
+            break
+    assert found >= 0, "no segment array found"
+    data[found + 10 * width:found + 11 * width] = (count + 7).to_bytes(width, "little")
+    path = tmp_path / "lying.tflite"
+    path.write_bytes(bytes(data))
+    proc = run_cli("slim", str(path), "--to", "safetensors", "-o", str(tmp_path / "o.st"))
+    assert_one_line_error(proc, path)
+    assert not (tmp_path / "o.st").exists()
+
+
+def test_densify_block_sparse_by_hand() -> None:
+    """A 4x4 matrix stored as 1x2 blocks along its columns (rows dense, block columns CSR,
+    the block's two elements dense): the layout TFLite's FormatConverter reads."""
+    from modelsize.formats.tflite import _densify
+
+    # Dense matrix (row-major):      blocks kept (row, block column): (0,1) (2,0) (3,1)
+    #  0 0 1 2
+    #  0 0 0 0
+    #  3 4 0 0
+    #  0 0 5 6
+    values = struct.pack("<6f", 1, 2, 3, 4, 5, 6)
+    levels = [(0, 4, [], []), (1, 0, [0, 1, 1, 2, 3], [1, 0, 1]), (0, 2, [], [])]
+    dense = _densify(values, 4, (4, 4), [0, 1, 2], [1], levels)
+    assert struct.unpack("<16f", dense) == (0, 0, 1, 2, 0, 0, 0, 0, 3, 4, 0, 0, 0, 0, 5, 6)

@@ -143,8 +143,7 @@ SLIM_OUTPUT = {
     "keras-h5": ("same", ".hdf5", "keras-h5"), "npy": ("same", ".npy", "numpy"),
     # A SavedModel's graph names every variable: slim writes its tensors, not a SavedModel.
     "tensorflow": ("safetensors", ".safetensors", "safetensors"),
-    # No TFLite writer: slim writes a TFLite model's constants as safetensors.
-    "tflite": ("safetensors", ".safetensors", "safetensors"),
+    "tflite": ("same", ".tflite", "tflite"),
     "pickle": ("same", ".npz", "npz"),
 }
 

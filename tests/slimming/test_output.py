@@ -111,7 +111,7 @@ def test_without_o_tmpfile_a_failure_still_cleans_up(tmp_path: Path,
     out._anonymous = False  # as on a filesystem without O_TMPFILE
     fh = out.open("x.bin")
     fh.write(b"partial")
-    assert any(p.name.startswith(".x.bin.modelsize-tmp-") for p in tmp_path.iterdir())
+    assert any(p.name.startswith(".x.bin.modelsize-partial-") for p in tmp_path.iterdir())
     out.discard()
     assert list(tmp_path.iterdir()) == []
 
@@ -128,3 +128,50 @@ def test_commit_is_atomic_replace(tmp_path: Path) -> None:
     out.commit("x.bin")
     assert target.read_bytes() == b"new" and os.stat(target).st_ino != inode_before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+def test_without_o_tmpfile_the_commit_still_refuses_an_out_that_appeared(
+        tmp_path: Path) -> None:
+    from modelsize.errors import OutputError
+
+    target = tmp_path / "x.bin"
+    out = Output(target)
+    out._anonymous = False  # as on a filesystem without O_TMPFILE
+    out.check(["x.bin"])
+    out.open("x.bin").write(b"new")
+    out.seal()
+    target.write_bytes(b"someone else's")
+    with pytest.raises(OutputError, match="appeared while slim was writing"):
+        out.commit("x.bin")
+    out.discard()
+    assert target.read_bytes() == b"someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_folder_commit(tmp_path: Path, renameat2: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelsize.errors import OutputError
+    from modelsize.slimming import output
+
+    if not renameat2:  # a C library without it: check, then rename
+        monkeypatch.setattr(output, "_renameat2", lambda *args: False)
+    target = tmp_path / "out"
+
+    def write(force: bool, data: bytes) -> Output:
+        out = Output(target, directory=True, force=force)
+        out.check(["a.bin"])
+        out.open("a.bin").write(data)
+        out.seal()
+        return out
+
+    first = write(False, b"one")
+    second = write(False, b"two")
+    first.commit()
+    with pytest.raises(OutputError, match="appeared while slim was writing"):
+        second.commit()
+    second.discard()
+    assert (target / "a.bin").read_bytes() == b"one"
+    third = write(True, b"three")
+    third.commit()  # --force: swapped in whole
+    assert (target / "a.bin").read_bytes() == b"three"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

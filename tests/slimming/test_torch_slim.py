@@ -223,6 +223,34 @@ def test_trainer_directory(tmp_path: Path) -> None:
     assert report.predicted_bytes == report.output_bytes
 
 
+def test_trainer_directory_printed_fix_passes_untouched_files_through(tmp_path: Path) -> None:
+    """Issue 18 item 15: the printed fix ``--drop optimizer_state`` of a Trainer checkpoint
+    exited 2 on ``rng_state.pth`` (a NumPy RNG state pickled as latin-1 text). A file the fix
+    does not touch passes through byte for byte; the output is still a Trainer checkpoint
+    (its ``trainer_state.json`` kept), resumable with a fresh optimizer."""
+    import shlex
+
+    src = tmp_path / "checkpoint-2"
+    shutil.copytree(REPO / "tests/fixtures/hf_trainer/checkpoint-2", src)
+    fix = next(f.action for f in modelsize.inspect(src).findings
+               if f.kind.value == "optimizer_state")
+    argv = shlex.split(fix)
+    assert argv[2:5] == [str(src), "--drop", "optimizer_state"]
+    proc = run_cli(*argv[1:], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = Path(argv[-1])
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors",
+                     "rng_state.pth", "trainer_state.json"]
+    for name in names:
+        assert _sha(out / name) == _sha(src / name), name
+    rng = torch.load(out / "rng_state.pth", weights_only=False)  # the fixture's own file
+    assert set(rng) >= {"python", "numpy", "cpu"}
+    after = modelsize.inspect(out).inventory
+    assert after.bytes_by_category[Category.OPTIMIZER_STATE] == 0
+    assert after.bytes_by_category[Category.OTHER] > 0  # the RNG states, still there
+
+
 def test_torch_shards_with_index(tmp_path: Path) -> None:
     src = tmp_path / "sharded"
     src.mkdir()
@@ -246,6 +274,9 @@ def test_torch_shards_with_index(tmp_path: Path) -> None:
     assert got["l2.weight"].dtype == torch.float32
     assert torch.equal(got["l2.weight"], b["l2.weight"].float())
     assert report.predicted_bytes == report.output_bytes
+    # the first shard holds nothing to cast: it passes through as it is
+    first = "pytorch_model-00001-of-00002.bin"
+    assert _sha(out / first) == _sha(src / first)
 
 
 def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:

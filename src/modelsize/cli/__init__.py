@@ -8,11 +8,13 @@ imported only when that verb runs (or for help), so ``inspect`` pays nothing for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from modelsize import __version__
 from modelsize.errors import ModelSizeError, printable
@@ -33,10 +35,18 @@ def _verb(name: str):  # type: ignore[no-untyped-def]  # a module
     return importlib.import_module(f"modelsize.cli.{name}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error form: one line on stderr and exit 2 (argparse's own
+    prints the whole usage first), pointing at ``--help``."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {printable(message, 300)} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser. Only the verb named in ``argv`` (or every verb, for help) is
     imported to define its arguments."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="modelsize",
         description="Why is this model file so big, how much memory will this model need, "
         "and how to make it smaller.",
@@ -54,25 +64,35 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script."""
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    # Inspecting builds many small acyclic objects: the cycle collector would only rescan them
-    # (7 ms at 1,000 tensors, seconds at 20,000). Restored on the way out for in-process callers.
+    """Entry point of the console script.
+
+    Everything, the parser included (building it imports the verb's module), runs inside the
+    error funnel: a Ctrl-C at any point is one line, ``modelsize: interrupted``, and exit 130.
+    """
     gc_was_enabled = gc.isenabled()
-    if args.verb in ("inspect", "slim", "diff", "check"):
-        gc.disable()
+    if argv is None:
+        _Interrupts.catch()
     try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        # Inspecting builds many small acyclic objects: the cycle collector would only rescan
+        # them (7 ms at 1,000 tensors, seconds at 20,000). Restored on the way out for
+        # in-process callers.
+        if args.verb in ("inspect", "slim", "diff", "check"):
+            gc.disable()
         return int(_verb(args.verb).run(args))
+    except KeyboardInterrupt:
+        return _interrupted()
     except ModelSizeError as exc:
+        if _Interrupts.pending:  # a failure the swallowed Ctrl-C caused (a half import)
+            return _interrupted()
         print(f"modelsize: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("modelsize: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         return 0
     except Exception as exc:
+        if _Interrupts.pending:
+            return _interrupted()
         if os.environ.get("MODELSIZE_DEBUG"):
             raise
         print(
@@ -84,6 +104,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if gc_was_enabled:
             gc.enable()
+        if argv is None:
+            _Interrupts.release()
+
+
+def _interrupted() -> int:
+    _Interrupts.finishing = True
+    print("modelsize: interrupted", file=sys.stderr)
+    return 130
+
+
+class _Interrupts:
+    """Ctrl-C for the command (``main()`` without arguments), never lost and never a traceback.
+
+    Python turns SIGINT into ``KeyboardInterrupt`` wherever the main thread is, and code we do
+    not own can swallow it: torch's C start-up imports NumPy and clears any error that import
+    raises, so a Ctrl-C landing there would be ignored and the command would run to its end.
+    So the handler also notes the interrupt, and an audit hook raises it again at the next
+    import until :func:`main` has it (never while it is on its way out: cleanup runs). Once
+    the command is finishing, a Ctrl-C is the signal's default (the process ends, without a
+    traceback from interpreter shutdown).
+    """
+
+    pending = False
+    finishing = False
+    hooked = False
+
+    @classmethod
+    def catch(cls) -> None:
+        import signal
+
+        cls.pending = cls.finishing = False
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            # An inherited SIG_IGN (a background job of a script) stays as it is.
+            from modelsize import _interrupted_at_start
+
+            if signal.getsignal(signal.SIGINT) in (signal.default_int_handler,
+                                                   _interrupted_at_start):
+                signal.signal(signal.SIGINT, cls._on_sigint)
+                if not cls.hooked:
+                    sys.addaudithook(cls._audit)
+                    cls.hooked = True
+
+    @classmethod
+    def _on_sigint(cls, signum: int, frame: object) -> None:
+        if cls.finishing:
+            return
+        cls.pending = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def _audit(cls, event: str, args: tuple[object, ...]) -> None:
+        # Not while the first one is on its way out (cleanup code that imports must run).
+        if (cls.pending and not cls.finishing and event == "import"
+                and not isinstance(sys.exc_info()[1], KeyboardInterrupt)):
+            raise KeyboardInterrupt
+
+    @classmethod
+    def release(cls) -> None:
+        import signal
+
+        cls.finishing = True
+        cls.pending = False
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(signal.SIGINT) == cls._on_sigint:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,16 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize check``: 0 when every file passes, 1 when one breaks a rule."""
-    from modelsize.checking import check, parse_forbid
-    from modelsize.errors import UsageError
-    from modelsize.report.units import parse_size
+    from modelsize.checking import check, parse_forbid, parse_max_size
 
-    max_size = None
-    if args.max_size is not None:
-        try:
-            max_size = parse_size(args.max_size)
-        except ValueError as exc:
-            raise UsageError(f"--max-size: {exc}") from None
+    max_size = parse_max_size(args.max_size, "--max-size")
     forbid = parse_forbid(args.forbid)
     results = [check(p, max_size=max_size, forbid=forbid) for p in args.paths]
     failed = [r for r in results if not r.ok]

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,17 @@ STORIES: tuple[tuple[str, Callable[[Path], Path]], ...] = (
 )
 
 
-def inspect_section(out: Path) -> str:
-    """Write every story's file into ``out``, inspect each, run the fix it prints, and return
-    the reports."""
+#: Names ``--only`` takes for single stories, from the story list: ``train_checkpoint``...
+STORY_NAMES: tuple[str, ...] = tuple(make.__name__.lstrip("_") for _, make in STORIES)
+#: The demo's sections; ``--only`` takes these and :data:`STORY_NAMES`.
+SECTIONS: tuple[str, ...] = ("inspect", "estimate")
+
+
+def inspect_section(out: Path, only: Sequence[str] | None = None,
+                    written: list[Path] | None = None) -> str:
+    """Write every story's file (or those named in ``only``) into ``out``, inspect each, run
+    the fix it prints, and return the reports. What the fixes wrote is added to ``written``
+    (paths relative to ``out``)."""
     from modelsize.findings import fix_command
     from modelsize.inspection import inspect
     from modelsize.report.text import render_inspect
@@ -139,21 +148,28 @@ def inspect_section(out: Path) -> str:
     try:
         os.chdir(out)  # reports name the files as a user in that folder would
         for i, (title, make) in enumerate(STORIES, 1):
+            if only is not None and make.__name__.lstrip("_") not in only:
+                continue
             path = make(Path("."))
             report = inspect(path)
             text = f"== {i}. {title}\n\n$ modelsize inspect {path} --top 5\n"
             text += render_inspect(report, top=5)
             command = fix_command(report.inventory, list(report.findings))
             if command:
-                text += "\nThe fix, run exactly as printed:\n\n" + _run_fix(command)
+                text += "\nThe fix, run exactly as printed:\n\n" + _run_fix(command, written)
             parts.append(text)
     finally:
         os.chdir(here)
     return "\n".join(parts)
 
 
-def _run_fix(command: str) -> str:
-    """``$ command`` and what it prints, run in this process through the CLI."""
+def _tree(folder: Path) -> set[Path]:
+    return {p.relative_to(folder) for p in folder.rglob("*")}
+
+
+def _run_fix(command: str, written: list[Path] | None = None) -> str:
+    """``$ command`` and what it prints, run in this process through the CLI (in the current
+    folder); the paths it created are added to ``written``."""
     import contextlib
     import io
     import shlex
@@ -161,9 +177,12 @@ def _run_fix(command: str) -> str:
     from modelsize.cli import main
 
     argv = shlex.split(command)[1:]
+    before = _tree(Path("."))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
+    if written is not None:
+        written.extend(sorted(_tree(Path(".")) - before))
     text = f"$ {command}\n{out.getvalue()}{err.getvalue()}"
     if code == 0:
         from modelsize.inspection import inspect
@@ -175,19 +194,70 @@ def _run_fix(command: str) -> str:
     return text
 
 
-def run_demo(directory: str | None = None, sections: list[str] | None = None) -> int:
-    """Print the demo; files go to ``directory`` (kept) or a temporary one (removed)."""
-    wanted = set(sections or ["inspect", "estimate"])
-    with tempfile.TemporaryDirectory(prefix="modelsize-demo-") as tmp:
-        out = Path(directory) if directory else Path(tmp)
+def _folder(directory: str | None) -> Path:
+    """The folder the demo writes into: ``--dir`` (made if missing) or a new temporary
+    folder, which is kept: the commands the demo prints name files in it."""
+    from modelsize.errors import InputError, UsageError, printable
+
+    if directory is None:
+        return Path(tempfile.mkdtemp(prefix="modelsize-demo-"))
+    out = Path(directory)
+    shown = printable(directory)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--dir {shown}: exists and is not a folder; name a folder to write "
+                         "the example files into")
+    try:
         out.mkdir(parents=True, exist_ok=True)
-        if "inspect" in wanted:
-            sys.stdout.write(f"modelsize inspect: why is this file so big? (files in {out})\n\n")
-            sys.stdout.write(inspect_section(out))
-            sys.stdout.flush()
-        if "estimate" in wanted:
-            sys.stdout.write("\nmodelsize estimate: how much memory will it need?\n\n")
-            sys.stdout.write(estimate_section())
+    except OSError as exc:
+        raise InputError(f"--dir {shown}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise InputError(f"--dir {shown}: cannot write into it (permission denied)")
+    return out
+
+
+def _remove(out: Path, written: list[Path]) -> None:
+    """Remove what the fixes wrote, deepest first, so that each fix runs again as printed."""
+    import shutil
+
+    for rel in sorted(written, key=lambda p: len(p.parts), reverse=True):
+        path = out / rel
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def run_demo(directory: str | None = None, sections: Sequence[str] | None = None) -> int:
+    """Print the demo. Its files go to ``directory`` or to a new temporary folder; either is
+    kept, and the fixes' outputs are removed at the end, so that every command the demo
+    printed runs as printed in that folder afterwards. ``sections``: ``inspect``,
+    ``estimate`` and story names (:data:`STORY_NAMES`); unknown names are a UsageError."""
+    from modelsize.errors import UsageError, printable
+
+    names = list(sections or SECTIONS)
+    unknown = [n for n in names if n not in SECTIONS + STORY_NAMES]
+    if unknown:
+        raise UsageError(f"--only: unknown section or story {printable(unknown[0])!r} "
+                         f"(one of: {', '.join(SECTIONS + STORY_NAMES)})")
+    stories = [n for n in names if n in STORY_NAMES]
+    if "inspect" in names or stories:
+        out = _folder(directory)
+        sys.stdout.write(f"modelsize inspect: why is this file so big? (files in {out})\n\n")
+        written: list[Path] = []
+        try:
+            sys.stdout.write(inspect_section(
+                out, None if "inspect" in names else stories, written))
+        finally:
+            _remove(out, written)
+        shown = shlex.quote(str(out))
+        sys.stdout.write(
+            f"\nThe example files are kept in {out}: `cd {shown}` to run the commands above "
+            "(the fixes' outputs were removed, so each fix runs as printed)"
+            + (f"; `rm -r {shown}` when done.\n" if directory is None else ".\n"))
+        sys.stdout.flush()
+    if "estimate" in names:
+        sys.stdout.write("\nmodelsize estimate: how much memory will it need?\n\n")
+        sys.stdout.write(estimate_section())
     return 0
 
 
@@ -230,9 +300,12 @@ def estimate_section() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Define the ``demo`` sub-command's arguments."""
-    p.add_argument("--dir", default=None, help="keep the example files here (default: a temp dir)")
-    p.add_argument("--only", action="append", default=None,
-                   help="run only this section (inspect, estimate); repeatable")
+    p.add_argument("--dir", default=None,
+                   help="write the example files here (default: a new temporary folder; "
+                   "either is kept, and the demo says where)")
+    p.add_argument("--only", action="append", default=None, metavar="NAME",
+                   help="run only this section (" + ", ".join(SECTIONS) + ") or story ("
+                   + ", ".join(STORY_NAMES) + "); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,14 +21,26 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize diff``."""
     from modelsize.diff import diff
     from modelsize.report.diff_text import render_diff
+    from modelsize.report.files import check_output_file
 
-    result = diff(args.a, args.b)
+    check_output_file(args.html)
+    a: Any = args.a
+    b: Any = args.b
+    subs: dict[str, str] = {}  # a URL's temporary mirror -> the URL
+    if "://" in a or "://" in b:  # URLs: read by their headers, named in place of the mirrors
+        from modelsize.cli._remote import diff_note, inventory_or_path, localize
+
+        a, b = inventory_or_path(a, subs), inventory_or_path(b, subs)
+    result = diff(a, b)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        text = json.dumps(result.to_dict(), indent=2) + "\n"
+        sys.stdout.write(localize(text, subs, as_json=True) if subs else text)
     else:
-        sys.stdout.write(render_diff(result))
+        text = render_diff(result)
+        sys.stdout.write(localize(text, subs) + diff_note(subs) if subs else text)
     if args.html:
         from modelsize.report import html
 
-        html.write(args.html, html.render_diff(result))
+        page = html.render_diff(result)
+        html.write(args.html, localize(page, subs, as_html=True) if subs else page)
     return 0

@@ -159,9 +159,11 @@ class Progress:
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize estimate`` (prints the report or JSON; returns the exit code)."""
     from modelsize.estimation import require_torch
+    from modelsize.report.files import check_output_file
 
     if getattr(args, "list", False):
         return _print_list()
+    check_output_file(getattr(args, "html", None))
     if not args.model:
         raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
                          "module:factory); see modelsize estimate --list")

@@ -7,11 +7,23 @@ import json
 import sys
 
 
+def count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more (``--top -1`` printed "(-1 of 32)")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Define the ``inspect`` sub-command's arguments."""
     p.add_argument("path", help="a model file, a checkpoint directory or prefix")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--top", type=int, default=None, help="largest tensors to list (default 10)")
+    p.add_argument("--top", type=count, default=None, metavar="N",
+                   help="largest tensors to list (default 10)")
     p.add_argument("--load-cost", action="store_true",
                    help="also measure the RAM and time of the usual ways to load it "
                    "(runs the real framework in a subprocess)")
@@ -22,8 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize inspect``."""
     from modelsize.inspection import inspect
+    from modelsize.report.files import check_output_file
     from modelsize.report.text import render_inspect
 
+    check_output_file(args.html)
     if "://" in str(args.path):  # modelsize.remote imports urllib, http, ssl: URLs only
         from modelsize.remote import is_remote
 
@@ -66,8 +80,9 @@ def _remote(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(remote.text(top=10 if args.top is None else args.top))
     if args.html:
+        from modelsize.cli._remote import localize
         from modelsize.report import html
 
-        html.write(args.html, html.render_inspect(remote.report).replace(remote.local,
-                                                                          remote.url))
+        html.write(args.html, localize(html.render_inspect(remote.report),
+                                       {remote.local: remote.url}, as_html=True))
     return 0

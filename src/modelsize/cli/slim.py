@@ -104,9 +104,14 @@ def _interruptible() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize slim``."""
+    from modelsize.report.files import check_output_file
     from modelsize.report.slim_text import render_slim
     from modelsize.slimming import slim
 
+    check_output_file(args.html)
+    if "://" in args.path:  # a URL: slimmed from a download, OUT in the current folder
+        from modelsize.cli._remote import slim_url
+        return slim_url(args, run)
     bar = _Bar(sys.stderr.isatty() and not args.json)
     # Passed only when given: the default (auto) is the library's own.
     layout = {} if args.external_data is None else {"external_data": args.external_data}

@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np
 import tensorflow as tf
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).absolute().parent  # run by the TF venv: no modelsize import
 OUT = HERE / "tf1_mlp_adam"
 tf1 = tf.compat.v1
 

@@ -22,8 +22,10 @@ from modelsize.errors import (
     ModelSizeError,
     PathNotFoundError,
     UnknownFormatError,
+    UsageError,
+    printable,
 )
-from modelsize.formats.base import Reader, Source
+from modelsize.formats.base import Reader, Source, real_path
 from modelsize.inventory import Inventory
 
 __all__ = ["Reader", "Registry", "Source", "read", "registry"]
@@ -98,6 +100,7 @@ class Registry:
             if claimed:
                 return reader
         if source.kind == "missing":
+            real_path(source.path)  # a link that loops or dangles says so
             raise PathNotFoundError(source.path)
         if source.kind == "dir":
             raise UnknownFormatError(
@@ -186,6 +189,13 @@ _DECODE_ERRORS = (
 def read(path: str | Path, registry_: Registry | None = None) -> Inventory:
     """Find the reader for ``path`` and return its :class:`Inventory`."""
     reg = registry_ or registry()
+    if isinstance(path, str) and "://" in path:
+        from modelsize.remote import is_remote
+
+        if is_remote(path):  # Path() would make "http:/host/x" of it
+            raise UsageError(f"{printable(path)}: a URL; modelsize reads it remotely in "
+                             "`modelsize inspect/diff/check/slim URL` and "
+                             "modelsize.remote.inspect_remote(URL)")
     try:
         source = Source.open(path)
     except OSError as exc:

@@ -705,9 +705,13 @@ class _Walker:
             if value is None or isinstance(value, _LEAVES):
                 continue
             if id(value) in seen:
-                if id(value) in tensor_ids:
+                attribute = ctx.soft and ctx.forced is Category.ACTIVATIONS
+                if id(value) in tensor_ids and not attribute:
                     # One tensor pickled under a second name through the memo (tied weights):
-                    # a second view of the same bytes, so that no key of the file is lost.
+                    # a second view of the same bytes, so that no key of the file is lost. A
+                    # module's plain attribute that refers to a tensor already declared (an
+                    # LSTM's ``_flat_weights`` list of its own parameters) is no tensor of its
+                    # own: ``state_dict()`` does not list it.
                     t = self.tensor(value)  # type: ignore[arg-type]
                     if t is not None:
                         self.declare(t, path, ctx)
@@ -965,6 +969,20 @@ def latin1_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
                 raise ValueError(f"storage {storage.key} ends early")
             left -= len(raw)
             yield decoder.decode(raw, final=not left).encode("latin-1")
+
+
+def torch_storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+    """``storage_chunks`` of the torch readers: NumPy arrays pickled as latin-1 text (a
+    Trainer's ``rng_state.pth`` holds one), under their key or a merged checkpoint's
+    ``label:key``. Any other encoded storage (a deflated zip member) is refused in one line."""
+    if storage.key.rsplit(":", 1)[-1].startswith(LATIN1_KEY):
+        yield from latin1_chunks(inv, storage)
+        return
+    from modelsize.errors import UsageError, printable
+
+    raise UsageError(
+        f"{printable(str(inv.files[storage.file].path))}: storage {printable(storage.key)} is "
+        f"stored compressed in a way modelsize cannot decode ({inv.format}); nothing was written")
 
 
 def add_pickle_region(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from modelsize.errors import InputError, printable
+from modelsize.errors import InputError, PathNotFoundError, printable
 from modelsize.inventory import Inventory
 
 HEAD_BYTES = 4096
@@ -61,6 +61,35 @@ def check_file(path: str | Path) -> os.stat_result:
     if what is not None:
         raise not_a_file(path, what)
     return st
+
+
+def real_path(path: str | Path, *, must_exist: bool = True) -> Path:
+    """The absolute path with every symbolic link followed: the one way modelsize resolves
+    a path (never ``Path.resolve()`` or ``os.path.realpath`` directly).
+
+    A link that loops (to itself, or round a circle) is the input's fault and becomes one line
+    (:class:`~modelsize.errors.InputError`, exit 2), where ``Path.resolve()`` raises
+    ``RuntimeError`` (Python < 3.13) and ``realpath`` quietly returns a path. So is a link
+    that points at nothing, and a path that is not there (:class:`PathNotFoundError`), unless
+    ``must_exist=False`` (an output about to be written): then it is resolved as far as it goes.
+    """
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except OSError as exc:
+        shown = printable(str(path))
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"{shown}: symbolic link loop (a link that leads back to "
+                             "itself); point modelsize at the real file") from None
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise InputError(f"{shown}: cannot read: {exc.strerror or exc}") from None
+        if not must_exist:
+            return Path(os.path.realpath(path))
+        try:
+            target = os.readlink(path)
+        except OSError:
+            raise PathNotFoundError(path) from None
+        raise InputError(f"{shown}: symbolic link to {printable(target)}, which does not "
+                         "exist") from None
 
 
 def is_regular_file(path: str | Path) -> bool:
@@ -124,7 +153,13 @@ class Source:
         A FIFO, device or socket is refused (:func:`not_a_file`) without being opened, and so
         is a directory holding one (:func:`check_tree`).
         """
+        if isinstance(path, str) and not path:
+            raise PathNotFoundError(path, "an empty path")
         p = Path(path)
+        if p.name in ("", ".."):
+            # ".", "..", "run/..": no name to print or to build an output's name from
+            # ("x.slim"); the real folder has one.
+            p = real_path(p)
         try:
             st = p.stat()
         except OSError as exc:

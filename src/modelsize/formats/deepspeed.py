@@ -33,7 +33,7 @@ from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats import _zip
 from modelsize.formats._pickle import PickleError, scan
-from modelsize.formats.base import Source
+from modelsize.formats.base import Source, real_path
 from modelsize.formats.torch_sharded import (
     Merged,
     Part,
@@ -218,15 +218,15 @@ class _DeepSpeedRead:
         if latest is not None:
             self.spec.side_files.append(SideFile(latest, Category.METADATA, "latest tag"))
         self.describe(files, parts, tag_dir)
-        counted = {f.path.resolve() for f in files}
+        counted = {real_path(f.path) for f in files}
         if latest is not None:
-            counted.add(latest.resolve())
+            counted.add(real_path(latest))
         others = [p for d in {self.root, tag_dir} for p in d.iterdir()
-                  if p.is_file() and p.resolve() not in counted]
+                  if p.is_file() and real_path(p) not in counted]
         note = left_out_note(self.root, others)
         if note:
             self.spec.notes.append(note)
-        older = [p.name for p in _tag_dirs(self.root) if p.resolve() != tag_dir.resolve()]
+        older = [p.name for p in _tag_dirs(self.root) if real_path(p) != real_path(tag_dir)]
         if older and tag_dir != self.root:
             self.spec.notes.append(
                 f"{len(older)} other checkpoint tag(s) beside it were not counted: "

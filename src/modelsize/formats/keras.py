@@ -42,6 +42,7 @@ from modelsize.categories import Category
 from modelsize.errors import UsageError, printable
 from modelsize.formats import _zip
 from modelsize.formats._hdf5 import SIGNATURE, Blob, BytesBlob, H5File, HDF5Error, read_hdf5
+from modelsize.formats._keras_optimizer import optimizer_facts
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
@@ -455,6 +456,7 @@ class KerasReader:
                 try:
                     config = json.loads(_zip.read_member(path, m, builder, _MAX_CONFIG))
                     classes = layer_classes(config)
+                    builder.facts.update(optimizer_facts(config))
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     builder.notes.append("config.json is not valid JSON")
             elif m.name == "metadata.json":

@@ -43,7 +43,7 @@ from modelsize.formats._protobuf import (
     read_varint,
     signed64,
 )
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 #: ``TensorProto.DataType`` -> canonical dtype names of :mod:`modelsize.dtypes`.
@@ -127,6 +127,9 @@ class GraphSite:
     outputs: list[str] = field(default_factory=list)
     initializers: list[str] = field(default_factory=list)
     nodes: list[NodeSite] = field(default_factory=list)
+    #: Bytes of the ``doc_string`` and ``metadata_props`` fields of the graph and of its
+    #: inputs, outputs and value_info (what slim's ``debug-info`` pass clears).
+    debug: int = 0
 
     @property
     def depth(self) -> int:
@@ -182,6 +185,10 @@ class NodeSite:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     subgraphs: list[GraphSite] = field(default_factory=list)
+    #: Bytes of its ``doc_string`` and ``metadata_props`` fields.
+    debug: int = 0
+    #: Its scalar attributes (``epsilon``, ``training_mode``, ``transB``...).
+    attrs: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -203,6 +210,11 @@ class TensorSite:
     index: int = -1
     #: An initializer no node, graph output or subgraph reads.
     unused: bool = False
+    dims: tuple[int, ...] = ()
+    #: ``TensorProto.DataType``.
+    data_type: int = 0
+    #: Its data lives in an external file.
+    external: bool = False
 
 
 @dataclass
@@ -318,8 +330,11 @@ class OnnxReader:
         path = source.path
         model = _parse(path)
         externals, file_of = _external_files(path, model)
+        from modelsize.formats._onnx_savings import graph_savings
+
         builder = InventoryBuilder(self.name, [path, *externals], root=path)
         builder.facts.update(model.facts)
+        builder.facts.update(graph_savings(model.structure).facts())
         _declare(builder, model, file_of)
         return builder.build(Category.METADATA)
 
@@ -453,9 +468,12 @@ class _Parser:
             elif f.number in (11, 12, 13):
                 _expect(f, LEN, "GraphProto input/output/value_info")
                 self.model.graph_ranges.append((f.start, f.end))
+                name, debug = self._value_info(f)
+                site.debug += debug
                 if f.number != 13:
-                    name = self._value_name(f)
                     (site.inputs if f.number == 11 else site.outputs).append(name)
+            elif f.number in (10, 16):  # doc_string, metadata_props
+                site.debug += f.nbytes
             elif f.number == 5:
                 _expect(f, LEN, "GraphProto.initializer")
                 name, _ = self.tensor(f.data_start, f.end, scope, None,
@@ -467,13 +485,16 @@ class _Parser:
                 site.initializers.append(name[len(scope):])
         return site
 
-    def _value_name(self, f: Field) -> str:
-        """The name of a ``ValueInfoProto``."""
-        name = ""
+    def _value_info(self, f: Field) -> tuple[str, int]:
+        """The name of a ``ValueInfoProto`` and the bytes of its doc_string and
+        metadata_props."""
+        name, debug = "", 0
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 name = _text(self.buf, g)
-        return name
+            elif g.number in (3, 4):
+                debug += g.nbytes
+        return name, debug
 
     def function(self, f: Field) -> None:
         name = ""
@@ -506,6 +527,8 @@ class _Parser:
                 site.op_type = _text(self.buf, g)
             elif g.number == 7 and g.wire_type == LEN:
                 site.domain = _text(self.buf, g)
+            elif g.number in (6, 9):  # doc_string, metadata_props
+                site.debug += g.nbytes
             elif g.number == 5:
                 _expect(g, LEN, "NodeProto.attribute")
                 attributes.append(g)
@@ -518,12 +541,19 @@ class _Parser:
     def attribute(self, f: Field, depth: int, scope: str, base: str, node: NodeSite) -> None:
         attr_name = ""
         inner: list[Field] = []
+        scalar: float | None = None
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 attr_name = _text(self.buf, g)
+            elif g.number == 2 and g.wire_type == I32:
+                scalar = g.as_float()
+            elif g.number == 3 and g.wire_type == VARINT:
+                scalar = g.as_int64()
             elif g.number in (5, 6, 10, 11, 22, 23):
                 _expect(g, LEN, "AttributeProto tensor/graph")
                 inner.append(g)
+        if scalar is not None:
+            node.attrs[attr_name] = scalar
         name = base if attr_name == "value" else f"{base}.{attr_name}"
         site = (TensorKind.NODE_TENSOR, node.graph, node, attr_name)
         for i, g in enumerate(inner):
@@ -687,7 +717,8 @@ class _Parser:
                 bare = next((o for o in node.outputs if o), "")
             index = before if len(self.model.tensors) > before else -1
             self.model.structure.tensors[start] = TensorSite(
-                name, bare, kind, start, end, graph, node, attribute, own_name, index)
+                name, bare, kind, start, end, graph, node, attribute, own_name, index,
+                dims=shape, data_type=data_type, external=location == _EXTERNAL)
         return name, category
 
     def _typed(
@@ -793,7 +824,7 @@ def _expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int | None:
 def _external_files(model_path: Path, model: _Model) -> tuple[list[Path], dict[str, int]]:
     """External data files in order of first use (each once), and the file index of each
     ``location``; every file is checked to lie inside the model's folder."""
-    me = model_path.resolve()
+    me = real_path(model_path)
     folder = me.parent
     files: list[Path] = []
     index_of_target: dict[Path, int] = {}
@@ -802,7 +833,7 @@ def _external_files(model_path: Path, model: _Model) -> tuple[list[Path], dict[s
         if t.location is None or t.location in file_of:
             continue
         rel = Path(t.location)
-        target = (folder / rel).resolve()
+        target = real_path(folder / rel, must_exist=False)
         if rel.is_absolute() or not target.is_relative_to(folder) or target == me:
             raise CorruptFileError(
                 model_path, "onnx",

@@ -25,7 +25,7 @@ from typing import Any
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
 from modelsize.errors import CorruptFileError, printable
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.inventory import Inventory, InventoryBuilder
 
 #: The Rust implementation refuses headers above this; so do we, before reading one.
@@ -280,6 +280,8 @@ def _find_index(directory: Path) -> Path | None:
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
+    """Every ``.safetensors`` file of a folder (whether they are one model is
+    :func:`_read_dir`'s question)."""
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
 
 
@@ -331,7 +333,7 @@ def _shard_paths(index: Path, weight_map: dict[str, str]) -> dict[str, Path]:
                 f"shard {printable(shard)!r} named in the index is missing "
                 f"(expected {printable(str(path))})",
             )
-        out[shard] = by_real.setdefault(path.resolve(), path)
+        out[shard] = by_real.setdefault(real_path(path), path)
     return out
 
 
@@ -410,18 +412,38 @@ def read_checkpoint(
 
 
 def _read_dir(format: str, directory: Path) -> Inventory:
+    """A folder of safetensors weights: its index and shards, or its single file, with the
+    side files; a folder of separate models is refused (one line: give one file)."""
+    import re
+
+    from modelsize.errors import UsageError
+
     index = _find_index(directory)
     shards = [] if index is not None else _safetensors_files(directory)
+    # Without an index, several files are one model only as the shards of one:
+    # STEM-00001-of-00003.safetensors, every one with the same stem and count.
+    named = [re.fullmatch(r"(.+)-(\d+)-of-(\d+)\.safetensors", p.name) for p in shards]
+    one_model = len(shards) < 2 or (
+        len({(m[1], int(m[3])) if m else None for m in named}) == 1
+        and all(m is not None and 1 <= int(m[2]) <= int(m[3]) for m in named))
+    if not one_model:
+        # No index, no shard names: files that happen to share a folder (a model beside its
+        # slimmed copy) are not one checkpoint; adding them up would invent duplicates.
+        names = ", ".join(printable(p.name, 60) for p in shards[:4])
+        raise UsageError(
+            f"{printable(str(directory))}: folder holds {len(shards)} separate safetensors "
+            f"models ({names}{', ...' if len(shards) > 4 else ''}) and no index; give one file"
+        )
     side = [
         (directory / name, cat) for name, cat in _SIDE_FILES.items()
         if (directory / name).is_file()
     ]
-    used = {p.resolve() for p in [*shards, *(p for p, _ in side)]}
+    used = {real_path(p) for p in [*shards, *(p for p, _ in side)]}
     if index is not None:
-        used.add(index.resolve())
-        used |= {p.resolve() for p in _shard_paths(index, read_weight_map(index)).values()}
+        used.add(real_path(index))
+        used |= {real_path(p) for p in _shard_paths(index, read_weight_map(index)).values()}
     left_out = sorted(
-        p for p in directory.iterdir() if p.is_file() and p.resolve() not in used
+        p for p in directory.iterdir() if p.is_file() and real_path(p) not in used
     )
     return read_checkpoint(
         format, directory, index=index, shards=shards, side_files=side, left_out=left_out

@@ -41,12 +41,12 @@ from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.formats._protobuf import LEN, VARINT, Buffer, ProtobufError, iter_fields
 from modelsize.formats._sstable import FOOTER_SIZE, MAGIC, SSTableError, iter_table
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.inventory import Inventory, InventoryBuilder
 
 FORMAT = "tensorflow"
 OBJECT_GRAPH_KEY = b"_CHECKPOINTABLE_OBJECT_GRAPH"
-_SHARD_RE = re.compile(r"^(?P<prefix>.+)\.data-(?P<index>\d{5})-of-(?P<count>\d{5})$")
+_SHARD_RE = re.compile(r"^(?P<prefix>.*)\.data-(?P<index>\d{5})-of-(?P<count>\d{5})$")
 _STATE_RE = re.compile(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\]|\\.)*)"', re.M)
 #: More shards than this is a lie (TensorFlow's own names have five digits).
 _MAX_SHARDS = 99_999
@@ -121,11 +121,16 @@ _METRIC_EDGES = frozenset({"metrics", "_metrics", "compile_metrics"})
 # --------------------------------------------------------------------------------------
 @dataclass
 class Layout:
-    """The files of one checkpoint or SavedModel, and what the non-bundle ones hold."""
+    """The files of one checkpoint or SavedModel, and what the non-bundle ones hold.
+
+    ``prefix`` is a string, not a :class:`~pathlib.Path`: a bundle's prefix may be empty
+    (files named exactly ``.index``, ``.data-00000-of-00001``, ``.meta``, as one published
+    package ships them), which a ``Path`` cannot spell (``Path("d/")`` is ``d``).
+    """
 
     kind: str  # "checkpoint", "saved_model", or "ambiguous" (several bundles, none named)
     root: Path
-    prefix: Path | None
+    prefix: str | None
     extras: list[tuple[Path, Category, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -143,8 +148,19 @@ class Layout:
         return meta if meta.is_file() else None
 
 
-def _suffixed(prefix: Path, suffix: str) -> Path:
-    return prefix.with_name(prefix.name + suffix)
+def _suffixed(prefix: str, suffix: str) -> Path:
+    """``PREFIX + suffix`` as a path (``"d/" + ".index"`` is ``d/.index``)."""
+    return Path(prefix + suffix)
+
+
+def _prefix_in(folder: Path, name: str) -> str:
+    """The prefix ``name`` inside ``folder`` (``name`` may be empty: ``"d/"``)."""
+    return os.path.join(str(folder), name)
+
+
+def _shown(prefix_name: str) -> str:
+    """A prefix's name for a message: the empty prefix is shown as ``""``."""
+    return printable(prefix_name, 60) or '""'
 
 
 def _is_table(path: Path) -> bool:
@@ -160,22 +176,22 @@ def _is_table(path: Path) -> bool:
         return False
 
 
-def _prefix_of(path: Path) -> Path | None:
+def _prefix_of(path: Path) -> str | None:
     """The bundle prefix a checkpoint file (or a bare prefix) belongs to, if it has an index."""
     name = path.name
-    candidates = [path]
+    candidates = [str(path)]
     if name.endswith(".index") or name.endswith(".meta"):
-        candidates.insert(0, path.with_name(name.rsplit(".", 1)[0]))
+        candidates.insert(0, _prefix_in(path.parent, name.rsplit(".", 1)[0]))
     match = _SHARD_RE.match(name)
     if match:
-        candidates.insert(0, path.with_name(match["prefix"]))
+        candidates.insert(0, _prefix_in(path.parent, match["prefix"]))
     for prefix in candidates:
-        if prefix.name and _is_table(_suffixed(prefix, ".index")):
+        if _is_table(_suffixed(prefix, ".index")):
             return prefix
     return None
 
 
-def _state_prefix(directory: Path) -> tuple[Path, list[str]] | None:
+def _state_prefix(directory: Path) -> tuple[str, list[str]] | None:
     """The latest prefix named by a directory's ``checkpoint`` state file."""
     state = directory / "checkpoint"
     if not state.is_file():
@@ -185,15 +201,15 @@ def _state_prefix(directory: Path) -> tuple[Path, list[str]] | None:
     match = _STATE_RE.search(text)
     if not match:
         return None
-    named = Path(re.sub(r"\\(.)", r"\1", match[1]))
-    prefix = named if named.is_absolute() else directory / named
+    named = re.sub(r"\\(.)", r"\1", match[1])
+    prefix = named if os.path.isabs(named) else _prefix_in(directory, named)
     if not _is_table(_suffixed(prefix, ".index")):
         # Saver wrote an absolute path and the directory moved since: TF looks beside it too.
-        prefix = directory / named.name
+        prefix = _prefix_in(directory, os.path.basename(named))
     others = sorted(
         p.name[: -len(".index")]
         for p in directory.glob("*.index")
-        if p.name[: -len(".index")] != prefix.name
+        if p.name[: -len(".index")] != os.path.basename(prefix)
     )
     return prefix, others
 
@@ -203,7 +219,8 @@ def locate(source: Source) -> Layout | None:
 
     Accepted: a prefix (``model.ckpt``, ``ckpt-1``: not a file itself), any file of a bundle
     (``.index``, ``.data-*``, ``.meta``), a directory with a ``checkpoint`` state file or a
-    single bundle, and a SavedModel directory (or its ``saved_model.pb``).
+    single bundle, and a SavedModel directory (or its ``saved_model.pb``). The prefix may be
+    empty (a folder holding ``.index`` and ``.data-00000-of-00001``).
     """
     path = source.path
     if source.kind == "file" and path.name in ("saved_model.pb", "saved_model.pbtxt"):
@@ -223,26 +240,26 @@ def locate(source: Source) -> Layout | None:
         if others:
             layout.notes.append(
                 f"directory also holds {len(others)} older checkpoint(s) not counted here: "
-                + ", ".join(printable(o, 60) for o in others[:5])
+                + ", ".join(_shown(o) for o in others[:5])
                 + (" ..." if len(others) > 5 else "")
             )
         return layout
     tables = sorted(p for p in path.glob("*.index") if _is_table(p))
     if len(tables) == 1:
-        return Layout("checkpoint", path, tables[0].with_name(tables[0].name[: -len(".index")]))
+        return Layout("checkpoint", path, _prefix_in(path, tables[0].name[: -len(".index")]))
     if len(tables) > 1:
-        names = ", ".join(printable(p.name[: -len(".index")], 60) for p in tables[:5])
+        names = ", ".join(_shown(p.name[: -len(".index")]) for p in tables[:5])
         return Layout("ambiguous", path, None, notes=[names])
     return None
 
 
 def _saved_model(directory: Path) -> Layout:
-    prefix = directory / "variables" / "variables"
+    prefix = _prefix_in(directory / "variables", "variables")
     layout = Layout("saved_model", directory,
                     prefix if _suffixed(prefix, ".index").is_file() else None)
     bundle = set()
     if layout.prefix is not None:
-        bundle = {p.resolve() for p in layout.prefix.parent.glob("variables.*")
+        bundle = {real_path(p) for p in (directory / "variables").glob("variables.*")
                   if p.name == "variables.index" or _SHARD_RE.match(p.name)}
     count = 0
     for dirpath, dirnames, filenames in os.walk(directory):
@@ -255,7 +272,7 @@ def _saved_model(directory: Path) -> Layout:
                     f"{printable(str(directory))}: more than {_MAX_DIR_FILES} files in a "
                     "SavedModel directory; point modelsize at the checkpoint inside it"
                 )
-            if file.is_symlink() or not file.is_file() or file.resolve() in bundle:
+            if file.is_symlink() or not file.is_file() or real_path(file) in bundle:
                 continue
             rel = file.relative_to(directory).as_posix()
             if rel in ("saved_model.pb", "saved_model.pbtxt"):

@@ -28,22 +28,27 @@ flatbuffer. Accounting:
   count as metadata.
 
 Every offset, count and length is checked against the file size before it is followed, and
-nothing is allocated from a declared size; buffer data is never read.
+nothing is allocated from a declared size; ``read`` never reads buffer data. A sparse tensor's
+buffer (and one of a type modelsize cannot size, strings) is an *encoded* storage: for ``slim``,
+:meth:`TfliteReader.storage_chunks` gives a sparse tensor dense, as TFLite's ``Densify`` does,
+refusing a dense size far past the stored bytes (:data:`DENSE_RATIO`).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
-from modelsize.errors import printable
+from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
 from modelsize.formats.base import Source
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 IDENTIFIER = b"TFL3"
 
@@ -71,6 +76,9 @@ _B_DATA, _B_OFFSET, _B_SIZE = 0, 1, 2
 _OP_INPUTS, _OP_OUTPUTS, _OP_OPTIONS, _OP_CUSTOM, _OP_MUTATING = 1, 2, 4, 5, 7
 _OP_INTERMEDIATES, _OP_LARGE_OFFSET, _OP_LARGE_SIZE, _OP_OPTIONS2 = 8, 9, 10, 12
 
+
+#: Bytes read at a time by :meth:`TfliteReader.storage_chunks`.
+_CHUNK = 8 << 20
 
 _SCALARS = {fmt: struct.Struct("<" + fmt) for fmt in "bBhHiIqQ"}
 
@@ -199,8 +207,9 @@ class _Table:
 
 
 @dataclass
-class _Tensor:
-    """A constant tensor: one with bytes in a buffer."""
+class Constant:
+    """A constant tensor: one with bytes in a buffer; ``name`` is the inventory's (prefixed by
+    its subgraph's name past the first, made unique), ``(subgraph, index)`` where it is."""
 
     name: str
     dtype: str
@@ -209,11 +218,15 @@ class _Tensor:
     quantized: str = ""  # "", "per-tensor", or "per-channel (axis N, K scales)"
     variable: bool = False
     sparse: bool = False
+    subgraph: int = 0
+    index: int = 0
+    #: Where its ``SparsityParameters`` table is (0: not sparse).
+    sparsity: int = 0
 
 
 @dataclass
 class _Model:
-    tensors: list[_Tensor] = field(default_factory=list)
+    tensors: list[Constant] = field(default_factory=list)
     #: buffer index -> (data offset, size) of buffers with bytes.
     buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: buffer index -> metadata name.
@@ -253,6 +266,25 @@ class TfliteReader:
         builder.notes.extend(model.notes)
         _declare(builder, flat, model)
         return builder.build(Category.METADATA)
+
+    def storage_chunks(self, inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
+        """An *encoded* buffer's tensor: a sparse tensor densified (TFLite's ``Densify``), the
+        bytes of a type modelsize cannot size (strings) as they are."""
+        path = inv.files[storage.file].path
+        if storage.logical_nbytes is not None:
+            dense = _dense_bytes(path, storage)
+            for pos in range(0, len(dense), _CHUNK):
+                yield dense[pos:pos + _CHUNK]
+            return
+        with open(path, "rb") as fh:
+            fh.seek(storage.offset)
+            left = storage.nbytes
+            while left:
+                data = fh.read(min(left, _CHUNK))
+                if not data:
+                    raise ValueError(f"{path}: buffer {storage.key} ends early")
+                left -= len(data)
+                yield data
 
 
 def _parse(flat: _Flat) -> _Model:
@@ -308,7 +340,8 @@ def _parse(flat: _Flat) -> _Model:
             n_ops += 1
         for k, t in enumerate(sg.tables(_SG_TENSORS, f"subgraphs[{s}].tensors")):
             n_tensors += 1
-            _tensor(flat, t, f"subgraphs[{s}].tensors[{k}]", prefix, model, len(buffer_tables))
+            _tensor(flat, t, f"subgraphs[{s}].tensors[{k}]", prefix, model, len(buffer_tables),
+                    (s, k))
     _unique_names(model.tensors)
     model.facts["tflite.subgraphs"] = str(len(subgraphs))
     model.facts["tflite.operators"] = f"{n_ops} ({len(set(codes))} kinds)"
@@ -336,7 +369,7 @@ def _operator(flat: _Flat, op: _Table, what: str, model: _Model) -> None:
 
 
 def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
-            n_buffers: int) -> None:
+            n_buffers: int, where: tuple[int, int]) -> None:
     shape = tuple(t.ints(_T_SHAPE, f"{what}.shape"))
     t.ints(_T_SHAPE_SIGNATURE, f"{what}.shape_signature")
     type_id = t.scalar(_T_TYPE, "b")
@@ -348,7 +381,7 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     constant = buffer in model.buffers
     own = Category.WEIGHTS if constant else Category.GRAPH
     quantized = _quantization(flat, t, what, own)
-    sparse = _sparsity(flat, t, what, own)
+    sparsity = _sparsity(flat, t, what, own)
     for k, variant in enumerate(t.tables(_T_VARIANTS, f"{what}.variant_tensors")):
         variant.ints(0, f"{what}.variant_tensors[{k}].shape")
     if not constant:
@@ -357,8 +390,9 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
         raise _Corrupt(f"constant {what} ({printable(name, 80)!r}) has shape {list(shape)}",
                        t.pos)
     dtype = TFLITE_DTYPES.get(type_id, f"tflite_type_{type_id}")
-    model.tensors.append(_Tensor(prefix + name, dtype, shape, buffer, quantized,
-                                 bool(t.scalar(_T_VARIABLE, "B")), sparse))
+    model.tensors.append(Constant(prefix + name, dtype, shape, buffer, quantized,
+                                  bool(t.scalar(_T_VARIABLE, "B")), bool(sparsity), *where,
+                                  sparsity))
 
 
 def _quantization(flat: _Flat, t: _Table, what: str, category: Category) -> str:
@@ -379,10 +413,11 @@ def _quantization(flat: _Flat, t: _Table, what: str, category: Category) -> str:
     return "per-tensor" if scales == 1 else ""
 
 
-def _sparsity(flat: _Flat, t: _Table, what: str, category: Category) -> bool:
+def _sparsity(flat: _Flat, t: _Table, what: str, category: Category) -> int:
+    """Mark a tensor's sparsity parameters; where they are (0: none)."""
     start = t.ref(_T_SPARSITY, f"{what}.sparsity")
     if not start:
-        return False
+        return 0
     sp = flat.table(start, f"{what}.sparsity", category)
     sp.ints(0, f"{what}.sparsity.traversal_order", category)
     sp.ints(1, f"{what}.sparsity.block_map", category)
@@ -393,10 +428,10 @@ def _sparsity(flat: _Flat, t: _Table, what: str, category: Category) -> bool:
             if elem and values:
                 vec = flat.table(values, f"{what}.sparsity.dim_metadata[{k}]", category)
                 vec.vector(0, elem, f"{what}.sparsity.dim_metadata[{k}].values")
-    return True
+    return start
 
 
-def _unique_names(tensors: list[_Tensor]) -> None:
+def _unique_names(tensors: list[Constant]) -> None:
     """Suffix ``#2``, ``#3``... to names already taken (TFLite does not require unique names)."""
     seen: dict[str, int] = {}
     for t in tensors:
@@ -420,7 +455,7 @@ def _metadata_values(flat: _Flat, model: _Model) -> dict[str, str]:
     return out
 
 
-def _category(t: _Tensor) -> Category:
+def _category(t: Constant) -> Category:
     if t.variable or (t.dtype in _BUFFER_DTYPES and not t.quantized):
         return Category.BUFFERS
     return Category.WEIGHTS
@@ -494,6 +529,131 @@ def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]],
         if a < b:
             out.append((a, b))
     return out
+
+
+#: A sparse tensor is densified for slim when its dense bytes are at most this many times its
+#: stored bytes plus this many bytes (a header may claim any shape: memory follows real bytes).
+DENSE_RATIO, DENSE_SLACK = 64, 64 << 20
+_INDEX_CODES = {4: "i", 2: "H", 1: "B"}
+
+
+def _dense_bytes(path: Path, storage: StorageRecord) -> bytes:
+    """The dense little-endian bytes of the sparse tensor stored in ``storage``."""
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        flat = _Flat(buf)
+        try:
+            model = _parse(flat)
+            [t] = [c for c in model.tensors if f"buffer {c.buffer}" == storage.key and c.sparse]
+            dt = DTYPES[t.dtype]
+            dense = dt.nbytes(numel(t.shape))
+            if dense > DENSE_RATIO * storage.nbytes + DENSE_SLACK:
+                raise UsageError(
+                    f"{printable(str(path))}: sparse tensor {printable(t.name, 80)} would be "
+                    f"{dense:,} bytes dense from {storage.nbytes:,} stored, more than modelsize "
+                    f"densifies ({DENSE_RATIO}x + {DENSE_SLACK >> 20} MiB)")
+            params = _sparse_params(flat, t.sparsity, t.name)
+            values = bytes(buf[storage.offset:storage.offset + storage.nbytes])
+            return _densify(values, dt.block_bytes, t.shape, *params)
+        except (_Corrupt, ValueError) as exc:
+            reason = exc.reason if isinstance(exc, _Corrupt) else str(exc)
+            raise CorruptFileError(path, "tflite", f"sparse tensor in {storage.key}: "
+                                   f"{reason}") from exc
+
+
+def _sparse_params(flat: _Flat, pos: int, what: str,
+                   ) -> tuple[list[int], list[int], list[tuple[int, int, list[int], list[int]]]]:
+    """``(traversal_order, block_map, levels)``; a level is ``(format, dense_size,
+    array_segments, array_indices)``."""
+    sp = flat.table(pos, f"{what}.sparsity", Category.WEIGHTS)
+    order = sp.ints(0, "traversal_order")
+    block_map = sp.ints(1, "block_map")
+    levels = []
+    for k, dim in enumerate(sp.tables(2, "dim_metadata")):
+        arrays: list[list[int]] = []
+        for type_slot, value_slot in ((2, 3), (4, 5)):
+            elem = _INDEX_VECTORS.get(dim.scalar(type_slot, "B"))
+            values = dim.ref(value_slot, f"dim_metadata[{k}]")
+            if elem and values:
+                vec = flat.table(values, f"dim_metadata[{k}]", Category.WEIGHTS)
+                first, count = vec.vector(0, elem, f"dim_metadata[{k}].values")
+                arrays.append(list(struct.unpack_from(f"<{count}{_INDEX_CODES[elem]}",
+                                                      flat.buf, first)))
+            else:
+                arrays.append([])
+        levels.append((dim.scalar(0, "b"), dim.scalar(1, "i"), arrays[0], arrays[1]))
+    return order, block_map, levels
+
+
+def _densify(values: bytes, itemsize: int, shape: tuple[int, ...], order: list[int],
+             block_map: list[int], levels: list[tuple[int, int, list[int], list[int]]],
+             ) -> bytes:
+    """TFLite's sparse format (TACO: traversal order, dense and CSR levels, dense blocks)
+    written out dense, level by level with NumPy (the leaves come in the stored order)."""
+    np = _numpy()
+    n, k = len(shape), len(block_map)
+    if len(order) != n + k or len(levels) != n + k or sorted(order) != list(range(n + k)):
+        raise ValueError(f"traversal order {order} does not fit {n} dims and {k} block dims")
+    if any(not 0 <= d < n for d in block_map):
+        raise ValueError(f"block map {block_map} names dims outside {n}")
+    block_size = [levels[order[n + b]][1] for b in range(k)]
+    dense_count = math.prod(shape)
+    prev = np.zeros(1, dtype=np.int64)
+    coords: list[Any] = []
+    for fmt, size, segments, indices in levels:
+        if fmt == 0:
+            if size < 0 or len(prev) * max(size, 0) > dense_count:
+                raise ValueError(f"dense level of {size} exceeds the tensor")
+            parent = np.repeat(np.arange(len(prev)), size)
+            coord = np.tile(np.arange(size, dtype=np.int64), len(prev))
+            prev = prev[parent] * size + coord
+        else:
+            seg = np.asarray(segments, dtype=np.int64)
+            idx = np.asarray(indices, dtype=np.int64)
+            if len(prev) and (prev.max() + 1 >= len(seg)):
+                raise ValueError("a CSR level has too few segments")
+            starts, ends = seg[prev], seg[prev + 1]
+            counts = ends - starts
+            if (counts < 0).any() or (len(ends) and (ends.max() > len(idx))):
+                raise ValueError("a CSR level's segments are out of order or out of range")
+            parent = np.repeat(np.arange(len(prev)), counts)
+            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            prev = np.repeat(starts, counts) + offsets
+            coord = idx[prev]
+        coords = [c[parent] for c in coords] + [coord]
+    if len(prev) * itemsize != len(values):
+        raise ValueError(f"{len(prev)} positions for {len(values) // max(itemsize, 1)} values")
+    orig: list[Any] = [None] * n
+    for i in range(n):
+        orig[order[i]] = coords[i]
+    for i in range(n, n + k):
+        b = order[i] - n
+        orig[block_map[b]] = orig[block_map[b]] * block_size[b] + coords[i]
+    for d in range(n):
+        if len(orig[d]) and (orig[d].min() < 0 or orig[d].max() >= shape[d]):
+            raise ValueError(f"indices outside dimension {d} of {list(shape)}")
+    out = np.zeros((dense_count, itemsize), dtype=np.uint8)
+    if n and len(prev):
+        out[np.ravel_multi_index(orig, shape)] = np.frombuffer(values, np.uint8).reshape(
+            -1, itemsize)
+    return out.tobytes()
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError as exc:
+        raise MissingDependencyError("numpy", "densifying a sparse TFLite tensor",
+                                     extra="slim") from exc
+    return numpy
+
+
+def constants(buf: mmap.mmap | bytes) -> list[Constant]:
+    """The constant tensors of a flatbuffer, named as the inventory names them."""
+    flat = _Flat(buf)
+    try:
+        return _parse(flat).tensors
+    except _Corrupt as exc:
+        raise ValueError(f"{exc.reason} (byte {exc.offset})") from exc
 
 
 def read_path(path: str | Path) -> Inventory:

@@ -43,6 +43,7 @@ from modelsize.formats._torch_tree import (
     describe,
     place_python2_array,
     storage_dtype,
+    torch_storage_chunks,
 )
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder
@@ -75,6 +76,8 @@ class TorchLegacyReader:
 
     name = "pytorch-legacy"
     extensions = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+    #: NumPy arrays pickled as latin-1 text (slim writes their bytes).
+    storage_chunks = staticmethod(torch_storage_chunks)
 
     def sniff(self, source: Source) -> bool:
         """The first pickle is torch's magic number (or the file is torch's old tar format)."""

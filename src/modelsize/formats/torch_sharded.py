@@ -29,7 +29,8 @@ from pathlib import Path, PurePosixPath
 
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats._torch_tree import torch_storage_chunks
+from modelsize.formats.base import Source, is_regular_file, real_path
 from modelsize.formats.safetensors import read_weight_map
 from modelsize.formats.torch_legacy import TorchLegacyReader
 from modelsize.formats.torch_zip import TorchZipReader
@@ -382,19 +383,19 @@ def read_model(
         spec.facts["shards"] = str(len(weights))
 
     if directory is not None:
-        counted = {p.resolve() for p in [*weights, *extra_files]}
+        counted = {real_path(p) for p in [*weights, *extra_files]}
         if index is not None:
-            counted.add(index.resolve())
+            counted.add(real_path(index))
         for name, cat in SIDE_FILES.items():
             if (directory / name).is_file():
                 spec.side_files.append(SideFile(directory / name, cat, name))
-                counted.add((directory / name).resolve())
+                counted.add(real_path(directory / name))
         for side in trainer_side_files(directory, spec.facts):
             spec.side_files.append(side)
-            counted.add(side.path.resolve())
+            counted.add(real_path(side.path))
         note = left_out_note(
             directory,
-            (p for p in directory.iterdir() if p.is_file() and p.resolve() not in counted),
+            (p for p in directory.iterdir() if p.is_file() and real_path(p) not in counted),
         )
         if note:
             spec.notes.append(note)
@@ -486,6 +487,8 @@ class TorchShardedReader:
 
     name = FORMAT
     extensions = INDEX_SUFFIXES
+    #: NumPy arrays pickled as latin-1 text (slim writes their bytes).
+    storage_chunks = staticmethod(torch_storage_chunks)
 
     def sniff(self, source: Source) -> bool:
         """An index of torch shards, or a directory holding one (or one weights file)."""

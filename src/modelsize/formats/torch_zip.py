@@ -39,6 +39,7 @@ from modelsize.formats._torch_tree import (
     script_roles,
     storage_dtype,
     storage_itemsize,
+    torch_storage_chunks,
 )
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder
@@ -70,6 +71,8 @@ class TorchZipReader:
 
     name = "pytorch"
     extensions = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+    #: NumPy arrays pickled as latin-1 text (slim writes their bytes).
+    storage_chunks = staticmethod(torch_storage_chunks)
 
     def sniff(self, source: Source) -> bool:
         """A zip whose ``data.pkl`` sits at the top or one folder deep (torch's layout)."""

@@ -526,7 +526,7 @@ def card_diff(d: Diff) -> str:
 
 
 def write(path: str, text: str) -> None:
-    """Write a page (UTF-8)."""
-    from pathlib import Path
+    """Write a page (UTF-8), whole or not at all; a failure is one line (report.files)."""
+    from modelsize.report.files import write_text
 
-    Path(path).write_text(text, encoding="utf-8")
+    write_text(path, text)

@@ -20,7 +20,16 @@ def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
     lines = [f"{printable(str(src.path))} ({src.format}, {src.file_bytes:,} bytes) -> "
              f"{printable(str(report.target))} ({report.output_format}"
              + (f", {out_bytes:,} bytes)" if out_bytes is not None else ")")]
-    if out_bytes is not None and src.file_bytes:
+    if report.copied:
+        lines.append(f"Nothing to slim: {'would copy' if report.dry_run else 'copied'} the "
+                     f"input byte for byte ({human_bytes(src.file_bytes)}).")
+    elif out_bytes is not None and src.file_bytes and out_bytes > src.file_bytes:
+        grew = out_bytes - src.file_bytes
+        lines.append(f"{'Would be' if report.dry_run else 'Larger by'} "
+                     f"{human_bytes(grew)}{' larger' if report.dry_run else ''} "
+                     f"(+{percent(grew, src.file_bytes)}): {verb} {human_bytes(out_bytes)} of "
+                     f"{human_bytes(src.file_bytes)} (the notes say why).")
+    elif out_bytes is not None and src.file_bytes:
         saved = src.file_bytes - out_bytes
         lines.append(f"{'Would save' if report.dry_run else 'Saved'} {human_bytes(saved)} "
                      f"({percent(saved, src.file_bytes)}): {verb} {human_bytes(out_bytes)} "
@@ -43,7 +52,8 @@ def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
     rows.append(["total", human_bytes(src.file_bytes), total_after, ""])
     lines += table(rows, "lrrr")
     stored = [k for k in report.kept if k.alias_of is None]
-    lines += ["", f"Kept {len(stored)} tensors ({human_bytes(sum(k.nbytes for k in stored))})"
+    lines += ["", f"Kept {len(stored)} tensor{'' if len(stored) == 1 else 's'} "
+              f"({human_bytes(sum(k.nbytes for k in stored))})"
               + (f" and {len(report.kept) - len(stored)} aliases" if len(stored) < len(report.kept)
                  else "")
               + f"; dropped {len(report.dropped)}."]
@@ -70,6 +80,10 @@ def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
         lines.append("Dry run: nothing was written.")
     elif getattr(report, "comparison", None) is not None:
         pass
+    elif report.verified and report.copied:
+        lines.append(f"Verified: {printable(str(report.target))} is the input byte for byte "
+                     f"(CRC-32 of every file) and reads back with the same "
+                     f"{len(report.kept)} tensors.")
     elif report.verified:
         lines.append(f"Verified: {printable(str(report.target))} read back by modelsize holds "
                      f"every kept tensor with the same name, dtype, shape and bytes (CRC-32).")

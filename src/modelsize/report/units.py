@@ -1,15 +1,20 @@
 """Human units for byte counts.
 
-Decimal for files (as ``ls --si`` and file browsers show them), binary for memory.
+One set for every report, files and memory alike: binary IEC units (KiB, MiB, GiB), as
+``nvidia-smi``, ``torch.cuda.memory_summary`` and ``ls -lh`` count. A file of 2.32 GiB that
+needs 2.32 GiB of memory reads the same in ``inspect``, ``estimate`` and the HTML page.
+Sizes typed by the user may be decimal (``500MB``) or binary (``2GiB``): :func:`parse_size`.
 """
 
 from __future__ import annotations
+
+import math
 
 
 def _scale(n: float, base: int, units: tuple[str, ...]) -> str:
     value = float(n)
     for unit in units:
-        if abs(value) < base or unit == units[-1]:
+        if abs(value) < base - 0.5 or unit == units[-1]:  # never "1024 MiB"
             if unit == units[0]:
                 return f"{int(value)} {unit}"
             return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
@@ -18,13 +23,12 @@ def _scale(n: float, base: int, units: tuple[str, ...]) -> str:
 
 
 def human_bytes(n: int) -> str:
-    """File sizes in decimal units: ``2.6 MB``."""
-    return _scale(n, 1000, ("B", "kB", "MB", "GB", "TB", "PB"))
-
-
-def human_mem(n: int) -> str:
-    """Memory in binary units: ``1.5 GiB``."""
+    """A byte count in binary units: ``1.5 GiB``, ``2.5 KiB``, ``999 B``."""
     return _scale(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"))
+
+
+#: The same as :func:`human_bytes` (memory and files share one set of units).
+human_mem = human_bytes
 
 
 def percent(part: int, whole: int) -> str:
@@ -49,6 +53,13 @@ def parse_size(text: str) -> int:
     while i > 0 and t[i - 1].isalpha():
         i -= 1
     number, unit = t[:i], t[i:].upper()
+    bad = ValueError(f"not a size: {text!r} (expected e.g. 80GiB, 24GB, 512MiB)")
     if unit not in units or not number:
-        raise ValueError(f"not a size: {text!r} (expected e.g. 80GiB, 24GB, 512MiB)")
-    return int(float(number) * units[unit])
+        raise bad
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise bad from None
+    if not math.isfinite(value) or value < 0:
+        raise bad
+    return int(value)

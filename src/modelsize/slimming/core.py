@@ -6,13 +6,19 @@ import importlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from modelsize import formats
+from modelsize import formats, inputs
 from modelsize.errors import MissingDependencyError, UsageError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming import writers
 from modelsize.slimming.output import Output, write_verified
 from modelsize.slimming.plan import Plan, SlimOptions, make_plan, parse_drop
-from modelsize.slimming.result import Dropped, KeptTensor, SlimReport
+from modelsize.slimming.result import (
+    Dropped,
+    KeptTensor,
+    SlimReport,
+    growth_notes,
+    unsafe_note,
+)
 from modelsize.slimming.source import StorageDecoder, TensorSource, tensor_source
 from modelsize.slimming.verify import verify
 from modelsize.slimming.writers.base import Meter, Written, output_nbytes
@@ -50,16 +56,10 @@ def plan_slim(inv: Inventory, options: SlimOptions) -> Plan:
     tensors, source_of = found
     plan = make_plan(inv, options, source_of, tensors)
     plan.notes.extend(getattr(found, "notes", ()))
-    if inv.unsafe_globals:
-        plan.notes.append(
-            f"the input's pickle would import and call {len(inv.unsafe_globals)} unsafe "
-            f"global(s) ({', '.join(inv.unsafe_globals[:4])}"
-            f"{', ...' if len(inv.unsafe_globals) > 4 else ''}); the output holds the tensors "
-            "and none of them (nothing from the input was run)"
-        )
     return plan
 
 
+@inputs.watched  # the input's files are held still from before the read to the commit
 def slim(
     path: str | Path,
     out: str | Path | None = None,
@@ -88,10 +88,14 @@ def slim(
     entries whatever their category (and the checkpoint's top-level layout, for torch files).
 
     ``out`` defaults to ``NAME.slim.EXT`` beside the input. The input is never modified; an
-    existing ``out`` is refused without ``force``. The output is written to an unnamed file,
-    read back by modelsize's own reader and checked tensor by tensor (name, dtype, shape,
-    CRC-32 of its bytes) before it gets its name. ``dry_run`` plans without writing.
-    ``progress(bytes written, bytes planned)`` is called as data streams.
+    existing ``out`` is refused without ``force``, and so is an ``out`` whose extension names
+    another format than the one written (``x.slim.pkl`` for an npz). With nothing to slim
+    (every tensor kept as it is) and no smaller rewrite, the output is the input byte for byte
+    (``SlimReport.copied``); an output larger than the input says why in its notes. The
+    output is written to an unnamed file, read back by modelsize's own reader and checked
+    tensor by tensor (name, dtype, shape, CRC-32 of its bytes) before it gets its name.
+    ``dry_run`` plans without writing. ``progress(bytes written, bytes planned)`` is called as
+    data streams.
 
     ``graph`` runs the exact graph passes on ONNX input (constant and BatchNorm folding, dead
     code, duplicate and unused initializers; ``modelsize slim`` turns it on), ``quantize``
@@ -105,7 +109,7 @@ def slim(
         drop=parse_drop(drop) if drop is not None else None, dedupe=dedupe, cast=cast, to=to,
         keep=tuple(keep), graph=graph, quantize=quantize, freeze=freeze, tolerance=tolerance,
     )
-    inv = formats.read(path)
+    inv = inputs.read(path)
     if inv.facts.get("layout") == "saved_model" and options.to in ("same", "tflite"):
         from modelsize.slimming.graph.tf_savedmodel import slim_from_options as slim_tf
 
@@ -127,15 +131,28 @@ def slim(
                 f"({', '.join(sorted({d.reason.split(' (')[0] for d in plan.dropped}))})")
         raise UsageError(f"{printable(str(inv.path))}: {what}")
     target = Path(out) if out is not None else writer.default_target(plan, inv.path)
+    noted = len(plan.notes)
+    copyable = writers.copyable(plan, out)  # asked before a writer's prepare changes the plan
     try:
         job = writer.prepare(plan, target)
     except UsageError as exc:
         if str(inv.path) in str(exc):
             raise
         raise UsageError(f"{printable(str(inv.path))}: {exc}") from exc
+    # Nothing to slim and no smaller rewrite: the input byte for byte, never a rewrite of
+    # the same tensors that is larger (issue 18); and never an output named as another
+    # format than the one written.
+    copy = writers.for_plan(plan, job.predicted_bytes) if copyable else None
+    if copy is not None:
+        del plan.notes[noted:]  # what the rewrite would have done
+        writer = copy
+        target = Path(out) if out is not None else writer.default_target(plan, inv.path)
+        job = writer.prepare(plan, target)
+    writers.check_name(writer, target)
     output = Output(target, directory=job.directory, force=force,
                     inputs=tuple(f.path for f in inv.files))
-    output.check(job.files)
+    stored = sum(output_nbytes(t) for t in plan.stored)
+    output.check(job.files, needed=job.predicted_bytes if job.predicted_bytes else stored)
     if dry_run:
         return _report(plan, writer.name, target, job.predicted_bytes, {}, None, (), dry=True)
     meter = Meter(sum(output_nbytes(t) for t in plan.stored), progress)
@@ -144,8 +161,10 @@ def slim(
     def write(o: Output) -> None:
         written.update(job.write(o, meter))
 
-    out_inv = write_verified(output, write, lambda staged: verify(plan, job, written, staged),
-                             main=job.main)
+    own_check = getattr(job, "verify", None)  # a copy checks its files' CRC-32 itself
+    out_inv = write_verified(
+        output, write,
+        own_check or (lambda staged: verify(plan, job, written, staged)), main=job.main)
     base = target if job.directory else target.parent
     files = tuple((base / name, (base / name).stat().st_size) for name in job.files)
     return _report(plan, writer.name, target, job.predicted_bytes, written, out_inv, files)
@@ -175,12 +194,14 @@ def _graph_slim(inv: Inventory, options: SlimOptions) -> bool:
 def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
             written: dict[str, Written], out_inv: Inventory | None,
             files: tuple[tuple[Path, int], ...], dry: bool = False) -> SlimReport:
+    copied = fmt == "copy"
     kept = []
     for t in plan.tensors:
         w = written.get(t.name)
         err = w.error if w is not None else None
         kept.append(KeptTensor(
-            t.name, t.record.name, t.dtype, t.record.dtype, t.shape, output_nbytes(t),
+            t.record.name if copied else t.name, t.record.name, t.dtype, t.record.dtype,
+            t.shape, output_nbytes(t),
             w.crc if w is not None else None, t.alias_of,
             err.max_abs if err else None, err.max_rel if err else None,
             err.overflow if err else 0,
@@ -188,6 +209,14 @@ def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
     dropped = tuple(Dropped(d.record.name, d.record.category, d.record.stored_nbytes, d.reason)
                     for d in plan.dropped)
     notes = list(plan.notes)
+    if copied:
+        if plan.container:  # the copy keeps the checkpoint's names
+            notes = [n for n in notes if not n.startswith("tensors renamed")]
+        notes.insert(0, "nothing to slim: every tensor is kept as it is, so the output is a "
+                     "byte-for-byte copy of the input (a rewrite could only be larger)")
+    notes += unsafe_note(plan, copied)
+    if out_inv is not None and not copied:
+        notes += growth_notes(plan, fmt, out_inv)
     overflow = [k for k in kept if k.overflow]
     if overflow:
         notes.append(f"{len(overflow)} tensor(s) had values out of range for "
@@ -195,7 +224,8 @@ def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
                      f"({', '.join(k.name for k in overflow[:3])})")
     return SlimReport(
         source=plan.inventory, target=target,
-        output_format=out_inv.format if out_inv is not None else fmt, dry_run=dry,
+        output_format=(out_inv.format if out_inv is not None else
+                       plan.inventory.format if copied else fmt), dry_run=dry,
         predicted_bytes=predicted, kept=tuple(kept), dropped=dropped, notes=tuple(notes),
-        output=out_inv, output_files=files, verified=out_inv is not None,
+        output=out_inv, output_files=files, verified=out_inv is not None, copied=copied,
     )

@@ -1,34 +1,84 @@
 """Writing output files so that nothing is ever half there.
 
-Every file of an output is first written *anonymously*: on Linux with ``O_TMPFILE``, an inode
-with no name in the target's directory, so a process killed mid-write (even by ``SIGKILL``)
-leaves nothing behind. When all files are written and fsynced they get names inside a hidden
-staging folder beside the target (``.NAME.modelsize-tmp-XXXX``), the output is verified there,
-and only then renamed into place, the main file last, and the directory fsynced. Where
-``O_TMPFILE`` is not available the files are written straight into the staging folder, which
-is removed on any error or ``KeyboardInterrupt``. A staging folder left by a process killed
-during verification is removed by the next slim of the same target.
+What is guaranteed, for every writer:
 
-The input is never opened for writing, and an output that is the input, or an existing output
-without ``force``, is refused before anything is written.
+* **Never a complete-looking output under OUT's name before it is verified, nor after a
+  kill.** Each file is written *anonymously* (Linux ``O_TMPFILE``: an inode with no name, so a
+  process killed while writing, even by ``SIGKILL``, leaves nothing) and fsynced. For
+  verification (readers go by names: suffixes, a ``.npy``'s stem, files that name each other)
+  the files then get their names inside a staging folder beside OUT whose own name says what
+  it is, ``.OUT.modelsize-partial-PID-XXXX/``; only once verified do they get OUT's name.
+  Where ``O_TMPFILE`` is missing the files are written straight into the staging folder.
+* **Nothing left behind.** Any error or ``KeyboardInterrupt`` removes the staging folder and
+  the unnamed files. A process killed outright cannot clean up, so each staging folder has a
+  janitor: a tiny ``sh`` holding the read end of a pipe whose write end only this process
+  holds; when this process dies before the commit the kernel closes the pipe and the janitor
+  removes the folder (at once, ``SIGKILL`` and the OOM killer included). Behind that, a
+  staging folder is *owned*: its name holds the owner's pid and the owner holds an ``flock``
+  on it; every slim into the same folder removes the staging folders whose owner is dead (its
+  pid gone and its lock free), and never a live one.
+* **No silent replacement.** Without ``force`` OUT gets its name by ``link()`` (a file) or
+  ``renameat2(RENAME_NOREPLACE)`` (a folder), so an OUT that appeared while slim was writing
+  is refused (:class:`~modelsize.errors.OutputError`, "OUT appeared while slim was writing;
+  nothing was replaced"), never overwritten. With ``force`` a file is replaced by
+  ``rename()`` and a folder swapped in by ``renameat2(RENAME_EXCHANGE)``: atomic, the last
+  commit wins. Commits into one folder take an ``flock`` on it, so the files of two concurrent
+  multi-file outputs never interleave. The main file is named last and the folder fsynced.
+* **Space and permissions up front.** :meth:`Output.check` refuses an output folder on a
+  read-only filesystem, one this process may not write, or one without room for the predicted
+  size (``statvfs``), in one line saying how much is needed and how much is free. ``ENOSPC``,
+  ``EDQUOT``, ``EFBIG``, ``EROFS``, ``EACCES`` and ``EPERM`` that still happen while writing,
+  at fsync, link or rename are :class:`~modelsize.errors.OutputError`: one line naming OUT
+  (never the staging name), nothing left behind.
+* **The input never changes under the output.** The input is never opened for writing; an
+  output that is the input, or an existing output without ``force``, is refused before anything
+  is written; and :func:`modelsize.inputs.ensure_unchanged` runs after the last read of the
+  input and again, after verification, as the first step of the commit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
-from modelsize.errors import UsageError, printable
-from modelsize.formats.base import special_kind
+from modelsize.errors import OutputError, UsageError, printable
+from modelsize.formats.base import real_path, special_kind
+from modelsize.inputs import ensure_unchanged
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover (not POSIX)
+    fcntl = None  # type: ignore[assignment]
 
 T = TypeVar("T")
 
-_STAGING = ".modelsize-tmp-"
+_PARTIAL = ".modelsize-partial-"
+#: The staging folders of earlier versions (no owner recorded).
+_LEGACY = ".modelsize-tmp-"
+_OWNED = re.compile(r"\..*\.modelsize-partial-(\d+)-")
+#: Seconds a commit waits for another process's commit into the same folder.
+_COMMIT_WAIT = 30.0
+
+#: errno -> what the one line says; these always concern the output being written.
+_FULL = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large for the filesystem",
+    errno.EROFS: "the folder is on a read-only filesystem",
+}
+#: These concern the output when the failing call named a path in its folder (or none).
+_DENIED = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -36,6 +86,22 @@ def _same(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _human(n: int) -> str:
+    from modelsize.report.units import human_bytes
+
+    return human_bytes(n)
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes this process may still write in ``folder``'s filesystem (``None``: unknown)."""
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return None
+    blocks = vfs.f_bfree if os.geteuid() == 0 else vfs.f_bavail  # root may use the reserve
+    return blocks * vfs.f_frsize
 
 
 class Output:
@@ -59,23 +125,31 @@ class Output:
         self.parent = target.parent
         self.files: dict[str, BinaryIO] = {}
         self.order: list[str] = []
+        self.names: list[str] | None = None
+        self.needed: int | None = None
         self.staging: Path | None = None
         self.committed = False
+        self._owner: int | None = None
+        self._janitor: tuple[int, int] | None = None
         self._anonymous = hasattr(os, "O_TMPFILE")
 
     # -- checks -----------------------------------------------------------------------
-    def check(self, names: list[str]) -> None:
-        """Refuse before writing: output equal to an input, or existing without ``force``."""
+    def check(self, names: list[str], needed: int | None = None) -> None:
+        """Refuse before writing: output equal to an input, existing without ``force``, a
+        folder that cannot be written or has no room for ``needed`` bytes. Removes the
+        staging folders that dead slims left in the output's folder."""
         paths = [self.target] if self.directory else [self.base / n for n in names]
         for p in [self.target, *paths]:
             for source in self.inputs:
-                if p.resolve() == source.resolve() or _same(p, source):
+                if real_path(p, must_exist=False) == real_path(source, must_exist=False) \
+                        or _same(p, source):
                     raise UsageError(
                         f"{printable(str(p))}: the output would overwrite the input; "
                         "choose another -o path"
                     )
             if self.directory and self.inputs and any(
-                source.resolve().is_relative_to(self.target.resolve()) for source in self.inputs
+                real_path(source, must_exist=False).is_relative_to(
+                    real_path(self.target, must_exist=False)) for source in self.inputs
             ):
                 raise UsageError(
                     f"{printable(str(self.target))}: the output folder holds the input; "
@@ -99,15 +173,51 @@ class Output:
             raise UsageError(f"{printable(str(self.target))} exists and is not a folder")
         if not self.parent.is_dir():
             raise UsageError(f"{printable(str(self.parent))}: no such folder for the output")
-        self._remove_stale()
+        self.names = list(names)
+        self.needed = needed
+        self._check_folder(needed)
+        remove_dead_staging(self.parent, self.target.name)
 
-    def _remove_stale(self) -> None:
-        """Staging folders of this target left by a process killed while verifying."""
-        prefix = f".{self.target.name}{_STAGING}"
+    def _check_folder(self, needed: int | None) -> None:
+        """A folder we may write in, with room for ``needed`` bytes."""
+        folder = self.parent
+        where = printable(str(folder))
         with contextlib.suppress(OSError):
-            for p in self.parent.iterdir():
-                if p.name.startswith(prefix) and p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
+            if os.statvfs(folder).f_flag & os.ST_RDONLY:
+                raise self._error(f"{where} is on a read-only filesystem")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise self._error(f"cannot write in {where} (permission denied)")
+        free = free_bytes(folder)
+        if needed is not None and free is not None and free < needed:
+            raise self._error(f"needs {_human(needed)} free in {where}, "
+                              f"and {_human(free)} is free")
+
+    def _error(self, why: str) -> OutputError:
+        return OutputError(f"{printable(str(self.target))}: {why}; nothing was written")
+
+    def error_for(self, exc: OSError) -> OutputError | None:
+        """The one-line error for an ``OSError`` met while writing, fsyncing or naming the
+        output (disk full, read-only, denied); ``None`` for any other."""
+        why = _FULL.get(exc.errno or 0)
+        if why is None and exc.errno in _DENIED and self._concerns_output(exc):
+            why = _DENIED[exc.errno or 0]
+        if why is None:
+            return None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = free_bytes(self.parent)
+            if free is not None:
+                need = f"{_human(self.needed)} needed, " if self.needed else ""
+                why += f" ({need}{_human(free)} free in {printable(str(self.parent))})"
+        return OutputError(f"{printable(str(self.target))}: cannot write it: {why}; "
+                           "nothing was written")
+
+    def _concerns_output(self, exc: OSError) -> bool:
+        named = [f for f in (exc.filename, exc.filename2) if f is not None]
+        if not named:
+            return True  # a write or fsync on one of our own descriptors
+        folder = os.path.abspath(self.parent)
+        return any(os.path.abspath(os.fsdecode(f)).startswith(folder)
+                   or os.fsdecode(f).startswith("/proc/self/fd/") for f in named)
 
     # -- writing ----------------------------------------------------------------------
     def open(self, name: str) -> BinaryIO:
@@ -118,7 +228,9 @@ class Output:
         if self._anonymous:
             try:
                 fd = os.open(self.parent, os.O_TMPFILE | os.O_RDWR, 0o644)
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
                 self._anonymous = False  # the filesystem does not support it
         if self._anonymous:
             fh = os.fdopen(fd, "w+b")
@@ -132,9 +244,13 @@ class Output:
 
     def _stage(self) -> Path:
         if self.staging is None:
-            name = f".{self.target.name}{_STAGING}{secrets.token_hex(4)}"
-            self.staging = self.parent / name
-            self.staging.mkdir()
+            stem = self.target.name[:150]
+            name = f".{stem}{_PARTIAL}{os.getpid()}-{secrets.token_hex(4)}"
+            path = self.parent / name
+            path.mkdir()
+            self.staging = path
+            self._owner = _lock(path, wait=False)
+            self._janitor = _spawn_janitor(path)
         return self.staging
 
     def staged_path(self) -> Path:
@@ -156,27 +272,74 @@ class Output:
             fh.close()
 
     def commit(self, main: str | None = None) -> None:
-        """Move the staged files into place (``main`` last) and fsync the directory."""
+        """Check the input is unchanged, then give the staged files their names (``main``
+        last; without ``force`` never over an OUT that appeared meanwhile) and fsync the
+        folder."""
+        ensure_unchanged()
         stage = self._stage()
-        if self.directory:
-            old = None
-            if self.target.exists():
-                old = self.parent / f".{self.target.name}{_STAGING}old-{secrets.token_hex(4)}"
-                os.replace(self.target, old)
-            os.replace(stage, self.target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            names = [n for n in self.order if n != main] + ([main] if main in self.order else [])
-            for name in names:
-                dest = self.base / name
-                if dest.is_dir() and not dest.is_symlink():
-                    raise UsageError(f"{printable(str(dest))} is a folder; cannot replace it")
-                os.replace(stage / name, dest)
-            shutil.rmtree(stage, ignore_errors=True)
+        with _committing(self.parent):
+            if self.directory:
+                self._commit_folder(stage)
+            else:
+                self._commit_files(stage, main)
         _fsync_dir(self.parent)
         self.staging = None
         self.committed = True
+        self._release()
+
+    def _appeared(self) -> OutputError:
+        return OutputError(f"{printable(str(self.target))} appeared while slim was writing; "
+                           "nothing was replaced")
+
+    def _commit_files(self, stage: Path, main: str | None) -> None:
+        names = [n for n in self.order if n != main] + ([main] if main in self.order else [])
+        linked: list[tuple[Path, Path]] = []
+        try:
+            for name in names:
+                src, dest = stage / name, self.base / name
+                if dest.is_dir() and not dest.is_symlink():
+                    raise UsageError(f"{printable(str(dest))} is a folder; cannot replace it")
+                if self.force:
+                    os.replace(src, dest)
+                    continue
+                try:
+                    _link_noreplace(src, dest)
+                except FileExistsError:
+                    raise self._appeared() from None
+                linked.append((src, dest))
+        except BaseException:
+            for src, dest in linked:  # take back the names given so far
+                with contextlib.suppress(OSError):
+                    if os.path.samefile(src, dest):
+                        dest.unlink()
+            raise
+        shutil.rmtree(stage, ignore_errors=True)
+
+    def _commit_folder(self, stage: Path) -> None:
+        target = self.target
+        try:
+            done = _renameat2(stage, target, _RENAME_NOREPLACE)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            if not self.force:
+                raise self._appeared() from None
+            if _renameat2(stage, target, _RENAME_EXCHANGE):
+                _remove(stage)  # now the old output
+                return
+            done = False
+        if done:
+            return
+        # No renameat2 here: check, then rename (a narrow race remains).
+        old = None
+        if target.exists() or target.is_symlink():
+            if not self.force:
+                raise self._appeared()
+            old = stage.with_name(stage.name + "-old")
+            os.replace(target, old)
+        os.replace(stage, target)
+        if old is not None:
+            _remove(old)
 
     def discard(self) -> None:
         """Close and remove everything written (the target is untouched)."""
@@ -186,6 +349,194 @@ class Output:
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._janitor is not None:
+            _dismiss_janitor(*self._janitor)
+            self._janitor = None
+        if self._owner is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._owner)
+            self._owner = None
+
+
+# -- ownership of staging folders ----------------------------------------------------------
+def _lock(path: Path, wait: bool) -> int | None:
+    """An open descriptor of folder ``path`` holding an exclusive ``flock`` (``None`` if it
+    is held elsewhere and ``wait`` is false; the descriptor without a lock where the
+    filesystem has no ``flock``). Closing the descriptor releases it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    if fcntl is None:
+        return fd
+    deadline = time.monotonic() + _COMMIT_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if not wait or time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.01)
+        except OSError:
+            return fd  # no flock on this filesystem
+
+
+@contextlib.contextmanager
+def _committing(folder: Path) -> Iterator[None]:
+    """Commits into one folder, one at a time (across processes); after a wait of
+    :data:`_COMMIT_WAIT` seconds for a stuck one, go on anyway."""
+    fd = _lock(folder, wait=True)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+_JANITOR = 'read -r word; [ "$word" = done ] || rm -rf -- "$1"'
+
+
+def _spawn_janitor(stage: Path) -> tuple[int, int] | None:
+    """A tiny ``sh`` that removes ``stage`` when this process dies before it says ``done``
+    (even by ``SIGKILL``: the kernel closes the pipe, ``read`` sees its end). Its own session,
+    so a Ctrl-C on the terminal does not end it first. ``(pid, pipe)``; ``None`` without
+    ``/bin/sh`` (the next slim removes dead owners' staging then)."""
+    if not hasattr(os, "posix_spawn") or not os.path.exists("/bin/sh"):
+        return None
+    r, w = os.pipe()  # both ends close on exec: only the child's stdin survives
+    try:
+        pid = os.posix_spawn(
+            "/bin/sh", ["sh", "-c", _JANITOR, "modelsize-janitor", os.fspath(stage)],
+            {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            file_actions=[(os.POSIX_SPAWN_DUP2, r, 0),
+                          (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                          (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
+            setsid=True,
+        )
+    except OSError:
+        os.close(w)
+        return None
+    finally:
+        os.close(r)
+    return pid, w
+
+
+def _dismiss_janitor(pid: int, pipe: int) -> None:
+    """Tell the janitor the staging folder is taken care of, and reap it."""
+    with contextlib.suppress(OSError):
+        os.write(pipe, b"done\n")
+    with contextlib.suppress(OSError):
+        os.close(pipe)
+    with contextlib.suppress(OSError):
+        os.waitpid(pid, 0)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
+
+
+def remove_dead_staging(folder: Path, target: str | None = None) -> list[Path]:
+    """Remove the staging folders in ``folder`` whose owner is dead: its pid is gone and
+    nobody holds its lock (and, for ``target``, the unowned ones of earlier versions)."""
+    removed: list[Path] = []
+    legacy = f".{target}{_LEGACY}" if target is not None else None
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        owner = _OWNED.match(entry.name)
+        if owner is not None:
+            if _alive(int(owner[1])):
+                continue
+        elif legacy is None or not entry.name.startswith(legacy):
+            continue
+        with contextlib.suppress(OSError):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            fd = _lock(Path(entry.path), wait=False)
+            if fd is None:
+                continue  # locked: a live owner (in another pid namespace)
+            try:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+            finally:
+                os.close(fd)
+    return removed
+
+
+# -- naming --------------------------------------------------------------------------------
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2_fn: Any = None
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; ``False`` where the C library or the filesystem has
+    no ``renameat2`` with these flags (the caller falls back). ``OSError`` on failure."""
+    global _renameat2_fn
+    if _renameat2_fn is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2_fn = (fn, ctypes.get_errno)
+        except (OSError, AttributeError, ImportError):
+            _renameat2_fn = False
+    if _renameat2_fn is False:
+        return False
+    fn, get_errno = _renameat2_fn
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _link_noreplace(src: Path, dest: Path) -> None:
+    """Give ``src``'s file the name ``dest`` too, failing with ``FileExistsError`` if
+    ``dest`` exists: ``link()``, else ``renameat2(RENAME_NOREPLACE)`` where the filesystem
+    has no hard links, else a check before the rename."""
+    try:
+        os.link(src, dest)
+        return
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+    if _renameat2(src, dest, _RENAME_NOREPLACE):
+        return
+    if dest.exists() or dest.is_symlink():
+        raise FileExistsError(errno.EEXIST, "File exists", str(dest))
+    os.rename(src, dest)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _link_unnamed(fd: int, dest: Path) -> None:
@@ -209,9 +560,16 @@ def _fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def staged(output: Output) -> Iterator[Output]:
-    """Discard ``output`` on any exception (``KeyboardInterrupt`` included) before commit."""
+    """Discard ``output`` on any exception (``KeyboardInterrupt`` included) before commit;
+    a full disk, a read-only folder or a denied write becomes one :class:`OutputError`."""
     try:
         yield output
+    except OSError as exc:
+        output.discard()
+        err = output.error_for(exc)
+        if err is None:
+            raise
+        raise err from exc
     except BaseException:
         output.discard()
         raise
@@ -222,9 +580,11 @@ def staged(output: Output) -> Iterator[Output]:
 
 def write_verified(output: Output, write: Callable[[Output], None],
                    verify: Callable[[Path], T], main: str | None = None) -> T:
-    """Write, seal, verify the staged output, then commit it; nothing is left on failure."""
+    """Write, check the input is unchanged, seal, verify the staged output, then commit it
+    (which checks the input again); nothing is left on failure."""
     with staged(output):
         write(output)
+        ensure_unchanged()
         output.seal()
         result = verify(output.staged_path())
         output.commit(main)

@@ -18,6 +18,9 @@ reaches are never written by any writer, so ``unused_storage`` always goes.
 Kept tensors are renamed to their state-dict keys when they all come from one container
 (``model.fc1.weight`` of ``{"model": ..., "optimizer": ...}`` becomes ``fc1.weight``), unless
 ``--keep`` asks for more of the checkpoint's layout.
+
+A plan that keeps every tensor as it is has nothing to slim (:func:`nothing_to_slim`): unless
+the format's writer stores the same tensors in less space, the input is copied byte for byte.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from modelsize.categories import NOT_NEEDED_FOR_INFERENCE, Category
-from modelsize.errors import UsageError
+from modelsize.errors import UsageError, printable
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming.cast import CASTABLE, should_cast
 from modelsize.slimming.source import NoDataError, TensorSource
 
 #: What ``--drop`` accepts besides categories: tensors tagged as an EMA copy of the model.
 EMA = "ema"
+#: ``--drop metadata``: a TFLite model's metadata entries (labels, TFLite Support's metadata).
+#: Elsewhere the metadata category is the file's own structure, which no slim drops.
+METADATA_ENTRIES = Category.METADATA.value
+#: Formats whose writer drops named metadata entries.
+_METADATA_FORMATS = frozenset({"tflite"})
 #: What ``--quantize`` accepts (each format applies those it can).
 QUANTIZE_CHOICES = ("int8", "float16", "dynamic")
 #: What a slim with no ``--drop``, ``--dedupe`` or ``--cast`` drops.
@@ -46,7 +54,7 @@ _STRUCTURE = frozenset({Category.GRAPH, Category.METADATA, Category.WEIGHTS})
 
 def drop_choices() -> list[str]:
     """Everything ``--drop`` accepts, from the category vocabulary."""
-    return [c.value for c in Category if c not in _STRUCTURE] + [EMA]
+    return [c.value for c in Category if c not in _STRUCTURE] + [EMA, METADATA_ENTRIES]
 
 
 def parse_drop(values: Iterable[str]) -> frozenset[str]:
@@ -169,6 +177,51 @@ class Plan:
                    t.record.nbytes for t in self.stored)
 
 
+def nothing_to_slim(plan: Plan) -> bool:
+    """Whether slimming as planned changes nothing the user asked about: the input's format
+    kept, no tensor dropped or cast, no copy turned into an alias, and no byte of the input in
+    a category the slim drops (unused storage, non-tensor ``other`` data). Such an output can
+    only be a rewrite of the same tensors, never smaller than the input by more than framing:
+    slim copies the input byte for byte instead (issue 18: rewrites grew files by 0.1-40 kB).
+    """
+    if plan.options.to != "same" or plan.dropped:
+        return False
+    if any(t.cast or (t.alias_of is not None and t.record.category == Category.DUPLICATES)
+           for t in plan.tensors):
+        return False
+    by = plan.inventory.bytes_by_category
+    if any(by[c] for c in Category if c.value in plan.options.dropped):
+        return False
+    # An encoded storage (text, deflated) is charged whole to its best view: elements no view
+    # reaches inside it are unused storage too, which a rewrite leaves out.
+    return all(_reached(st.key, plan.tensors) >= st.logical_nbytes
+               for st in plan.inventory.storages if st.compressed)
+
+
+def _reached(key: str, tensors: Sequence[PlannedTensor]) -> int:
+    """Bytes of storage ``key`` inside the span of some view of it."""
+    from modelsize.dtypes import DTYPES
+
+    spans = []
+    for t in tensors:
+        r = t.record
+        if r.storage != key or not r.numel:
+            continue
+        if r.strides is None:
+            spans.append((r.storage_offset, r.storage_offset + r.nbytes))
+        else:
+            item = DTYPES[r.dtype].block_bytes if r.dtype in DTYPES else 1
+            reach = sum((d - 1) * abs(st) for d, st in zip(r.shape, r.strides, strict=False))
+            spans.append((r.storage_offset, r.storage_offset + (reach + 1) * item))
+    covered, end = 0, 0
+    for a, b in sorted(spans):
+        a = max(a, end)
+        if b > a:
+            covered += b - a
+            end = b
+    return covered
+
+
 def matches(name: str, patterns: Sequence[str]) -> bool:
     """Whether a dotted name (or its first component, or its last) matches a glob."""
     if not patterns:
@@ -190,6 +243,11 @@ def make_plan(
     ``tensors`` replaces the inventory's own tensors (consolidated checkpoints).
     """
     dropped_names = options.dropped
+    if METADATA_ENTRIES in dropped_names and inv.format not in _METADATA_FORMATS:
+        raise UsageError(
+            f"{printable(str(inv.path))}: --drop metadata applies to TFLite models' metadata "
+            f"entries; a {inv.format} file's metadata is its own structure, which slim rewrites "
+            "as needed")
     records = list(inv.tensors if tensors is None else tensors)
     kept: list[TensorRecord] = []
     dropped: list[DroppedTensor] = []
@@ -213,7 +271,7 @@ def make_plan(
                     aliases[t.name] = t.duplicate_of
                     kept.append(t)
                     continue
-            elif t.category.value in dropped_names:
+            elif t.category.value in dropped_names and t.category != Category.METADATA:
                 reason = t.category.value
             elif EMA in dropped_names and EMA in t.tags:
                 reason = EMA

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelsize.categories import Category
 from modelsize.inventory import Inventory
+
+if TYPE_CHECKING:
+    from modelsize.slimming.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class SlimReport:
     ``output`` is the output read back by modelsize's own reader (``None`` on a dry run);
     ``output_files`` the files as committed, with their sizes. ``predicted_bytes`` is the
     planned size (exact for safetensors, npz and torch zip outputs; ``None`` where the format
-    only knows once written).
+    only knows once written). ``copied``: there was nothing to slim, and the output is a
+    byte-for-byte copy of the input.
     """
 
     source: Inventory
@@ -77,6 +81,8 @@ class SlimReport:
     output: Inventory | None = None
     output_files: tuple[tuple[Path, int], ...] = ()
     verified: bool = False
+    #: Nothing to slim: the output is the input, byte for byte.
+    copied: bool = False
 
     @property
     def source_bytes(self) -> int:
@@ -141,9 +147,42 @@ class SlimReport:
             },
             "files": [{"path": str(p), "bytes": n} for p, n in self.output_files],
             "verified": self.verified,
+            "copied": self.copied,
             "kept": [k.to_dict() for k in self.kept],
             "dropped": [d.to_dict() for d in self.dropped],
             "dropped_by_category": {c.value: {"tensors": n, "bytes": b}
                                     for c, (n, b) in self.dropped_by_category().items()},
             "notes": list(self.notes),
         }
+
+
+def unsafe_note(plan: Plan, copied: bool) -> list[str]:
+    """What became of the callables the input's pickle would import and call."""
+    unsafe = plan.inventory.unsafe_globals
+    if not unsafe:
+        return []
+    names = f"{', '.join(unsafe[:4])}{', ...' if len(unsafe) > 4 else ''}"
+    if copied:
+        return [f"the copy is the input's pickle, which would import and call {len(unsafe)} "
+                f"unsafe global(s) ({names}); --to safetensors writes its tensors alone"]
+    return [f"the input's pickle would import and call {len(unsafe)} unsafe global(s) "
+            f"({names}); the output holds the tensors and none of them (nothing from the input "
+            "was run)"]
+
+
+def growth_notes(plan: Plan, written_as: str, out: Inventory) -> list[str]:
+    """Why an output is larger than its input, from the bytes by category on both sides
+    (a rewrite that holds the same tensors in another framing)."""
+    src = plan.inventory
+    grew = out.file_bytes - src.file_bytes
+    if grew <= 0:
+        return []
+    if plan.options.to != "same":
+        why = f"converted to {out.format}, as --to {plan.options.to} asks"
+    elif out.format != src.format:
+        why = f"written as {out.format}: slim writes no {src.format} files"
+    else:
+        why = f"rewritten by modelsize's {written_as} writer"
+    more = [f"{c.value} {src.bytes_by_category[c]:,} -> {out.bytes_by_category[c]:,} bytes"
+            for c in Category if out.bytes_by_category[c] > src.bytes_by_category[c]]
+    return [f"the output is {grew:,} bytes larger than the input ({why}): " + "; ".join(more)]

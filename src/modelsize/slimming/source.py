@@ -25,6 +25,7 @@ from typing import Protocol
 
 from modelsize.dtypes import DTYPES
 from modelsize.errors import CorruptFileError, UsageError, printable
+from modelsize.inputs import reading
 from modelsize.inventory import Inventory, StorageRecord, TensorRecord
 
 #: Bytes read or written at a time: large enough for full disk speed, small enough to bound RSS.
@@ -70,8 +71,7 @@ class FileRange:
         (``copy_file_range``: no trip through Python's memory); returns the CRC-32 of the
         source bytes, read separately. ``OSError`` if the kernel cannot copy between these
         files (the caller falls back to :meth:`chunks`)."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
+        with reading(self.path) as fd:
             pos, end = self.offset, self.offset + self.nbytes
             while pos < end:
                 n = os.copy_file_range(fd, out_fd, min(COPY_STEP, end - pos), pos)
@@ -81,31 +81,23 @@ class FileRange:
                 if advance is not None:
                     advance(n)
             return _crc_fd(fd, self.offset, self.nbytes, self.path)
-        finally:
-            os.close(fd)
 
     def crc(self) -> int:
         """CRC-32 of the bytes, read into one reused buffer (nothing handed out)."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
+        with reading(self.path) as fd:
             return _crc_fd(fd, self.offset, self.nbytes, self.path)
-        finally:
-            os.close(fd)
-
 
     def chunks(self) -> Iterator[bytes]:
-        """Read with ``pread``: no shared file position, one open file per source."""
+        """Read with ``pread``: no shared file position; an input file through the
+        descriptor its :mod:`~modelsize.inputs` table holds."""
         if not self.nbytes:
             return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
+        with reading(self.path) as fd:
             pos, end = self.offset, self.offset + self.nbytes
             while pos < end:
                 n = min(self.step, end - pos)
                 yield _pread_exact(fd, n, pos, self.path)
                 pos += n
-        finally:
-            os.close(fd)
 
 
 def _crc_fd(fd: int, offset: int, nbytes: int, path: Path) -> int:
@@ -352,11 +344,8 @@ def tensor_source(inv: Inventory, t: TensorRecord,
     base = st.offset
 
     def read(start: int, stop: int) -> bytes:
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        with reading(path) as fd:
             return _pread_exact(fd, stop - start, base + start, path)
-        finally:
-            os.close(fd)
 
     return Strided(read, t.storage_offset, t.shape, t.strides, itemsize)
 

@@ -22,8 +22,9 @@ from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from modelsize import formats
+from modelsize import formats, inputs
 from modelsize.errors import CorruptFileError, UsageError, VerificationError, printable
+from modelsize.formats.base import real_path
 from modelsize.formats.onnx import ONNX_DTYPES
 from modelsize.inventory import Inventory
 from modelsize.slimming.graph.report import Comparison, GraphSlimReport
@@ -102,7 +103,7 @@ def _check_locations(model: Any, path: Path) -> None:
 def _copy_range(src: Path, offset: int, length: int, out: Any) -> None:
     """``length`` bytes of ``src`` from ``offset`` to ``out``, through one reused buffer."""
     view = memoryview(bytearray(min(length, _CHUNK)))
-    with open(src, "rb", buffering=0) as fh:
+    with inputs.open_input(src, buffering=0) as fh:
         fh.seek(offset)
         left = length
         while left > 0:
@@ -123,7 +124,7 @@ def _external_range(ext: dict[str, str], base_dir: Path) -> tuple[Path, int, int
 
 
 def _read_range(src: Path, offset: int, length: int) -> bytes:
-    with open(src, "rb") as fh:
+    with inputs.open_input(src) as fh:
         fh.seek(offset)
         data = fh.read(length)
     if len(data) != length:
@@ -238,7 +239,7 @@ def _stale_data(target: Path, inputs: tuple[Path, ...]) -> Path | None:
 
     data = target.parent / f"{target.name}.data"
     if not target.is_file() or not data.is_file() or any(
-            data.resolve() == p.resolve() for p in inputs):
+            real_path(data) == real_path(p, must_exist=False) for p in inputs):
         return None
     try:
         old = _load(target)
@@ -246,8 +247,8 @@ def _stale_data(target: Path, inputs: tuple[Path, ...]) -> Path | None:
         return None
     for t in passes.all_tensors(old.graph):
         ext = passes.external_info(t)
-        if ext is not None and (target.parent / ext.get("location", "")).resolve() \
-                == data.resolve():
+        if ext is not None and real_path(target.parent / ext.get("location", ""),
+                                        must_exist=False) == real_path(data):
             return data
     return None
 
@@ -319,7 +320,7 @@ def slim_onnx(inv: Inventory, out: str | Path | None, options: SlimOptions, *,
     external = choose_layout(layout, predicted, target)
     data_name = f"{target.name}.data" if external else None
     output = Output(target, force=force, inputs=tuple(f.path for f in inv.files))
-    output.check([target.name, *([data_name] if data_name else [])])
+    output.check([target.name, *([data_name] if data_name else [])], needed=predicted)
     stale = None if external else _stale_data(target, tuple(f.path for f in inv.files))
     notes: list[str] = []
     if options.drop is not None or options.keep:

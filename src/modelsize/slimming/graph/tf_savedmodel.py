@@ -65,6 +65,7 @@ from modelsize.errors import (
     VerificationError,
     printable,
 )
+from modelsize.formats.base import real_path
 from modelsize.inventory import Inventory
 from modelsize.slimming.graph.report import Comparison, GraphSlimReport
 from modelsize.slimming.graph.report import OutputDiff as NamedDiff
@@ -508,7 +509,7 @@ def _load_source(tf: Any, src: Path, stack: contextlib.ExitStack) -> tuple[Any, 
     (view / "saved_model.pb").write_bytes(model.SerializeToString())
     for entry in src.iterdir():
         if entry.name not in ("saved_model.pb", "fingerprint.pb"):
-            (view / entry.name).symlink_to(entry.resolve(), entry.is_dir())
+            (view / entry.name).symlink_to(real_path(entry, must_exist=False), entry.is_dir())
     try:
         return _load(tf, view), view
     except CorruptFileError:

@@ -1,29 +1,39 @@
 """A model directory slimmed file by file: torch shards, a Trainer's ``checkpoint-N``.
 
-Each input file that keeps tensors is written again under the same name and in its own format
-(a ``torch.save`` archive for ``.bin``/``.pt`` shards, safetensors for ``.safetensors``), each
-with the keys it held; an index (``pytorch_model.bin.index.json``,
+A file the slim does not touch (every tensor kept as it is: a Trainer's ``rng_state.pth`` under
+``--drop optimizer_state``, a shard that holds no optimizer state) passes through as it is, byte
+for byte. Each other input file that keeps tensors is written again under the same name and in
+its own format (a ``torch.save`` archive for ``.bin``/``.pt`` shards, safetensors for
+``.safetensors``), each with the keys it held; an index (``pytorch_model.bin.index.json``,
 ``model.safetensors.index.json``) is rewritten with the new weight map and total size. Files
 whose every tensor was dropped (``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``) are not
-written, nor are pickles without tensors (``training_args.bin``: it would run code on load) or
-``trainer_state.json`` (it describes a training run the slim copy cannot resume). The
-architecture and tokenizer files of the directory are copied as they are.
+written, nor are pickles without tensors (``training_args.bin``: it would run code on load).
+``trainer_state.json`` goes with them, unless a file only resuming reads is kept (then the
+output is still a Trainer checkpoint, resumed with a fresh optimizer). The architecture and
+tokenizer files of the directory are copied as they are.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from modelsize import inputs
+from modelsize.categories import Category
+from modelsize.formats.base import real_path
+from modelsize.inventory import Inventory
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
-from modelsize.slimming.writers.base import Meter, Written
+from modelsize.slimming.writers.base import Meter, Written, stream
 
 #: Files of a Trainer checkpoint that only resuming training needs.
 _TRAINING_ONLY = frozenset({"trainer_state.json", "training_args.bin"})
+#: A Trainer checkpoint's files that resuming reads besides the weights.
+_RESUME_FILES = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
@@ -68,22 +78,65 @@ class DirectoryJob:
     parts: list[FilePart]
     indexes: dict[str, bytes] = field(default_factory=dict)
     copies: list[tuple[Path, str]] = field(default_factory=list)
+    #: Tensors of the files that pass through as they are, by file name.
+    passed: dict[str, list[PlannedTensor]] = field(default_factory=dict)
 
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:
-        """Every file, then the indexes, then the copies."""
+        """Every file, then the indexes, then the copies (the tensors of a file passed through
+        are read from the input for their CRC-32, which verification compares)."""
         written: dict[str, Written] = {}
         for part in self.parts:
             part.write(out.open(part.name), meter, written)
         for name, data in self.indexes.items():
             out.open(name).write(data)
         for src, name in self.copies:
-            with open(src, "rb") as fin:
-                shutil.copyfileobj(fin, out.open(name), 1 << 20)
+            _copy_file(src, out.open(name))
+            for t in self.passed.get(name, ()):
+                s = stream(t, meter)
+                for _ in s.chunks():
+                    pass
+                written[t.name] = s.written
         return written
 
     def output_name(self, name: str) -> str:
         """Read back under the input's names (verification falls back to them)."""
         return name
+
+
+def _copy_file(src: Path, fh: BinaryIO) -> None:
+    """``src`` byte for byte at ``fh``'s position, through the kernel where it can."""
+    fh.flush()
+    with inputs.open_input(src) as fin:
+        size = os.fstat(fin.fileno()).st_size
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fh.fileno(), size - done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError:
+            pass  # the kernel cannot copy between these files: Python copies the rest
+        fin.seek(done)
+        fh.seek(0, os.SEEK_END)
+        shutil.copyfileobj(fin, fh, 1 << 20)
+
+
+def _untouched(plan: Plan, inv: Inventory, file: int, tensors: list[PlannedTensor]) -> bool:
+    """Whether the slim keeps input file ``file`` as it is: every tensor in it kept, none cast
+    or turned into an alias of a copy, no byte of it in a category the slim drops."""
+    in_file = {s.key for s in inv.storages if s.file == file}
+    mine = [t for t in inv.tensors if t.storage in in_file]
+    names = {t.record.name for t in tensors}
+    if len(mine) != len(tensors) or any(t.name not in names for t in mine):
+        return False
+    if any(t.cast or (t.alias_of is not None and t.record.category == Category.DUPLICATES)
+           for t in tensors):
+        return False
+    dropped = {c for c in Category if c.value in plan.options.dropped}
+    return not any(r.file == file and r.category in dropped and r.nbytes for r in inv.regions) \
+        and not any(s.file == file and any(s.bytes_by_category.get(c) for c in dropped)
+                    for s in inv.storages)
 
 
 def _relative(path: Path, base: Path) -> str:
@@ -124,9 +177,15 @@ def prepare_directory(plan: Plan, target: Path) -> DirectoryJob:
         by_file.setdefault(st.file if st is not None else 0, []).append(t)
     parts: list[FilePart] = []
     weight_maps: dict[str, dict[str, str]] = {".safetensors": {}, ".torch": {}}
+    passed: dict[str, list[PlannedTensor]] = {}
     for file, tensors in sorted(by_file.items()):
         rel = _relative(inv.files[file].path, root)
         keys = {t.name: t.record.key for t in tensors}
+        if inv.path.is_dir() and _untouched(plan, inv, file, tensors):
+            passed[rel] = tensors
+            family = ".safetensors" if rel.endswith(".safetensors") else ".torch"
+            weight_maps[family].update({keys[t.name]: rel for t in tensors})
+            continue
         if rel.endswith(".safetensors"):
             renamed = [PlannedTensor(t.record, keys[t.name], t.dtype, t.source,
                                      keys.get(t.alias_of) if t.alias_of else None)
@@ -141,25 +200,28 @@ def prepare_directory(plan: Plan, target: Path) -> DirectoryJob:
             parts.append(torch_file(rel, tensors, keys))
             weight_maps[".torch"].update({keys[t.name]: rel for t in tensors})
     indexes: dict[str, bytes] = {}
-    written_names = {p.name for p in parts}
+    sizes = {p.name: p.nbytes for p in parts}
+    sizes.update({rel: (root / rel).stat().st_size for rel in passed})
+    written_names = set(sizes)
     for f in inv.files:
         rel = _relative(f.path, root)
         kind = ".safetensors" if rel.endswith(".safetensors.index.json") else (
             ".torch" if rel.endswith(".index.json") else None)
         if kind is None:
             continue
-        total = sum(p.nbytes for p in parts if p.name in weight_maps[kind].values())
+        total = sum(n for name, n in sizes.items() if name in weight_maps[kind].values())
         doc = {"metadata": {"total_size": total}, "weight_map": weight_maps[kind]}
         indexes[rel] = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
-    covered = {f.path.resolve() for f in inv.files}
-    copies: list[tuple[Path, str]] = []
+    covered = {real_path(f.path) for f in inv.files}
+    copies: list[tuple[Path, str]] = [(root / rel, rel) for rel in passed]
+    resumable = any(n.startswith(_RESUME_FILES) for n in written_names)
     if inv.path.is_dir():
         for p in sorted(root.iterdir()):
             if not p.is_file() or p.name in written_names or p.name in indexes:
                 continue
-            if p.name in _TRAINING_ONLY:
+            if p.name in _TRAINING_ONLY and not (resumable and p.name.endswith(".json")):
                 continue
-            if p.resolve() in covered and (p.suffix in _PICKLE_SUFFIXES
+            if real_path(p) in covered and (p.suffix in _PICKLE_SUFFIXES
                                            or p.name.endswith(".safetensors")):
                 continue  # a file of the checkpoint whose tensors were all dropped
             copies.append((p, p.name))
@@ -169,8 +231,11 @@ def prepare_directory(plan: Plan, target: Path) -> DirectoryJob:
                      and all(c[1] != _relative(f.path, root) for c in copies))
     if skipped:
         plan.notes.append("not written (nothing inference needs): " + ", ".join(skipped))
+    if passed:
+        plan.notes.append("passed through as they are (nothing in them changes): "
+                          + ", ".join(sorted(passed)))
     files = [p.name for p in parts] + list(indexes) + [name for _, name in copies]
     predicted = (sum(p.nbytes for p in parts) + sum(len(b) for b in indexes.values())
                  + sum(src.stat().st_size for src, _ in copies))
-    main = next(iter(indexes), parts[-1].name if parts else "")
-    return DirectoryJob(files, main, True, predicted, parts, indexes, copies)
+    main = next(iter(indexes), parts[-1].name if parts else files[0] if files else "")
+    return DirectoryJob(files, main, True, predicted, parts, indexes, copies, passed)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES
 from modelsize.errors import CorruptFileError, UsageError, printable
@@ -156,7 +157,7 @@ class GgufJob:
     def _metadata(self) -> Iterator[bytes]:
         """The input's key/value bytes, a chunk at a time, with the patched values swapped in."""
         start, end = self.layout.kv_start, self.layout.kv_end
-        fd = os.open(self.source, os.O_RDONLY)
+        fd = inputs.open_fd(self.source)
         try:
             pos = start
             for at, value in [*sorted(self.patches.items()), (end, b"")]:

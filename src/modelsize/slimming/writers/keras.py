@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
 from modelsize.slimming.output import Output
@@ -496,15 +497,15 @@ def _open_input(plan: Plan) -> Iterator[tuple[Any, bytes]]:
                 if member is None:
                     raise UsageError(f"{printable(str(path))}: no {WEIGHTS_MEMBER} in the "
                                      "archive")
-                fh = stack.enter_context(open(path, "rb"))
+                fh = stack.enter_context(inputs.open_input(path))
                 if member.method == _zip.STORED:
                     raw = _Window(fh, member.data_offset, member.file_size)
                 else:
                     raw = _InflatedFile(InflatedBlob(fh, member))
                 f = stack.enter_context(h5py.File(raw, "r"))
             else:
-                raw = stack.enter_context(open(path, "rb"))
-                f = stack.enter_context(h5py.File(path, "r", locking=False))
+                raw = stack.enter_context(inputs.open_input(path))
+                f = stack.enter_context(h5py.File(inputs.reopen_path(path), "r", locking=False))
             head = b""
             if f.userblock_size:
                 raw.seek(0)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from modelsize import inputs
 from modelsize.errors import UsageError, printable
 from modelsize.formats import onnx as fmt
 from modelsize.formats._protobuf import LEN, VARINT, Field, FileBuffer, iter_fields
@@ -766,7 +767,7 @@ class OnnxJob:
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:
         """The model file, then the external data file."""
         written: dict[str, Written] = {}
-        fd = os.open(self.model_path, os.O_RDONLY)
+        fd = inputs.open_fd(self.model_path)
         try:
             sink = _OnnxSink(out.open(self.main), fd, meter, written)
             self.parts.write(sink)
@@ -823,7 +824,7 @@ class OnnxWriter:
                              f"ONNX input, not {inv.format}")
         path = inv.files[0].path
         structure = fmt.read_structure(path)
-        fd = os.open(path, os.O_RDONLY)
+        fd = inputs.open_fd(path)
         try:
             rw = _Rewrite(plan, structure, FileBuffer(fd, path.stat().st_size))
             rw.decide()

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelsize import inputs
 from modelsize.dtypes import DTYPES
+from modelsize.formats.base import real_path
 from modelsize.formats.safetensors import INDEX_SUFFIX
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
@@ -146,7 +148,7 @@ class SafetensorsJob:
         if self.index is not None:
             out.open(self.main).write(self.index)
         for src, name in self.copies:
-            with open(src, "rb") as fin:
+            with inputs.open_input(src) as fin:
                 shutil.copyfileobj(fin, out.open(name), 1 << 20)
         return written
 
@@ -217,12 +219,12 @@ class SafetensorsWriter:
             doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
             index = (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode("utf-8")
             files.append(index_name)
-        shard_paths = {inv.files[f].path.resolve() for f in by_file} | {
-            f.path.resolve() for f in inv.files if f.path.name.endswith(".safetensors")}
+        shard_paths = {real_path(inv.files[f].path) for f in by_file} | {
+            real_path(f.path) for f in inv.files if f.path.name.endswith(".safetensors")}
         copies = []
         if inv.path.is_dir():
             for p in sorted(root.iterdir()):
-                if p.is_file() and p.resolve() not in shard_paths and p.name != index_name:
+                if p.is_file() and real_path(p) not in shard_paths and p.name != index_name:
                     copies.append((p, p.name))
                     files.append(p.name)
         predicted = sum(lay.nbytes for lay in layouts) + (len(index) if index else 0) + sum(

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, UsageError, printable
@@ -411,8 +412,8 @@ class T7Job:
     def walk(self, sink: _Sink) -> None:
         """Emit the output's object stream into ``sink``."""
         builder = InventoryBuilder("t7", [self.path])
-        with open(self.path, "rb") as fh, t7.open_cursor(fh.fileno(), builder, self.long_size,
-                                                         self.ascii) as cur:
+        with inputs.open_input(self.path) as fh, t7.open_cursor(
+                fh.fileno(), builder, self.long_size, self.ascii) as cur:
             _Emitter(self, cur, sink).run()
 
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:

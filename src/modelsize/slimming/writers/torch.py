@@ -11,7 +11,10 @@ deduplicated alias views its original's storage, so loading gives both names, ti
 
 By default the output is the model's flat state dict (``{key: tensor}``); with ``--keep`` the
 checkpoint's top-level layout is kept for what survives (``{"model": {...}, "epoch": 3}``),
-non-tensor values included when they are plain data (numbers, strings, lists, dicts).
+non-tensor values included when they are plain data (numbers, strings, lists, dicts). Tensors
+kept from several of the checkpoint's entries (``{"model": ..., "grads": ...}`` with only the
+optimizer dropped) keep that layout too, for those entries: the entry a tensor sits in says
+what it is (gradients stay gradients when read back).
 """
 
 from __future__ import annotations
@@ -266,7 +269,11 @@ def _build_tree(plan: Plan, refs: dict[str, _TensorRef]) -> _Tree:
     if (isinstance(root, Call) and global_name(root.func).startswith(_TENSOR_CALLS)
             and len(refs) == 1):
         return _Tree(next(iter(refs.values())))
-    if not plan.options.keep:
+    containers = {t.record.container for t in plan.tensors}
+    # Tensors kept from several containers ({"model": ..., "grads": ...}) keep the layout
+    # too: flattened to "grads.fc.weight", gradients would read back as weights.
+    several = not plan.container and len(containers) > 1
+    if not plan.options.keep and not several:
         return _Tree(_OrderedDict(refs))
 
     items = mapping_items(root) if root is not None else None
@@ -274,7 +281,6 @@ def _build_tree(plan: Plan, refs: dict[str, _TensorRef]) -> _Tree:
         return _Tree(_OrderedDict(refs))
     tree = _Tree(None)
     by_record = {t.record.name: refs[t.name] for t in plan.tensors}
-    containers = {t.record.container for t in plan.tensors}
     out: dict[Any, Any] = {}
     for k, v in items:
         key = _key_text(k)
