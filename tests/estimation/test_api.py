@@ -20,12 +20,13 @@ from tests.estimation import models
 
 def test_public_api_is_locked() -> None:
     assert sorted(api.__all__) == sorted([
-        "DeviceEstimate", "DeviceTerm", "Estimate", "MemoryCategory", "Parallel", "PhaseSpan",
-        "Setup", "Source", "Strategy", "Verification", "estimate",
+        "CacheGroup", "CacheKind", "DeviceEstimate", "DeviceTerm", "Estimate",
+        "GenerationInfo", "MemoryCategory", "Parallel", "PhaseSpan", "Setup", "Source",
+        "Strategy", "Verification", "estimate",
     ])
     assert modelsize.Estimate is Estimate
     assert [c.value for c in MemoryCategory] == [
-        "parameters", "buffers", "gradients", "optimizer_state", "activations",
+        "parameters", "buffers", "gradients", "optimizer_state", "activations", "kv_cache",
         "temporaries", "inputs", "communication",
     ]
 

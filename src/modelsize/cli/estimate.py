@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="a training step: forward, loss, backward, optimizer (default)")
     mode.add_argument("--infer", dest="mode", action="store_const", const="infer",
                       help="one forward pass in eval mode under no_grad")
+    mode.add_argument("--generate", type=_positive, default=None, metavar="N",
+                      help="generate() of N new tokens (greedy, eval, no_grad) with the "
+                      "model's own cache; --seq is the prompt length")
     parser.set_defaults(mode="train")
     parser.add_argument("--batch", type=_positive, default=None, help="batch size")
     parser.add_argument("--seq", type=_positive, default=None, help="sequence length (tokens)")
@@ -76,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--gpus N; with --fit-dim gpus the fewest GPUs of that memory); a "
                         "training step without --checkpoint is fitted again with every "
                         "repeated block checkpointed")
-    parser.add_argument("--fit-dim", choices=["batch", "seq", "gpus"], default="batch",
-                        help="what --fit searches (default batch)")
+    parser.add_argument("--fit-dim", choices=["batch", "seq", "gpus", "context"],
+                        default="batch", help="what --fit searches (default batch; context: "
+                        "prompt + new tokens, with --generate)")
     par = parser.add_argument_group("across GPUs (per-rank memory)")
     par.add_argument("--gpus", type=_positive, default=None, metavar="N",
                      help="estimate one rank of a data-parallel program on N GPUs")
@@ -108,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sug.add_argument("--suggest", dest="suggest", action="store_true", default=None,
                      help="re-trace what would shrink the peak (default: on for text output)")
     sug.add_argument("--no-suggest", dest="suggest", action="store_false")
+    from modelsize.cli import estimate_generate
+
+    estimate_generate.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--html", metavar="FILE", default=None,
                         help="also write a self-contained HTML report: the memory timeline, "
@@ -164,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
                          "module:factory); see modelsize estimate --list")
     require_torch()
+    if args.generate is not None:
+        from modelsize.cli import estimate_generate
+
+        return estimate_generate.run(args, DEFAULT_DEVICE)
     from modelsize.estimation.optimizers import parse_name
     from modelsize.estimation.result import Source
     from modelsize.estimation.targets import (

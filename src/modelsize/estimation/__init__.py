@@ -5,7 +5,9 @@ the estimate of a 70B model costs what the trace of a small one costs. A counter
 bytes of every live storage; the peak, and what is live at the peak, is the answer.
 
 Modules: ``tracker`` (the counting fake-tensor mode), ``trace`` (the program: forward, loss,
-backward, optimizer step), ``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
+backward, optimizer step), ``generate`` (the program ``model.generate()``, its cache found by
+owner; ``generate_fit`` its ``--fit``, ``sdpa_cuda`` its attention on a GPU),
+``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
 rounding and workspaces), ``result`` (the :class:`Estimate`), ``zoo`` (built-in models),
 ``fit`` (largest batch under a budget), ``targets`` (what the CLI traces: built-in
 models, ``config.json`` files, factories), ``verify`` (the same program run for real on CPU
@@ -16,15 +18,18 @@ Importing this package does not import torch: :func:`estimate` does, when called
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import MissingDependencyError
 from modelsize.estimation.parallel import Parallel, Strategy
 from modelsize.estimation.result import (
+    CacheGroup,
+    CacheKind,
     DeviceEstimate,
     DeviceTerm,
     Estimate,
+    GenerationInfo,
     MemoryCategory,
     PhaseSpan,
     Setup,
@@ -37,9 +42,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "CacheGroup",
+    "CacheKind",
     "DeviceEstimate",
     "DeviceTerm",
     "Estimate",
+    "GenerationInfo",
     "MemoryCategory",
     "Parallel",
     "PhaseSpan",
@@ -78,6 +86,8 @@ def estimate(
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
     parallel: Parallel | None = None,
+    new_tokens: int | None = None,
+    generation: Mapping[str, Any] | None = None,
 ) -> Estimate:
     """The exact peak memory of running ``model`` on ``inputs``, without allocating it.
 
@@ -92,6 +102,17 @@ def estimate(
     them (Adam-like optimizers create their state inside the first step). The loss is
     ``loss(output)``, by default ``output.loss`` or else ``.sum()`` of the first floating
     point tensor of the output; the output is released before the backward.
+
+    ``mode="generate"``: exactly ``model.generate(**inputs, max_new_tokens=new_tokens,
+    min_new_tokens=new_tokens, do_sample=False, **generation)`` in eval mode under
+    ``no_grad``, traced with the model's own cache code (``generation``: more ``generate()``
+    keyword arguments, ``{"cache_implementation": "static"}``, ``{"num_beams": 4}``,
+    ``{"prefill_chunk_size": 512}``...). ``inputs`` is the dict of ``generate()`` tensors
+    (``input_ids``, ``attention_mask``; ``input_features`` for Whisper). The cache's bytes are
+    the ``kv_cache`` category; ``Estimate.generation`` gives the peak's step, the cache at the
+    prefill and at the end, and its bytes per token by layer kind. Token ids the trace cannot
+    know (each step's argmax) and MoE routing the model's code reads are chosen as
+    :mod:`modelsize.estimation.generate` says, and named in ``Estimate.generation``.
 
     ``optimizer`` (default ``adamw``): ``sgd``, ``momentum``, ``adam``, ``adamw``, ``adagrad``,
     ``rmsprop``, or a callable taking the parameters (``torch.optim.AdamW``, a
@@ -140,4 +161,5 @@ def estimate(
         implementation=implementation, accumulate=accumulate, checkpoint=checkpoint,
         steps=steps, optimize_frozen=optimize_frozen, verify=verify,
         verify_budget=verify_budget, name=name, progress=progress, parallel=parallel,
+        new_tokens=new_tokens, generation=generation,
     )

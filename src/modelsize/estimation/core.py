@@ -68,10 +68,23 @@ def estimate(
     name: str | None = None,
     progress: Callable[[str, int], None] | None = None,
     parallel: Parallel | None = None,
+    new_tokens: int | None = None,
+    generation: Mapping[str, Any] | None = None,
 ) -> Estimate:
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if mode == "generate" or new_tokens is not None or generation is not None:
+        from modelsize.estimation.generate import estimate_api
+
+        return estimate_api(
+            model, inputs, mode=mode, new_tokens=new_tokens, generation=generation,
+            device=device, amp=parse_amp(amp), verify=verify, verify_budget=verify_budget,
+            name=name, progress=progress,
+            unused={"optimizer": optimizer is not None, "loss": loss is not None,
+                    "implementation": implementation is not None, "accumulate": accumulate != 1,
+                    "checkpoint": bool(checkpoint), "steps": steps is not None,
+                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None})
     sources = {"device": Source.DEFAULT if device is None else Source.GIVEN,
                "optimizer": Source.DEFAULT if optimizer is None else Source.GIVEN}
     settings = Settings(
@@ -220,11 +233,14 @@ def classify(rec: Allocation) -> MemoryCategory:
 def summarize(trace: Trace, program: Program, name: str,
               inputs: tuple[tuple[str, tuple[int, ...], str], ...],
               sources: dict[str, Source] | None = None,
-              communication: Callable[[Allocation], bool] | None = None) -> Estimate:
+              communication: Callable[[Allocation], bool] | None = None,
+              category: Callable[[Allocation], MemoryCategory | None] | None = None,
+              ) -> Estimate:
     """Turn a finished trace into an :class:`Estimate`.
 
     ``communication`` tells the allocations that are communication buffers (a traced rank
-    of a data-parallel program, :mod:`modelsize.estimation.parallel_trace`).
+    of a data-parallel program, :mod:`modelsize.estimation.parallel_trace`); ``category``,
+    where it returns one, overrides :func:`classify` (generation: the cache by owner).
     """
     mode = trace.mode
     peak, tick = mode.peak_bytes, mode.peak_tick
@@ -234,7 +250,7 @@ def summarize(trace: Trace, program: Program, name: str,
             if communication is not None and communication(rec):
                 cats[MemoryCategory.COMMUNICATION] += rec.nbytes
             else:
-                cats[classify(rec)] += rec.nbytes
+                cats[(category(rec) if category else None) or classify(rec)] += rec.nbytes
     cats[MemoryCategory.TEMPORARIES] += mode.peak_scratch
     phases = tuple(
         PhaseSpan(p.name, p.step, p.micro_batch, p.start, p.end if p.end >= 0 else mode.tick)

@@ -20,7 +20,12 @@ class MemoryCategory(str, Enum):
     """Tensors held in ``optimizer.state``: moments, step counters."""
     ACTIVATIONS = "activations"
     """Forward results still alive when the forward ends (saved for backward, the loss),
-    and forward results recomputed by activation checkpointing during the backward."""
+    and forward results recomputed by activation checkpointing during the backward. In
+    generation: what a step holds from an earlier step, other than the cache (the encoder's
+    output, the ids generated so far, beam search's scores)."""
+    KV_CACHE = "kv_cache"
+    """Generation only: the tensors the model's cache object holds (its layers' keys and
+    values, recurrent and convolution states), identified by owner."""
     TEMPORARIES = "temporaries"
     """Everything else: forward intermediates freed before the forward ends, gradients of
     activations, optimizer intermediates, and kernel scratch."""
@@ -253,6 +258,112 @@ class ParallelInfo:
                 "host_peak_bytes": self.host_peak_bytes}
 
 
+class CacheKind(str, Enum):
+    """What one group of a generation cache's layers holds, and how it grows."""
+
+    FULL_ATTENTION = "full_attention"
+    """Keys and values of every token: grows by the same bytes per token for ever."""
+    SLIDING_WINDOW = "sliding_window"
+    """Keys and values of the last tokens only: grows per token up to the window."""
+    LATENT = "latent"
+    """Multi-head latent attention (DeepSeek-V2/V3): one compressed vector per token and layer
+    (``kv_lora_rank`` + ``qk_rope_head_dim``) instead of keys and values per head, where the
+    model's cache code stores it so (transformers 5 does); it grows per token for ever."""
+    RECURRENT = "recurrent"
+    """Convolution and recurrent (SSM, linear attention) states: a constant per sequence."""
+    CROSS_ATTENTION = "cross_attention"
+    """An encoder-decoder's keys and values of the encoder output: per encoder token, fixed
+    after the first step."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """The cache's layers of one :class:`CacheKind`, measured on the traced cache when the
+    generation ended (all numbers per row of the cache: one sequence, or one beam)."""
+
+    kind: CacheKind
+    layers: int
+    bytes_per_token: int
+    """Bytes one more token adds to one row, summed over the group's layers (0: recurrent)."""
+    bytes_per_sequence: int
+    """Bytes one row holds whatever its length (recurrent state; 0 for attention)."""
+    tokens: int
+    """Tokens of one row the group's storages hold at the end (what the memory holds, which
+    may exceed what attention reads: a sliding layer keeps a view of a longer storage)."""
+    capacity: int | None
+    """The most tokens the group's layers can hold: the window, a static cache's length;
+    None when unbounded."""
+    nbytes: int
+    """Bytes the group's storages hold at the end, all rows."""
+    latent_bytes_per_token: int | None = None
+    """:attr:`CacheKind.LATENT` only: the compressed form's bytes per token from the config,
+    ``(kv_lora_rank + qk_rope_head_dim) x layers x dtype`` (differs from ``bytes_per_token``
+    where the cache code stores keys and values decompressed)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"kind": self.kind.value, "layers": self.layers,
+                "bytes_per_token": self.bytes_per_token,
+                "bytes_per_sequence": self.bytes_per_sequence, "tokens": self.tokens,
+                "capacity": self.capacity, "bytes": self.nbytes,
+                "latent_bytes_per_token": self.latent_bytes_per_token}
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    """What ``mode="generate"`` adds to an :class:`Estimate`.
+
+    The program was ``model.generate(**inputs, max_new_tokens=new_tokens,
+    min_new_tokens=new_tokens, do_sample=False, **options)``: ``prefill_chunks`` forwards
+    over the prompt (one unless chunked), then ``new_tokens - 1`` decode steps. The peak's
+    phase is the estimate's ``phase`` (``prefill``, chunk ``micro_batch``; ``decode``, step
+    ``step``). ``rows`` is the cache's batch: the batch times the beams.
+    """
+
+    new_tokens: int
+    batch: int
+    prompt_tokens: int
+    beams: int
+    rows: int
+    prefill_chunks: int
+    cache_class: str
+    options: dict[str, str]
+    prefill_cache_bytes: int
+    """Bytes the cache holds when the prompt is done (before the first decode step)."""
+    final_cache_bytes: int
+    """Bytes the cache holds on the device after the last forward."""
+    groups: tuple[CacheGroup, ...]
+    token_values: str
+    """How the ids the trace cannot know (each step's argmax) were chosen."""
+    routing: str = ""
+    """Where a value the weights decide (MoE routing) was bounded, and which bound."""
+    host_cache_bytes: int = 0
+    """An offloaded cache on CUDA: bytes of its layers in host memory after the last forward
+    (not in the device estimate)."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one more token adds to one row, over every layer that grows per token."""
+        return sum(g.bytes_per_token for g in self.groups
+                   if g.kind is not CacheKind.CROSS_ATTENTION)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"new_tokens": self.new_tokens, "batch": self.batch,
+                "prompt_tokens": self.prompt_tokens, "beams": self.beams, "rows": self.rows,
+                "prefill_chunks": self.prefill_chunks, "cache_class": self.cache_class,
+                "options": dict(self.options),
+                "prefill_cache_bytes": self.prefill_cache_bytes,
+                "final_cache_bytes": self.final_cache_bytes,
+                "host_cache_bytes": self.host_cache_bytes,
+                "bytes_per_token": self.bytes_per_token,
+                "groups": [g.to_dict() for g in self.groups],
+                "token_values": self.token_values, "routing": self.routing}
+
+
 @dataclass(frozen=True)
 class Estimate:
     """The exact peak of live tensor bytes of a traced program, and what it is made of.
@@ -280,6 +391,9 @@ class Estimate:
     notes: tuple[str, ...] = field(default=())
     verification: Verification | None = None
     parallel: ParallelInfo | None = None
+    generation: GenerationInfo | None = None
+    """``mode="generate"``: the cache by layer kind, the peak's step, how unknown values were
+    chosen (:class:`GenerationInfo`)."""
 
     def __post_init__(self) -> None:
         from modelsize.errors import AccountingError
@@ -292,9 +406,13 @@ class Estimate:
 
     def __repr__(self) -> str:
         s = self.setup
-        what = "training step" if s.mode == "train" else "inference"
+        what = {"train": "training step", "generate": "generation"}.get(s.mode, "inference")
+        where = f"{self.phase.name} of step {self.phase.step}"
+        if s.mode == "generate":
+            where = (f"decode step {self.phase.step}" if self.phase.name == "decode"
+                     else self.phase.name)
         return (f"<Estimate {s.model}: {what} on {s.device}, peak {self.peak_bytes:,} bytes in "
-                f"{self.phase.name} of step {self.phase.step}>")
+                f"{where}>")
 
     def _repr_html_(self) -> str:
         from modelsize.report.html import card_estimate
@@ -321,6 +439,7 @@ class Estimate:
             "notes": list(self.notes),
             "verification": self.verification.to_dict() if self.verification else None,
             "parallel": self.parallel.to_dict() if self.parallel else None,
+            "generation": self.generation.to_dict() if self.generation else None,
         }
 
 
@@ -367,3 +486,46 @@ class FitResult:
                 "measure": self.measure, "best": self.best, "best_bytes": self.best_bytes,
                 "limit": self.limit, "probes": [list(p) for p in self.probes],
                 "smallest": self.smallest, "label": self.label}
+
+
+@dataclass(frozen=True)
+class GenerationFit:
+    """``--fit`` with ``--generate``: the largest batch, or context (prompt plus new tokens),
+    whose traced generation fits, and the plan at that answer (the answer's own trace).
+
+    ``fit.best`` is a batch or a context length; ``estimate`` is the trace of the answer
+    (None when nothing fits); the value above it was traced too and does not fit
+    (``fit.probes``).
+    """
+
+    fit: FitResult
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    estimate: Estimate | None
+
+    @property
+    def context_tokens(self) -> int:
+        """Prompt plus new tokens at the answer."""
+        return self.prompt_tokens + self.new_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: the search, and the numbers at the answer."""
+        plan: dict[str, Any] | None = None
+        est = self.estimate
+        if est is not None:
+            dev = est.device_estimate
+            plan = {"batch": self.batch, "prompt_tokens": self.prompt_tokens,
+                    "new_tokens": self.new_tokens, "context_tokens": self.context_tokens,
+                    "device": est.setup.device, "peak_bytes": est.peak_bytes,
+                    "allocated_bytes": dev.allocated_bytes,
+                    "device_total_bytes": dev.total_bytes,
+                    "kv_cache_bytes": est.categories[MemoryCategory.KV_CACHE],
+                    "categories": {str(k): v for k, v in est.categories.items()},
+                    "peak_phase": est.phase.to_dict(),
+                    "cache": est.generation.to_dict() if est.generation else None}
+        traced = dict(self.fit.probes)
+        above = self.fit.best + 1
+        return {"fit": self.fit.to_dict(), "plan": plan,
+                "above": ({"value": above, "bytes": traced[above]} if above in traced
+                          else None)}

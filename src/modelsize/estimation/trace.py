@@ -491,12 +491,13 @@ class RealValues(TorchDispatchMode):
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.random: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.real_inputs = 0
+        self.value_limit = VALUE_LIMIT  # a program with larger real inputs raises it
         self._ops: dict[Any, tuple[bool, bool, tuple[int, ...]]] = {}
         self._storages: set[int] = set()  # fake storages some twin belongs to
 
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Give ``fake`` the value ``real`` (a private copy: twins may be written in place)."""
-        if real.device.type != "meta" and real.nbytes <= VALUE_LIMIT:
+        if real.device.type != "meta" and real.nbytes <= self.value_limit:
             self._set(fake, real.detach().to("cpu", copy=True))
             self.real_inputs += 1
 
@@ -580,7 +581,8 @@ class RealValues(TorchDispatchMode):
     def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         real = self._real_args(func, args, kwargs)
         if real is not None and sum(p.untyped_storage().nbytes() for t in tree_leaves(out)
-                                    if isinstance(t, FakeTensor) for p in parts(t)) > VALUE_LIMIT:
+                                    if isinstance(t, FakeTensor) for p in parts(t)
+                                    ) > self.value_limit:
             real = None
         if real is None:
             written = self._written(func, args, kwargs)

@@ -72,7 +72,11 @@ def _title(est: Estimate, description: str) -> str:
 
 def _what(est: Estimate) -> str:
     s = est.setup
-    if s.mode == "infer":
+    if est.generation is not None:
+        from modelsize.report.generate_text import describe_program
+
+        what = describe_program(est.generation)
+    elif s.mode == "infer":
         what = "inference (one forward, no_grad)"
     else:
         impl = s.implementation if s.implementation not in (None, "default") else ""
@@ -160,6 +164,10 @@ def head_lines(est: Estimate, description: str = "", batch: int | None = None,
     lines = [_title(est, description), f"{_what(est)}, {_shape(est, batch, seq)}"]
     where = _PHASE_WORDS.get(est.phase.name, est.phase.name)
     step = f" of step {est.phase.step}" if s.mode == "train" else ""
+    if est.generation is not None:
+        from modelsize.report.generate_text import describe_phase
+
+        where = describe_phase(est.phase, est.generation)
     lines.append(f"peak {size(peak)} ({peak:,} bytes) in {where}{step}, "
                  f"op {est.phase.start}..{est.phase.end} of {est.op_count:,}; "
                  f"traced in {est.trace_seconds:.1f} s")
@@ -182,6 +190,11 @@ def sections(est: Estimate, *, suggestions: Sequence[Suggestion] = (),
         n = est.categories[cat]
         if cat is MemoryCategory.COMMUNICATION and est.parallel is None and not n:
             continue  # one device: no collectives
+        if cat is MemoryCategory.KV_CACHE and est.generation is None and not n:
+            continue  # no generation: no cache
+        if est.generation is not None and not n and cat in (MemoryCategory.GRADIENTS,
+                                                             MemoryCategory.OPTIMIZER_STATE):
+            continue  # generation: no training state
         label = cat.value
         if cat is MemoryCategory.TEMPORARIES and est.scratch_bytes:
             label += f" (kernel scratch {size(est.scratch_bytes)})"
@@ -192,6 +205,10 @@ def sections(est: Estimate, *, suggestions: Sequence[Suggestion] = (),
     out.append(Section("dominant", lines=(
         f"Dominated by {top_cat.value} ({percent(est.categories[top_cat], peak)} of the "
         "peak).",)))
+    if est.generation is not None:
+        from modelsize.report.generate_text import generation_section
+
+        out.append(generation_section(est))
     groups = module_groups(est.module_activations)
     if groups and modules:
         mrows = [(printable(n, 60), size(b)) for n, b in groups[:modules]]

@@ -32,6 +32,7 @@ COLORS: dict[str, str] = {
     "duplicates": "#009E73", "graph": "#999999", "metadata": "#BBBBBB", "other": "#666666",
     # estimate categories
     "parameters": "#0072B2", "temporaries": "#882255", "inputs": "#009E73",
+    "kv_cache": "#117733",
 }
 
 _CSS = """
@@ -344,6 +345,10 @@ def _estimate_parts(est: Estimate) -> list[tuple[str, int]]:
     return [(getattr(c, "value", str(c)), n) for c, n in est.categories.items() if n]
 
 
+def _program_word(mode: str) -> str:
+    return {"train": "training step", "generate": "generation"}.get(mode, "inference")
+
+
 def _parallel_section(est: Estimate) -> str:
     """With ``--gpus``: the ranks traced (worst first) and the formulas beside, on one scale."""
     par = getattr(est, "parallel", None)
@@ -433,7 +438,7 @@ def card_estimate(est: Estimate) -> str:
     parts = _estimate_parts(est)
     s = est.setup
     return _card(f"<b>{_e(s.model)}</b> "
-            f"{'training step' if s.mode == 'train' else 'inference'} on {_e(s.device)}: peak "
+            f"{_program_word(s.mode)} on {_e(s.device)}: peak "
             f"<b>{_e(human_bytes(est.peak_bytes))}</b> in {_e(est.phase.name)}"
             f"{stacked_bar(parts, est.peak_bytes, height=18)}{legend(c for c, _ in parts)}")
 
