@@ -8,6 +8,7 @@ live before the program started (parameters, buffers and inputs, one count per s
 from __future__ import annotations
 
 import contextlib
+import gc
 import copy
 import functools
 import warnings
@@ -45,8 +46,16 @@ def first_float_sum(out: Any) -> torch.Tensor:
 def allocator_events() -> Iterator[list[int]]:
     """Collect the CPU allocator's alloc (+) / free (-) sizes, in order."""
     events: list[int] = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield events
+    # No garbage of earlier work freed inside the window (it would lower the running sum).
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield events
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     events.extend(e.nbytes() for e in prof.profiler.kineto_results.events()
                   if e.name() == "[memory]")
 
