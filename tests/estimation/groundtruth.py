@@ -8,9 +8,9 @@ live before the program started (parameters, buffers and inputs, one count per s
 from __future__ import annotations
 
 import contextlib
-import gc
 import copy
 import functools
+import gc
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
