@@ -27,6 +27,7 @@ often one); arrays of an ``.npz`` are classified by name like a state dict
 from __future__ import annotations
 
 import ast
+import mmap
 import re
 import struct
 import zipfile
@@ -34,7 +35,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import numel
@@ -44,23 +45,31 @@ from modelsize.formats.base import Source
 from modelsize.formats.safetensors import classify_name
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
+if TYPE_CHECKING:
+    from modelsize.formats._pickle import Data
+
 MAGIC = b"\x93NUMPY"
 #: NumPy itself refuses headers above 10 000 bytes unless told otherwise; we allow more but
 #: never hand an unbounded string to the literal parser.
 MAX_HEADER = 1 << 20
 #: NumPy's own limit (NPY_MAXDIMS); it also keeps ``numel`` of a hostile shape cheap.
 MAX_DIMS = 64
-#: Object-array pickles are read whole to be scanned; past this we refuse rather than guess.
-MAX_PICKLE = _zip.MAX_READ
 
 _KINDS = {
     ("b", 1): "bool",
     ("i", 1): "int8", ("i", 2): "int16", ("i", 4): "int32", ("i", 8): "int64",
     ("u", 1): "uint8", ("u", 2): "uint16", ("u", 4): "uint32", ("u", 8): "uint64",
-    ("f", 2): "float16", ("f", 4): "float32", ("f", 8): "float64",
-    ("c", 8): "complex64", ("c", 16): "complex128",
+    ("f", 2): "float16", ("f", 4): "float32", ("f", 8): "float64", ("f", 16): "float128",
+    ("c", 8): "complex64", ("c", 16): "complex128", ("c", 32): "complex256",
 }
-_TYPESTR = re.compile(r"^([<>|=]?)([biufcmMOSaUV])(\d*)(\[\w+\])?$")
+_TYPESTR = re.compile(r"^([<>|=]?)([biufcmMOSaUV])(\d*)(?:\[(\d*)(\w+)\])?$")
+#: The units NumPy knows for datetime64 and timedelta64 (``[10ns]`` repeats one).
+_TIME_UNITS = frozenset({"Y", "M", "W", "D", "h", "m", "s", "ms", "us", "\u03bcs", "ns", "ps",
+                         "fs", "as", "generic"})
+#: NumPy keeps an item's size in a C int: a dtype (or a field's subarray) may not be larger.
+MAX_ITEMSIZE = 2**31 - 1
+#: Array sizes are C ``npy_intp`` (64-bit): elements and bytes both stay below this.
+MAX_ELEMENTS = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -91,24 +100,33 @@ class NpyHeader:
 
 
 def parse_typestr(descr: str) -> NpyDType:
-    """Size of a NumPy type string such as ``'<f4'``, ``'|S10'``, ``'<U3'``, ``'<M8[ns]'``."""
+    """Size of a NumPy type string such as ``'<f4'``, ``'|S10'``, ``'<U3'``, ``'<M8[ns]'``.
+
+    Only what ``numpy.dtype`` itself accepts is accepted (a ``ValueError`` says why not): item
+    sizes that fit NumPy's C int, the sizes each kind has, datetime units NumPy knows.
+    """
     m = _TYPESTR.match(descr)
     if m is None:
         raise ValueError(f"unknown NumPy type string {descr!r:.40}")
-    _, kind, digits, unit = m.groups()
+    _, kind, digits, repeat, unit = m.groups()
+    if unit is not None and (kind not in "mM" or unit not in _TIME_UNITS):
+        raise ValueError(f"type string {descr!r:.40}: NumPy has no such datetime unit")
     if kind == "O":
-        return NpyDType("object", 0, has_object=True)
-    if len(digits) > 18:
-        raise ValueError(f"type string {descr!r:.40} has an absurd item size")
+        if digits not in ("", "4", "8"):
+            raise ValueError(f"type string {descr!r:.40}: an object is 8 bytes")
+        return NpyDType("object", 8, has_object=True)
+    if len(digits) > 10 or (digits and int(digits) > MAX_ITEMSIZE // (4 if kind == "U" else 1)):
+        raise ValueError(
+            f"type string {descr!r:.40}: item size above the {MAX_ITEMSIZE:,} bytes NumPy "
+            "allows (np.load refuses it)"
+        )
     size = int(digits) if digits else 0
     if (kind, size) in _KINDS:
         name = _KINDS[(kind, size)]
         return NpyDType(name, size, floating=kind in "fc")
-    if kind in "fc" and size:
-        return NpyDType(f"{'float' if kind == 'f' else 'complex'}{size * 8}", size, floating=True)
     if kind in "mM" and size == 8:
         base = "timedelta64" if kind == "m" else "datetime64"
-        return NpyDType(base + (unit or ""), 8)
+        return NpyDType(base + (f"[{repeat}{unit}]" if unit and unit != "generic" else ""), 8)
     if kind in "Sa":
         return NpyDType(f"bytes{size * 8}", size)
     if kind == "U":
@@ -118,17 +136,32 @@ def parse_typestr(descr: str) -> NpyDType:
     raise ValueError(f"unsupported NumPy type string {descr!r:.40}")
 
 
+def _field_name(name: Any) -> str:
+    """A structured field's name (a title may come with it, as a ``(title, name)`` pair)."""
+    if isinstance(name, tuple) and len(name) == 2 and all(isinstance(n, str) for n in name):
+        return str(name[1])
+    if not isinstance(name, str):
+        raise ValueError(f"a structured field's name must be a string, found {name!r:.60}")
+    return name
+
+
 def parse_descr(descr: Any, depth: int = 0) -> NpyDType:
-    """Size of a ``descr``: a type string, or a structured list of ``(name, descr[, shape])``."""
+    """Size of a ``descr``: a type string, or a structured list of ``(name, descr[, shape])``.
+
+    Field names must be strings and distinct; a field's subarray and the record itself must
+    fit NumPy's item size limit (NumPy refuses them otherwise).
+    """
     if isinstance(descr, str):
         return parse_typestr(descr)
     if not isinstance(descr, list) or depth > 32:
         raise ValueError(f"descr should be a type string or a list of fields, found {descr!r:.60}")
     itemsize = 0
     has_object = False
+    names: set[str] = set()
     for field in descr:
         if not isinstance(field, tuple) or len(field) not in (2, 3):
             raise ValueError(f"a structured field should be (name, descr[, shape]): {field!r:.60}")
+        name = _field_name(field[0])
         sub = parse_descr(field[1], depth + 1)
         count = 1
         if len(field) == 3:
@@ -137,10 +170,33 @@ def parse_descr(descr: Any, depth: int = 0) -> NpyDType:
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
             ):
                 raise ValueError(f"field shape should be non-negative integers: {field[2]!r:.60}")
-            count = numel(shape)
+            count = _capped_numel(shape, MAX_ITEMSIZE + 1)
+            if sub.itemsize * count > MAX_ITEMSIZE:
+                raise ValueError(f"field {name!r:.40} is larger than the {MAX_ITEMSIZE:,} "
+                                 "bytes NumPy allows")
+        padding = name == "" and sub.name.startswith("void") and not sub.structured
+        if not padding:
+            if name in names:
+                raise ValueError(f"field name {name!r:.40} appears twice")
+            names.add(name)
         itemsize += sub.itemsize * count
+        if itemsize > MAX_ITEMSIZE:
+            raise ValueError(f"records are larger than the {MAX_ITEMSIZE:,} bytes NumPy allows")
         has_object = has_object or sub.has_object
     return NpyDType(f"void{itemsize * 8}", itemsize, has_object, structured=True)
+
+
+def _capped_numel(shape: tuple[int, ...], cap: int) -> int:
+    """``numel(shape)``, or ``cap`` once it reaches it (a hostile shape is never multiplied
+    out in full)."""
+    if 0 in shape:
+        return 0
+    count = 1
+    for d in shape:
+        count *= d
+        if count >= cap:
+            return cap
+    return count
 
 
 def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHeader:
@@ -188,8 +244,15 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
         raise ValueError(f"shape should be a tuple of non-negative integers, found {shape!r:.60}")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"shape has {len(shape)} dimensions, NumPy allows {MAX_DIMS}")
+    if not isinstance(doc["fortran_order"], bool):
+        raise ValueError(f"fortran_order should be True or False, found "
+                         f"{doc['fortran_order']!r:.40}")
     descr = doc["descr"]
     dtype = parse_descr(descr)
+    count = _capped_numel(shape, MAX_ELEMENTS + 1)
+    if count > MAX_ELEMENTS or count * dtype.itemsize > MAX_ELEMENTS:
+        raise ValueError(f"shape {shape!r:.60} of {dtype.itemsize}-byte items is larger than "
+                         "NumPy's largest array")
     big = isinstance(descr, str) and descr.startswith(">") and dtype.itemsize > 1
     if big and dtype.name.startswith(("str", "bytes", "void", "datetime", "timedelta")):
         big = False  # bytes are bytes; datetimes are left as they are
@@ -200,23 +263,26 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
 
 
 def _scan_pickle(
-    builder: InventoryBuilder, data: bytes, name: str, what: str, offset: int,
-    blob_base: int | None,
+    builder: InventoryBuilder, data: Data, start: int, end: int, name: str, what: str,
+    offset: int, blob_base: int | None,
 ) -> list[tuple[int, int]] | None:
-    """Record the unsafe globals of an object array's pickle (it is never loaded) and declare
-    the NumPy arrays it holds as tensors; ``None`` if it holds none.
+    """Record the unsafe globals of an object array's pickle ``data[start:end]`` (it is never
+    loaded) and declare the NumPy arrays it holds as tensors; ``None`` if it holds none.
 
     ``what`` prefixes error messages (empty for a lone ``.npy``, the member for an ``.npz``).
-    ``blob_base`` is the file offset of ``data`` (``None`` if it was inflated): the arrays'
-    data found in the pickle is then declared as storages, returned as (offset, bytes) holes.
+    ``blob_base`` is the file offset of ``data`` (0 for a map of the file, ``None`` if it was
+    inflated): the arrays' data found in the pickle is then declared as storages, returned as
+    (offset, bytes) holes.
     """
+    from modelsize.formats._limits import ParseBudget
     from modelsize.formats._pickle import Call, PickleError, scan_all
     from modelsize.formats._torch_tree import classify
 
-    if not data:
+    if start >= end:
         raise builder.corrupt(f"{what}object array without the pickle of its contents", offset)
     try:
-        scans = scan_all(data)
+        scans = scan_all(data, offset=start, end=end,
+                         budget=ParseBudget(builder.files[0].path, f"{name}'s pickle"))
     except PickleError as exc:
         named = f"; before breaking it named {', '.join(exc.unsafe)}" if exc.unsafe else ""
         raise builder.corrupt(
@@ -302,19 +368,15 @@ def _account_plain(
     builder.add_region(start, header.nbytes, Category.METADATA, f"npy header of {name}")
     data_start, rest = start + header.nbytes, length - header.nbytes
     if header.dtype.has_object:
-        if rest > MAX_PICKLE:
-            raise builder.corrupt(
-                f"{what}object-array pickle of {rest} bytes is more than the "
-                f"{MAX_PICKLE} modelsize scans", data_start,
-            )
         if member is not None:
-            whole = _zip.read_member(path, member, builder, MAX_PICKLE + header.nbytes)
-            data = whole[header.nbytes :]
-        else:
+            _zip.check_members(path, [member], builder)
+        # Parsed in place, in a map of the file: only the pages the parser touches are read.
+        data: Data = b""
+        if rest:
             with open(path, "rb") as fh:
-                fh.seek(data_start)
-                data = fh.read(rest)
-        holes = _scan_pickle(builder, data, name, what, data_start, data_start)
+                data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        holes = _scan_pickle(builder, data, data_start, data_start + rest, name, what,
+                             data_start, 0)
         if holes is None:
             builder.add_region(data_start, rest, Category.OTHER, f"pickled object array {name}")
             _declare_array(builder, name, header, classify, None)
@@ -550,10 +612,10 @@ class NpzReader:
         except ValueError as exc:
             raise builder.corrupt(f"{_member(m)}{exc}", m.data_offset) from exc
         if header.dtype.has_object:
-            data = _zip.read_member(path, m, builder, MAX_PICKLE)
+            data = _zip.read_member(path, m, builder)
             # Inflated: the arrays inside have no place in the file, the member holds them.
             holes = _scan_pickle(
-                builder, data[header.nbytes:], name, _member(m), m.data_offset, None
+                builder, data, header.nbytes, len(data), name, _member(m), m.data_offset, None
             )
             builder.add_region(
                 m.data_offset, m.compress_size, Category.OTHER, f"pickled object array {name}"
