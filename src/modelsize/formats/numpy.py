@@ -27,7 +27,9 @@ often one); arrays of an ``.npz`` are classified by name like a state dict
 from __future__ import annotations
 
 import ast
+import functools
 import mmap
+import os
 import re
 import struct
 import zipfile
@@ -39,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import numel
-from modelsize.errors import printable
+from modelsize.errors import CorruptFileError, printable
 from modelsize.formats import _zip
 from modelsize.formats.base import Source
 from modelsize.formats.safetensors import classify_name
-from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord, paused_gc
 
 if TYPE_CHECKING:
     from modelsize.formats._pickle import Data
@@ -229,25 +231,47 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
     if len(raw) != length:
         raise ValueError(f"header should be {length} bytes, found {len(raw)}")
     text = raw.decode("utf-8" if major == 3 else "latin1")
-    try:
-        doc = ast.literal_eval(text)
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
-        raise ValueError(f"header is not a Python literal dict ({type(exc).__name__})") from exc
-    if not isinstance(doc, dict) or set(doc) != {"descr", "fortran_order", "shape"}:
-        raise ValueError(
-            f"expected a dict with keys descr, fortran_order, shape; found {text.strip()!r:.80}"
-        )
-    shape = doc["shape"]
+    # Headers repeat (an archive of arrays of a few shapes): each text is parsed once.
+    parsed = _parse_dict(text) if len(text) > _CACHED_TEXT else _parse_dict_cached(text)
+    return NpyHeader(parsed[0], parsed[1], pre + length, parsed[2], parsed[3])
+
+
+#: Headers as NumPy's ``write_array`` writes them: parsed by this, not by ``ast``.
+_CANONICAL = re.compile(
+    r"\{'descr': '([<>|=]?[a-zA-Z][0-9]*(?:\[[0-9]*\w+\])?)', "
+    r"'fortran_order': (True|False), 'shape': \((|[0-9]+,|[0-9]+(?:, [0-9]+)+)\), \}[ \n]*"
+)
+#: Header texts up to this long are remembered once parsed.
+_CACHED_TEXT = 4096
+
+
+def _parse_dict(text: str) -> tuple[NpyDType, tuple[int, ...], bool, bool]:
+    """(dtype, shape, fortran order, big-endian) of a header's dict, checked as NumPy would."""
+    m = _CANONICAL.fullmatch(text)
+    if m is not None:
+        descr: Any = m.group(1)
+        fortran: Any = m.group(2) == "True"
+        shape: Any = tuple(int(d) for d in m.group(3).split(",") if d)
+    else:
+        try:
+            doc = ast.literal_eval(text)
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+            raise ValueError(
+                f"header is not a Python literal dict ({type(exc).__name__})") from exc
+        if not isinstance(doc, dict) or set(doc) != {"descr", "fortran_order", "shape"}:
+            raise ValueError(
+                f"expected a dict with keys descr, fortran_order, shape; found "
+                f"{text.strip()!r:.80}"
+            )
+        descr, fortran, shape = doc["descr"], doc["fortran_order"], doc["shape"]
     if not isinstance(shape, tuple) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise ValueError(f"shape should be a tuple of non-negative integers, found {shape!r:.60}")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"shape has {len(shape)} dimensions, NumPy allows {MAX_DIMS}")
-    if not isinstance(doc["fortran_order"], bool):
-        raise ValueError(f"fortran_order should be True or False, found "
-                         f"{doc['fortran_order']!r:.40}")
-    descr = doc["descr"]
+    if not isinstance(fortran, bool):
+        raise ValueError(f"fortran_order should be True or False, found {fortran!r:.40}")
     dtype = parse_descr(descr)
     count = _capped_numel(shape, MAX_ELEMENTS + 1)
     if count > MAX_ELEMENTS or count * dtype.itemsize > MAX_ELEMENTS:
@@ -256,7 +280,10 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
     big = isinstance(descr, str) and descr.startswith(">") and dtype.itemsize > 1
     if big and dtype.name.startswith(("str", "bytes", "void", "datetime", "timedelta")):
         big = False  # bytes are bytes; datetimes are left as they are
-    return NpyHeader(dtype, shape, pre + length, doc["fortran_order"] is True, big)
+    return dtype, shape, fortran, big
+
+
+_parse_dict_cached = functools.lru_cache(maxsize=1024)(_parse_dict)
 
 
 # -- shared accounting -------------------------------------------------------------------------
@@ -342,29 +369,46 @@ def _declare_array(
     )
 
 
-def _read_at(path: Path, offset: int, limit: int) -> Callable[[int], bytes]:
-    def read_prefix(n: int) -> bytes:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            return fh.read(min(n, limit))
+class _Prefixes:
+    """``read_prefix`` functions for streams of one file, read through one open handle (an
+    archive of 200,000 arrays is not opened 400,000 times). The first read of a stream takes
+    :data:`_AHEAD` bytes: nearly every header is inside them."""
 
-    return read_prefix
+    _AHEAD = 512
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        """Close the handle."""
+        os.close(self.fd)
+
+    def at(self, offset: int, limit: int) -> Callable[[int], bytes]:
+        """``read_prefix`` for the ``limit`` bytes at ``offset``."""
+        ahead = os.pread(self.fd, min(self._AHEAD, limit), offset)
+
+        def read_prefix(n: int) -> bytes:
+            n = min(n, limit)
+            return ahead[:n] if n <= len(ahead) else os.pread(self.fd, n, offset)
+
+        return read_prefix
 
 
 def _account_plain(
-    builder: InventoryBuilder, name: str, start: int, length: int, classify: Classifier,
-    what: str = "", member: _zip.Member | None = None,
+    builder: InventoryBuilder, prefixes: _Prefixes, name: str, start: int, length: int,
+    classify: Classifier, member: _zip.Member | None = None,
 ) -> None:
     """An uncompressed ``.npy`` stream at ``start`` of ``length`` bytes: header, data, rest.
 
     ``member`` is the stored ``.npz`` member holding the stream, if any: an object array's
-    pickle is then read with its member, whole and CRC-checked.
+    pickle is then CRC-checked with its member; messages name it.
     """
     path = builder.files[0].path
     try:
-        header = parse_header(_read_at(path, start, length), length)
+        header = parse_header(prefixes.at(start, length), length)
     except ValueError as exc:
-        raise builder.corrupt(f"{what}{exc}", start) from exc
+        raise builder.corrupt(f"{_member(member)}{exc}", start) from exc
+    what = _member(member) if header.dtype.has_object else ""
     builder.add_region(start, header.nbytes, Category.METADATA, f"npy header of {name}")
     data_start, rest = start + header.nbytes, length - header.nbytes
     if header.dtype.has_object:
@@ -386,7 +430,7 @@ def _account_plain(
     need = header.data_nbytes
     if need > rest:
         raise builder.corrupt(
-            f"{what}shape {header.shape} of {header.dtype.name} needs {need} bytes "
+            f"{_member(member)}shape {header.shape} of {header.dtype.name} needs {need} bytes "
             f"of data, only {rest} follow the header", data_start,
         )
     # Big-endian data is "encoded": the reader's storage_chunks swaps it to little-endian.
@@ -454,11 +498,20 @@ def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
         return
     member = _zip.Member(storage.key, storage.offset, storage.offset, storage.nbytes, 0,
                          _zip.DEFLATED, 0)
-    header = parse_header(_inflate_prefix(path, member), 1 << 62)
+
+    def corrupt(reason: str) -> CorruptFileError:
+        return CorruptFileError(path, inv.format, f"member {printable(storage.key)}.npy: "
+                                f"{reason}", storage.offset)
+
+    try:
+        header = parse_header(_inflate_prefix(path, member), 1 << 62)
+    except (ValueError, zlib.error) as exc:
+        raise corrupt(str(exc)) from exc
     itemsize = header.dtype.itemsize
     d = zlib.decompressobj(-15)
     skip = header.nbytes
     carry = b""
+    given = 0
     with open(path, "rb") as fh:
         fh.seek(storage.offset)
         left = storage.nbytes
@@ -468,7 +521,10 @@ def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
                 left -= len(raw)
             if not raw:
                 break
-            out = d.decompress(raw, _DECODE_CHUNK)
+            try:
+                out = d.decompress(raw, _DECODE_CHUNK)
+            except zlib.error as exc:
+                raise corrupt(f"its deflate stream is damaged ({exc})") from exc
             if skip:
                 cut = min(skip, len(out))
                 out, skip = out[cut:], skip - cut
@@ -476,9 +532,14 @@ def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
             whole = len(out) - len(out) % max(1, itemsize)
             carry = out[whole:]
             if whole:
+                given += whole
                 yield _swap(out[:whole], itemsize) if header.big_endian else out[:whole]
             if d.eof:
                 break
+    given += len(carry)
+    if given < storage.logical_nbytes:
+        raise corrupt(f"inflates to {given} bytes of array data, its header needs "
+                      f"{storage.logical_nbytes} (np.load refuses it)")
     if carry:
         yield carry
 
@@ -525,21 +586,29 @@ class NpyReader:
     def read(self, source: Source) -> Inventory:
         """Header, data and any trailing bytes of the array."""
         builder = InventoryBuilder(self.name, [source.path], root=source.path)
-        _account_plain(builder, source.path.stem, 0, builder.files[0].nbytes, classify_bare)
+        prefixes = _Prefixes(source.path)
+        try:
+            _account_plain(builder, prefixes, source.path.stem, 0, builder.files[0].nbytes,
+                           classify_bare)
+        finally:
+            prefixes.close()
         return builder.build()
 
 
 # -- .npz --------------------------------------------------------------------------------------
 
 
-def _member(m: _zip.Member) -> str:
-    return f"member {printable(m.name)!r}: "
+def _member(m: _zip.Member | None) -> str:
+    """How messages about ``m`` begin (nothing for a lone ``.npy``)."""
+    return f"member {printable(m.name)!r}: " if m is not None else ""
 
 
 def _inflate_prefix(path: Path, member: _zip.Member) -> Callable[[int], bytes]:
-    """``read_prefix`` for a deflated member: inflates only as far as asked."""
+    """``read_prefix`` for a deflated member: inflates only as far as asked (the first call
+    inflates :data:`_Prefixes._AHEAD` bytes, which later short reads are served from)."""
+    ahead: list[bytes] = []
 
-    def read_prefix(n: int) -> bytes:
+    def inflate(n: int) -> bytes:
         d = zlib.decompressobj(-15)
         out = bytearray()
         with open(path, "rb") as fh:
@@ -559,6 +628,13 @@ def _inflate_prefix(path: Path, member: _zip.Member) -> Callable[[int], bytes]:
                 if d.eof:
                     break
         return bytes(out)
+
+    def read_prefix(n: int) -> bytes:
+        if not ahead:
+            ahead.append(inflate(_Prefixes._AHEAD))
+        if n <= len(ahead[0]) or len(ahead[0]) < _Prefixes._AHEAD:
+            return ahead[0][:n]
+        return inflate(n)
 
     return read_prefix
 
@@ -583,6 +659,16 @@ class NpzReader:
         builder = InventoryBuilder(self.name, [source.path], root=source.path)
         items = _zip.members(source.path, builder, infos=source.zip_infos())
         _zip.account_headers(builder, items)
+        prefixes = _Prefixes(source.path)
+        try:
+            with paused_gc():
+                self._account_members(builder, source.path, prefixes, items)
+        finally:
+            prefixes.close()
+        return builder.build()
+
+    def _account_members(self, builder: InventoryBuilder, path: Path, prefixes: _Prefixes,
+                         items: list[_zip.Member]) -> None:
         for m in items:
             if m.name.endswith("/") and m.compress_size == 0:
                 continue
@@ -593,22 +679,24 @@ class NpzReader:
                 continue
             if m.method == _zip.STORED:
                 _account_plain(
-                    builder, name, m.data_offset, m.compress_size, classify_member, _member(m), m
+                    builder, prefixes, name, m.data_offset, m.compress_size, classify_member, m
                 )
             elif m.method == _zip.DEFLATED:
-                self._account_deflated(builder, source.path, m, name)
+                self._account_deflated(builder, path, m, name)
             else:
                 raise builder.corrupt(
                     f"member {printable(m.name)!r} uses compression method {m.method}; "
                     "np.load reads stored and deflated members", m.header_offset,
                 )
-        return builder.build()
 
     def _account_deflated(
         self, builder: InventoryBuilder, path: Path, m: _zip.Member, name: str
     ) -> None:
         try:
             header = parse_header(_inflate_prefix(path, m), m.file_size)
+        except zlib.error as exc:
+            raise builder.corrupt(f"{_member(m)}its deflate stream is damaged ({exc})",
+                                  m.data_offset) from exc
         except ValueError as exc:
             raise builder.corrupt(f"{_member(m)}{exc}", m.data_offset) from exc
         if header.dtype.has_object:

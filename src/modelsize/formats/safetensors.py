@@ -32,10 +32,9 @@ from modelsize.formats import _limits
 from modelsize.formats.base import Source, is_regular_file
 from modelsize.inventory import Inventory, InventoryBuilder, paused_gc
 
-#: The Rust implementation refuses headers above this; so do we, before reading one.
-MAX_HEADER = 100_000_000
-#: An index file is a JSON map of tensor names; even the largest models stay far below this.
-MAX_INDEX = 100_000_000
+#: The Rust implementation refuses headers above this; so do we, before reading one (the
+#: limit in force is ``MODELSIZE_MAX_HEADER_BYTES``: :mod:`modelsize.formats._limits`).
+MAX_HEADER = _limits.HEADER_BYTES.default
 INDEX_SUFFIX = ".safetensors.index.json"
 #: Files of a model directory counted with the weights, and their category.
 _SIDE_FILES: dict[str, Category] = {
@@ -494,20 +493,43 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
 
 
-def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, str]:
-    """The weight map of a sharded checkpoint's index (tensor name -> shard file), validated.
+@dataclass(frozen=True)
+class Index:
+    """A sharded checkpoint's index: its weight map (tensor name -> shard file name) and the
+    ``metadata.total_size`` it claims (None if absent or not an integer)."""
 
-    Shared by the safetensors and torch shard readers: both use Hugging Face's index layout.
-    """
+    weight_map: dict[str, str]
+    total_size: int | None
+
+
+#: (path, size, mtime) -> the index read from it: a reader asks for it several times.
+_INDEXES: dict[tuple[str, int, int], Index] = {}
+
+
+def read_index(path: Path, format: str = "safetensors-index") -> Index:
+    """Read and validate an index (Hugging Face's layout, shared by safetensors and torch
+    shards), once: at most ``MODELSIZE_MAX_JSON_BYTES``, parsed by the JSON parser with each
+    shard name kept once however many tensors name it."""
 
     def bad(reason: str) -> CorruptFileError:
         return CorruptFileError(path, format, reason)
 
-    size = path.stat().st_size
-    if size > MAX_INDEX:
-        raise bad(f"index is {size} bytes, more than the {MAX_INDEX} modelsize reads")
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    hit = _INDEXES.get(key)
+    if hit is not None:
+        return hit
+    _limits.JSON_BYTES.check(path, st.st_size, "the index")
+    shards: dict[str, str] = {}
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            out[k] = shards.setdefault(v, v) if type(v) is str else v
+        return out
+
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        doc = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=pairs)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"expected a JSON index, found invalid JSON ({exc})") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -515,7 +537,20 @@ def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, 
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise bad('expected {"weight_map": {tensor name: shard file name}}')
-    return weight_map
+    meta = doc.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    index = Index(weight_map, total if _is_int(total) else None)
+    _INDEXES.clear()  # the last one only: memory for one index, not every index ever read
+    _INDEXES[key] = index
+    return index
+
+
+def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, str]:
+    """The weight map of a sharded checkpoint's index (tensor name -> shard file), validated.
+
+    Shared by the safetensors and torch shard readers: both use Hugging Face's index layout.
+    """
+    return read_index(path, format).weight_map
 
 
 def _shard_paths(index: Path, weight_map: dict[str, str]) -> dict[str, Path]:
@@ -554,12 +589,7 @@ def _relative(path: Path, base: Path) -> str:
 
 
 def _total_size(index: Path) -> int | None:
-    try:
-        doc = json.loads(index.read_bytes().decode("utf-8"))
-        total = doc.get("metadata", {}).get("total_size")
-    except (ValueError, AttributeError):
-        return None
-    return total if _is_int(total) else None
+    return read_index(index).total_size
 
 
 def read_checkpoint(

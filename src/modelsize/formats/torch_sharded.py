@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.safetensors import read_index as safetensors_index
 from modelsize.formats.safetensors import read_weight_map
 from modelsize.formats.torch_legacy import TorchLegacyReader
 from modelsize.formats.torch_zip import TorchZipReader
@@ -314,11 +315,7 @@ def read_index(path: Path) -> dict[str, str]:
 
 
 def _total_size(index: Path) -> int | None:
-    try:
-        total = json.loads(index.read_bytes().decode("utf-8")).get("metadata", {})["total_size"]
-    except (ValueError, AttributeError, KeyError, TypeError):
-        return None
-    return total if isinstance(total, int) and not isinstance(total, bool) else None
+    return safetensors_index(index, FORMAT).total_size
 
 
 def read_model(

@@ -18,12 +18,13 @@ Each problem is one line; an empty list means the output loads as far as these r
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import zipfile
 from collections import Counter
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 
 from modelsize.errors import CorruptFileError, LimitError, printable
 from modelsize.inventory import Inventory
@@ -55,78 +56,95 @@ def refuse_unloadable(inv: Inventory) -> None:
 
 
 def _npy_problems(inv: Inventory) -> list[str]:
+    from modelsize.formats.numpy import _Prefixes
+
     path = inv.files[0].path
-    with open(path, "rb") as fh:
-        return _array_problems(fh, path.name, path.stat().st_size)
+    size = path.stat().st_size
+    prefixes = _Prefixes(path)
+    try:
+        return _array_problems(prefixes.at(0, size), path.name, size, {})
+    finally:
+        prefixes.close()
 
 
 def _npz_problems(inv: Inventory) -> list[str]:
+    """Each member's header, read through one open handle (stored members) or inflated only
+    as far as the header (deflated ones)."""
+    from modelsize.formats import _zip
+    from modelsize.formats.numpy import _inflate_prefix, _Prefixes
+    from modelsize.inventory import InventoryBuilder
+
     path = inv.files[0].path
+    members = _zip.members(path, InventoryBuilder("npz", [path]))
     problems: list[str] = []
-    with zipfile.ZipFile(path) as zf:
-        infos = zf.infolist()
-        twice = [n for n, k in Counter(i.filename for i in infos).items() if k > 1]
-        if twice:
-            problems.append(f"member {printable(twice[0])} appears {len(twice)} time(s) more "
-                            "than once")
-        for info in infos:
-            if info.filename.endswith("/"):
+    twice = [n for n, k in Counter(m.name for m in members).items() if k > 1]
+    if twice:
+        problems.append(f"member {printable(twice[0])} appears twice in the archive")
+    seen: dict[bytes, tuple[tuple[int, ...], int, bool] | str] = {}
+    prefixes = _Prefixes(path)
+    try:
+        for m in members:
+            if m.name.endswith("/"):
                 continue
-            with zf.open(info) as fh:
-                problems += _array_problems(fh, f"member {info.filename}", info.file_size)
+            read = (prefixes.at(m.data_offset, m.compress_size) if m.method == _zip.STORED
+                    else _inflate_prefix(path, m))
+            problems += _array_problems(read, f"member {m.name}", m.file_size, seen)
+    finally:
+        prefixes.close()
     return problems
 
 
-def _array_problems(fh: IO[bytes], what: str, size: int) -> list[str]:
-    """What ``np.load(allow_pickle=False)`` would refuse in the ``.npy`` stream ``fh`` of
-    ``size`` bytes (only its header is read)."""
-    try:
-        parsed = _numpy_header(fh)
-    except ImportError:
-        parsed = None
-    except (ValueError, TypeError, OverflowError, SyntaxError, EOFError, KeyError) as exc:
-        return [f"{printable(what)}: NumPy cannot read its header ({printable(str(exc), 120)})"]
-    if parsed is None:  # no NumPy: modelsize's parser, which accepts no more than NumPy's
-        from modelsize.formats.numpy import parse_header
-
-        fh.seek(0)
-        head = fh.read(1 << 21)
-        try:
-            h = parse_header(lambda n: head[:n], size)
-        except ValueError as exc:
-            return [f"{printable(what)}: {printable(str(exc), 120)}"]
-        shape, itemsize, has_object, header_end = (h.shape, h.dtype.itemsize,
-                                                   h.dtype.has_object, h.nbytes)
-    else:
-        shape, itemsize, has_object, header_end = parsed
+def _array_problems(read_prefix: Callable[[int], bytes], what: str, size: int,
+                    seen: dict[bytes, tuple[tuple[int, ...], int, bool] | str]) -> list[str]:
+    """What ``np.load(allow_pickle=False)`` would refuse in the ``.npy`` stream of ``size``
+    bytes whose first bytes ``read_prefix`` gives (only its header is read). ``seen`` keeps
+    headers already parsed (an archive's repeat)."""
+    start = read_prefix(12)
+    version = tuple(start[6:8])
+    pre = 10 if version == (1, 0) else 12
+    if start[:6] != b"\x93NUMPY" or version not in ((1, 0), (2, 0)) or len(start) < pre:
+        return [f"{printable(what)}: not a .npy stream of a version modelsize writes"]
+    length = int.from_bytes(start[8:pre], "little")
+    raw = read_prefix(pre + length)
+    parsed = seen.get(raw)
+    if parsed is None:
+        parsed = seen[raw] = _parse_numpy_header(raw, size)
+    if isinstance(parsed, str):
+        return [f"{printable(what)}: {parsed}"]
+    shape, itemsize, has_object = parsed
     if has_object:
         return [f"{printable(what)}: an object array (np.load refuses it without "
                 "allow_pickle=True)"]
     count = math.prod(shape)
     if count > _MAX_INTP or count * itemsize > _MAX_INTP:
         return [f"{printable(what)}: shape {list(shape)} is larger than NumPy's largest array"]
-    if size - header_end < count * itemsize:
-        return [f"{printable(what)}: holds {size - header_end} bytes of data, its header needs "
+    if size - len(raw) < count * itemsize:
+        return [f"{printable(what)}: holds {size - len(raw)} bytes of data, its header needs "
                 f"{count * itemsize}"]
     return []
 
 
-def _numpy_header(fh: IO[bytes]) -> tuple[tuple[int, ...], int, bool, int]:
-    """(shape, itemsize, has objects, header end) of a ``.npy`` stream, by NumPy's own parser
-    (``ImportError`` without NumPy). Headers of any length are read: the writer decides them,
-    and NumPy reads long ones when told to."""
-    from numpy.lib import format as npformat
+def _parse_numpy_header(raw: bytes, size: int) -> tuple[tuple[int, ...], int, bool] | str:
+    """(shape, itemsize, has objects) of a ``.npy`` header (magic, version, length, dict), by
+    NumPy's own parser when NumPy is installed, else modelsize's (which accepts no more than
+    NumPy's); a string saying why not when it fails. Headers of any length are read: the
+    writer decides them, and NumPy reads long ones when told to."""
+    try:
+        from numpy.lib import format as npformat
+    except ImportError:
+        from modelsize.formats.numpy import parse_header
 
-    version = npformat.read_magic(fh)
-    read: Any
-    if version == (1, 0):
-        read = npformat.read_array_header_1_0
-    elif version == (2, 0):
-        read = npformat.read_array_header_2_0
-    else:
-        raise ValueError(f"format version {version} is not one modelsize writes")
-    shape, _, dtype = read(fh, max_header_size=1 << 30)
-    return tuple(shape), int(dtype.itemsize), bool(dtype.hasobject), fh.tell()
+        try:
+            h = parse_header(lambda n: raw[:n], size)
+        except ValueError as exc:
+            return printable(str(exc), 120)
+        return h.shape, h.dtype.itemsize, h.dtype.has_object
+    read = (npformat.read_array_header_1_0 if raw[6] == 1 else npformat.read_array_header_2_0)
+    try:
+        shape, _, dtype = read(io.BytesIO(raw[8:]), max_header_size=1 << 30)
+    except (ValueError, TypeError, OverflowError, SyntaxError, EOFError, KeyError) as exc:
+        return f"NumPy cannot read its header ({printable(str(exc), 120)})"
+    return tuple(shape), int(dtype.itemsize), bool(dtype.hasobject)
 
 
 # -- Keras -----------------------------------------------------------------------------------
