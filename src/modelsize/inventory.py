@@ -293,15 +293,21 @@ def _maker(cls: type[_Record]) -> Callable[..., _Record]:
     """A function making a frozen, slotted record from all its fields, positionally.
 
     A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: for the
-    million records of a large checkpoint, setting the slots through their descriptors is
-    about twice as fast. Only for records without ``__post_init__``.
+    million records of a large checkpoint that is most of the time spent reading it. The
+    record is made as an instance of a plain twin class with the same slots (so the same
+    memory layout), its fields set as ordinary attributes, and then given its class: three
+    times faster, and the result is in every way the frozen record. Only for records without
+    ``__post_init__``.
     """
     names = list(cls.__dataclass_fields__)
+    if tuple(names) != cls.__slots__:  # type: ignore[attr-defined]
+        raise TypeError(f"{cls.__name__}: fields and slots differ")
+    twin = type(f"_{cls.__name__}Twin", (), {"__slots__": cls.__slots__})  # type: ignore[attr-defined]
     args = ", ".join(f"a{i}" for i in range(len(names)))
-    body = "".join(f"    s{i}(o, a{i})\n" for i in range(len(names)))
-    env: dict[str, Any] = {"new": object.__new__, "cls": cls}
-    env.update({f"s{i}": cls.__dict__[n].__set__ for i, n in enumerate(names)})
-    exec(f"def make({args}):\n    o = new(cls)\n{body}    return o\n", env)
+    body = "".join(f"    o.{n} = a{i}\n" for i, n in enumerate(names))
+    env: dict[str, Any] = {"new": object.__new__, "twin": twin, "cls": cls}
+    exec(f"def make({args}):\n    o = new(twin)\n{body}    o.__class__ = cls\n    return o\n",
+         env)
     make: Callable[..., _Record] = env["make"]
     make.__doc__ = f"A {cls.__name__} from its fields: {', '.join(names)}."
     return make
@@ -874,7 +880,9 @@ class _FileReader:
         nbytes = sts[0].nbytes
         samples = _samples(nbytes)
         digests = [0] * len(sts)
-        order = sorted(range(len(sts)), key=lambda i: (sts[i].file, sts[i].offset))
+        places = [(st.file << 64) | st.offset for st in sts]
+        order = sorted(range(len(sts)), key=places.__getitem__)
+        del places
         crc32 = zlib.crc32
         if len(samples) == 1:
             # Whole storages: consecutive ones are read in windows of up to _CHUNK bytes.

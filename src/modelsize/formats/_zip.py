@@ -70,11 +70,14 @@ def members(
     builder: InventoryBuilder,
     file: int = 0,
     infos: list[zipfile.ZipInfo] | None = None,
+    names: bool = False,
 ) -> list[Member]:
     """All members with their data offsets, each checked to lie inside the file.
 
     ``infos`` is the central directory if the caller already parsed it
     (:meth:`~modelsize.formats.base.Source.zip_infos`); it is read from ``path`` otherwise.
+    With ``names``, each local header must name its member as the central directory does:
+    Python's :mod:`zipfile` (so ``np.load`` and Keras) refuses to open a member otherwise.
     """
     size = builder.files[file].nbytes
     if infos is None:
@@ -104,6 +107,8 @@ def members(
                 )
             name_len, extra_len = _NAME_EXTRA.unpack_from(raw, 26)
             data_offset = header + local_size + name_len + extra_len
+            if names:
+                _check_local_name(fd, info, header + local_size, name_len, builder, file)
             compress_size, file_size, method = (
                 info.compress_size, info.file_size, info.compress_type
             )
@@ -126,6 +131,22 @@ def members(
                        info.CRC)
             )
     return out
+
+
+def _check_local_name(fd: int, info: zipfile.ZipInfo, at: int, length: int,
+                      builder: InventoryBuilder, file: int) -> None:
+    """Refuse a local header whose name is not the central directory's (as zipfile does)."""
+    local = os.pread(fd, length, at)
+    encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
+    try:
+        same = local.decode(encoding) == info.orig_filename
+    except UnicodeDecodeError:
+        same = False
+    if not same:
+        raise builder.corrupt(
+            f"member {info.filename!r} is named {local[:80]!r} in its local header: zipfile "
+            "(and so its framework's loader) refuses to open it", info.header_offset, file,
+        )
 
 
 def crc_recorded(member: Member) -> bool:

@@ -535,7 +535,7 @@ class KerasReader:
         """Account for every byte of the archive, the HDF5 member read in place."""
         path = source.path
         builder = InventoryBuilder(self.name, [path], root=path)
-        members = _zip.members(path, builder, infos=source.zip_infos())
+        members = _zip.members(path, builder, infos=source.zip_infos(), names=True)
         _zip.refuse_duplicates(members, builder, "Keras would read only the last")
         _zip.account_headers(builder, members)
         classes: dict[str, str] = {}

@@ -657,7 +657,7 @@ class NpzReader:
     def read(self, source: Source) -> Inventory:
         """Zip structures as metadata, each member as header plus storage."""
         builder = InventoryBuilder(self.name, [source.path], root=source.path)
-        items = _zip.members(source.path, builder, infos=source.zip_infos())
+        items = _zip.members(source.path, builder, infos=source.zip_infos(), names=True)
         _zip.account_headers(builder, items)
         prefixes = _Prefixes(source.path)
         try:

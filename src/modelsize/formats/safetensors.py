@@ -434,6 +434,29 @@ def parse_header(builder: InventoryBuilder, file: int = 0) -> Header:
                   cols.ends)
 
 
+def read_metadata(builder: InventoryBuilder, file: int = 0) -> dict[str, Any]:
+    """The ``__metadata__`` of file ``file`` without parsing its tensors when it comes first
+    (where the safetensors library writes it); else from the whole header."""
+    path = builder.files[file].path
+    with open(path, "rb") as fh:
+        raw_len = fh.read(8)
+        if len(raw_len) == 8:
+            n = struct.unpack("<Q", raw_len)[0]
+            if 8 + n <= builder.files[file].nbytes:
+                head = fh.read(min(n, 1 << 20))
+                m = _METADATA.match(head, 1) if head[:1] == b"{" else None
+                if m is not None:
+                    try:
+                        found = json.loads(m.group(1), object_pairs_hook=_no_duplicate_keys)
+                    except ValueError:
+                        found = None
+                    if isinstance(found, dict):
+                        return found
+                elif head[:1] == b"{" and b'"__metadata__"' not in head and n <= len(head):
+                    return {}
+    return parse_header(builder, file).metadata
+
+
 def account_file(builder: InventoryBuilder, file: int = 0, prefix: str = "") -> Header:
     """Declare the header, every tensor and any stray bytes of one safetensors file."""
     with paused_gc():

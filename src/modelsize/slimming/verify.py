@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats
 from modelsize.errors import CorruptFileError, VerificationError, printable
-from modelsize.inventory import Inventory, StorageRecord, TensorRecord
+from modelsize.inventory import Inventory, TensorRecord
 from modelsize.slimming.loadable import problems_loading
 from modelsize.slimming.plan import Plan
 from modelsize.slimming.source import FileRange, tensor_source
+from modelsize.slimming.source import _storages as storages_of
 from modelsize.slimming.writers.base import Job, Written
 
 #: Bytes read at a time when the CRCs of many tensors are computed in file order.
@@ -43,30 +44,36 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
     return crc, n
 
 
-def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> list[tuple[int, int]]:
-    """:func:`crc_of` of each record; those whose bytes lie plainly in a file (most) are read
-    in file order, a window at a time, through one open file per file: a million small
-    tensors cost a few hundred reads, not a million opens."""
-    storages: dict[str, StorageRecord] = {s.key: s for s in inv.storages}
-    out: list[tuple[int, int]] = [(0, 0)] * len(records)
-    plain: list[tuple[int, int, int, int]] = []  # (file, offset, nbytes, index)
+def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[int, int, int]]:
+    """``(index, crc, nbytes)`` of each record (:func:`crc_of`), in no particular order.
+
+    Records whose bytes lie plainly in a file (most) are read in file order, a window at a
+    time, through one open file per file: a million small tensors cost a few hundred reads,
+    not a million opens. Nothing is kept per record but its place in the order.
+    """
+    storages = storages_of(inv)  # the map tensor_source keeps for the same inventory
+    places: list[int] = []
+    plain: list[int] = []
     for i, rec in enumerate(records):
         st = storages.get(rec.storage) if rec.storage is not None else None
         if st is None or st.compressed or rec.strides is not None:
-            out[i] = crc_of(inv, rec)
+            yield (i, *crc_of(inv, rec))
         else:
-            plain.append((st.file, st.offset + rec.storage_offset, rec.nbytes, i))
-    plain.sort()
+            plain.append(i)
+            places.append((st.file << 64) | (st.offset + rec.storage_offset))
+    order = sorted(range(len(plain)), key=places.__getitem__)
     fds: dict[int, int] = {}
     try:
         window, w_file, w_start = b"", -1, 0
-        for file, offset, nbytes, i in plain:
+        for k in order:
+            i = plain[k]
+            file, offset, nbytes = places[k] >> 64, places[k] & (2**64 - 1), records[i].nbytes
             path = inv.files[file].path
             fd = fds.get(file)
             if fd is None:
                 fd = fds[file] = os.open(path, os.O_RDONLY)
             if nbytes > _WINDOW:
-                out[i] = (_crc_range(fd, offset, nbytes, path), nbytes)
+                yield i, _crc_range(fd, offset, nbytes, path), nbytes
                 continue
             if file != w_file or offset < w_start or offset + nbytes > w_start + len(window):
                 window = os.pread(fd, max(_WINDOW, nbytes), offset)
@@ -75,11 +82,10 @@ def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> list[tuple[int, 
                     raise CorruptFileError(path, inv.format,
                                            f"file ends before byte {offset + nbytes}", offset)
             at = offset - w_start
-            out[i] = (zlib.crc32(memoryview(window)[at : at + nbytes]), nbytes)
+            yield i, zlib.crc32(memoryview(window)[at : at + nbytes]), nbytes
     finally:
         for fd in fds.values():
             os.close(fd)
-    return out
 
 
 def _crc_range(fd: int, offset: int, nbytes: int, path: Path) -> int:
@@ -109,7 +115,8 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
     by_name = {t.name: t for t in out.tensors}
     problems: list[str] = []
     form = getattr(job, "output_form", None)
-    found: list[tuple[str, TensorRecord]] = []
+    names: list[str] = []
+    records: list[TensorRecord] = []
     for t in plan.stored:
         rec = _find(by_name, job.output_name(t.name), t.record.name, t.record.key)
         if rec is None:
@@ -120,11 +127,12 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
             problems.append(f"{t.name} reads back as {rec.dtype}{list(rec.shape)}, planned "
                             f"{dtype}{list(shape)}")
             continue
-        found.append((t.name, rec))
-    for (name, _), got in zip(found, crcs_of(out, [rec for _, rec in found]), strict=True):
-        w = written.get(name)
-        if w is None or got != (w.crc, w.nbytes):
-            problems.append(f"{name}: its bytes read back differ from the bytes written")
+        names.append(t.name)
+        records.append(rec)
+    for i, crc, n in crcs_of(out, records):
+        w = written.get(names[i])
+        if w is None or (crc, n) != (w.crc, w.nbytes):
+            problems.append(f"{names[i]}: its bytes read back differ from the bytes written")
     planned = {t.name: t for t in plan.tensors} if plan.aliases else {}
     for alias, original in plan.aliases.items():
         rec = _find(by_name, job.output_name(alias), planned[alias].record.name)
