@@ -57,7 +57,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="modelsize-hostile-") as tmp:
         folder = Path(tmp)
-        for name, (make, what) in REPRODUCERS.items():
+        for name, (make, _what) in REPRODUCERS.items():
             if args.only and name not in args.only:
                 continue
             path = make(folder, args.scale)

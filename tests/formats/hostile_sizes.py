@@ -313,7 +313,7 @@ def make_safetensors_many(folder: Path, scale: float = 1.0, dtype: str = "F32") 
     pieces, length = _entries(
         count, lambda i: b'"w.%d":{"dtype":"%s","shape":[2],'
                          b'"data_offsets":[%d,%d]}' % (i, dtype.encode(), 8 * i, 8 * i + 8))
-    data = (struct.pack("<%df" % (2 * n), *[float(v) for v in range(2 * a, 2 * (a + n))])
+    data = (struct.pack(f"<{2 * n}f", *[float(v) for v in range(2 * a, 2 * (a + n))])
             for a, n in ((a, min(65536, count - a)) for a in range(0, count, 65536)))
     _safetensors(path, pieces, length, data)
     return path
@@ -326,7 +326,7 @@ def make_safetensors_index(folder: Path, scale: float = 1.0) -> Path:
     header = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     _safetensors(sub / "model.safetensors", [header], len(header), [bytes(8)])
     count = int(2_200_000 * scale)
-    pieces, length = _entries(count, lambda i: b'"model.layers.%07d.w":"model.safetensors"' % i)
+    pieces, _ = _entries(count, lambda i: b'"model.layers.%07d.w":"model.safetensors"' % i)
     with open(sub / "model.safetensors.index.json", "wb") as fh:
         fh.write(b'{"metadata":{"total_size":8},"weight_map":')
         for p in pieces:

@@ -581,9 +581,6 @@ class _Reader:
         head = self.read(collection, 8 + self.length_size, "global heap collection")
         if head[:4] != b"GCOL":
             raise HDF5Error(f"expected a global heap collection, found {head[:4]!r}", collection)
-        if head[4] != 1:  # the only version there is; the HDF5 library refuses others
-            raise HDF5Error(f"global heap collection of version {head[4]} (expected 1)",
-                            collection)
         size = self.uint(head, 8, self.length_size, "global heap size")
         self.check(collection, size, "global heap collection")
         data = self.read(collection, size, "global heap collection")
