@@ -5,7 +5,8 @@ a 960 MiB ``data.pkl``, a 99 MB safetensors header, a 99 MB index, 1.2M tensors,
 200k members, 4 GiB deflate bombs in a ``.keras``...) are written into a temporary folder
 (sparse or streamed: about 1.5 GB of disk, a few seconds), then each is run through
 
-* ``modelsize inspect FILE --json`` and
+* ``modelsize inspect FILE`` (the text report: ``--json`` lists every tensor, a JSON document
+  as large as the header it describes) and
 * ``modelsize slim FILE -o OUT --force``,
 
 each in a fresh process, and the exit code, the seconds and the peak RSS (the process's own
@@ -63,7 +64,7 @@ def main() -> int:
             path = make(folder, args.scale)
             out = folder / f"{name}.out{''.join(path.suffixes[-1:])}"
             for verb, argv in (
-                ("inspect", [str(path), "--json"]),
+                ("inspect", [str(path)]),
                 ("slim", [str(path), "-o", str(out), "--force"]),
             ):
                 run = measure([verb, *argv], args.timeout)
