@@ -214,6 +214,24 @@ def test_limits_are_raised_by_their_variables(tmp_path: Path,
         "MODELSIZE_MAX_READ_BYTES", "MODELSIZE_MAX_MEMORY_BYTES", "MODELSIZE_MAX_PICKLE_OPS"}
 
 
+def _list_pickle(path: Path, items: int) -> Path:
+    """A pickle of one list of ``items`` empty lists (two opcodes each): nothing real in it."""
+    path.write_bytes(b"\x80\x02]" + b"]a" * items + b".")
+    return path
+
+
+@pytest.mark.parametrize(("env", "value"), [("MODELSIZE_MAX_PICKLE_OPS", "1000"),
+                                            ("MODELSIZE_MAX_MEMORY_BYTES", "1MB")])
+def test_pickle_parse_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str,
+                             value: str) -> None:
+    """A pickle's opcodes and the memory they build are bounded, each by its variable."""
+    path = _list_pickle(tmp_path / "lists.pkl", 600_000)
+    assert len(read(path).tensors) == 0  # within the defaults
+    monkeypatch.setenv(env, value)
+    with pytest.raises(LimitError, match=env):
+        read(path)
+
+
 def test_header_length_past_the_file_is_corrupt_not_a_limit(tmp_path: Path) -> None:
     path = tmp_path / "huge.safetensors"
     path.write_bytes(struct.pack("<Q", 2**62) + b'{"w": 1}')
