@@ -7,7 +7,8 @@
     │   ├── PathNotFoundError        nothing at that path
     │   ├── UnknownFormatError       a file, but no reader recognises it
     │   ├── CorruptFileError         a reader recognised it, but it is truncated, corrupt or lying
-    │   └── UsageError               arguments that make no sense together
+    │   ├── UsageError               arguments that make no sense together
+    │   └── LimitError               a file needs more than a resource limit allows
     ├── OutputError                  OUT cannot be written: disk full, read-only, no permission,
     │                                or it appeared meanwhile; nothing was left behind (exit 2)
     ├── MissingDependencyError       an optional framework is needed but not installed (exit 2)
@@ -77,6 +78,20 @@ class CorruptFileError(InputError):
 
 class UsageError(InputError):
     """Arguments that cannot work together."""
+
+
+class LimitError(InputError):
+    """A file needs more than a resource limit allows (bytes to parse or inflate, memory).
+
+    The message names the limit and the environment variable that raises it
+    (:mod:`modelsize.formats._limits`).
+    """
+
+    def __init__(self, path: str | Path, reason: str, env: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        self.env = env
+        super().__init__(f"{printable(str(path))}: {printable(reason, 400)}")
 
 
 class OutputError(ModelSizeError):

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import math
-from collections.abc import Callable, Iterable
+import os
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 from modelsize.categories import PRECEDENCE, Category, empty_totals
 from modelsize.dtypes import DTYPES, DType, canonical, numel
@@ -40,7 +45,7 @@ class FileInfo:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Region:
     """A byte range of one file that holds no tensor data."""
 
@@ -51,14 +56,44 @@ class Region:
     label: str
 
 
-@dataclass(frozen=True)
+class Charges(Mapping[Category, int]):
+    """A storage's bytes by category when one category has them all: ``{category: nbytes}``
+    without a dict (a checkpoint has one per storage, a million for some)."""
+
+    __slots__ = ("category", "nbytes")
+
+    def __init__(self, category: Category, nbytes: int) -> None:
+        self.category = category
+        self.nbytes = nbytes
+
+    def __getitem__(self, key: Category) -> int:
+        if key is self.category or key == self.category:
+            return self.nbytes
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Category]:
+        yield self.category
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"{{{self.category!r}: {self.nbytes}}}"
+
+
+#: The bytes by category of an empty storage.
+_NO_CHARGES: Mapping[Category, int] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class StorageRecord:
     """A run of file bytes holding the data of one saved storage (or one tensor).
 
     ``nbytes`` is what it occupies in the file; ``logical_nbytes`` what it holds once
     decompressed (equal unless ``compressed``). ``compressed`` means the file bytes are not the
     raw little-endian data (deflated, big-endian, text, varints...): only the format's reader
-    can decode them (``storage_chunks``). ``bytes_by_category`` is filled by the builder.
+    can decode them (``storage_chunks``). ``bytes_by_category`` is filled by the builder (a
+    read-only mapping: a dict, or :class:`Charges` when one category has every byte).
     """
 
     key: str
@@ -68,11 +103,11 @@ class StorageRecord:
     logical_nbytes: int
     compressed: bool = False
     dtype: str | None = None
-    bytes_by_category: dict[Category, int] = field(default_factory=dict, compare=False)
+    bytes_by_category: Mapping[Category, int] = field(default_factory=dict, compare=False)
     duplicate_of: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """One tensor as named in the file.
 
@@ -149,7 +184,11 @@ class Inventory:
         for region in self.regions:
             totals[region.category] += region.nbytes
         for storage in self.storages:
-            for cat, n in storage.bytes_by_category.items():
+            charges = storage.bytes_by_category
+            if type(charges) is Charges:
+                totals[charges.category] += charges.nbytes
+                continue
+            for cat, n in charges.items():
                 totals[cat] += n
         file_bytes = sum(f.nbytes for f in self.files)
         if sum(totals.values()) != file_bytes:
@@ -233,25 +272,68 @@ class _View:
         self.nbytes = sum(b - a for a, b in self.runs)
 
 
-#: What a reader declared of a storage: (file, offset, nbytes, logical nbytes, compressed,
-#: dtype). The :class:`StorageRecord` is made once, by ``build``, with its totals.
-_Declared = tuple[int, int, int, int, bool, "str | None"]
-
 _Record = TypeVar("_Record", Region, StorageRecord, TensorRecord)
 
 
-def _record(cls: type[_Record], **fields: Any) -> _Record:
-    """A frozen record made from every one of its fields, as its ``__init__`` would make it.
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused: building a million records would otherwise set it
+    off again and again, each time walking every record made so far (the records hold no
+    cycles; reference counting frees them)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _maker(cls: type[_Record]) -> Callable[..., _Record]:
+    """A function making a frozen, slotted record from all its fields, positionally.
 
     A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: for the
-    thousands of records of a checkpoint, filling the instance dict at once is several times
-    faster. Only for records without ``__post_init__``, given all their fields.
+    million records of a large checkpoint that is most of the time spent reading it. The
+    record is made as an instance of a plain twin class with the same slots (so the same
+    memory layout), its fields set as ordinary attributes, and then given its class: three
+    times faster, and the result is in every way the frozen record. Only for records without
+    ``__post_init__``.
     """
-    if len(fields) != len(cls.__dataclass_fields__):  # a field added to the class, not here
-        raise TypeError(f"{cls.__name__} needs {sorted(cls.__dataclass_fields__)}")
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
+    names = list(cls.__dataclass_fields__)
+    if tuple(names) != cls.__slots__:  # type: ignore[attr-defined]
+        raise TypeError(f"{cls.__name__}: fields and slots differ")
+    twin = type(f"_{cls.__name__}Twin", (), {"__slots__": cls.__slots__})  # type: ignore[attr-defined]
+    args = ", ".join(f"a{i}" for i in range(len(names)))
+    body = "".join(f"    o.{n} = a{i}\n" for i, n in enumerate(names))
+    env: dict[str, Any] = {"new": object.__new__, "twin": twin, "cls": cls}
+    exec(f"def make({args}):\n    o = new(twin)\n{body}    o.__class__ = cls\n    return o\n",
+         env)
+    make: Callable[..., _Record] = env["make"]
+    make.__doc__ = f"A {cls.__name__} from its fields: {', '.join(names)}."
+    return make
+
+
+def _setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    """Sets one field of a record the builder made and has not handed out yet (the records
+    are frozen for everyone else)."""
+    setter: Callable[[Any, Any], None] = cls.__dict__[name].__set__
+    return setter
+
+
+_region = _maker(Region)
+_storage = _maker(StorageRecord)
+_tensor = _maker(TensorRecord)
+_set_charges = _setter(StorageRecord, "bytes_by_category")
+_set_original = _setter(StorageRecord, "duplicate_of")
+_set_stored = _setter(TensorRecord, "stored_nbytes")
+_set_category = _setter(TensorRecord, "category")
+_set_duplicate = _setter(TensorRecord, "duplicate_of")
+
+#: Shapes are shared between the tensors that have them; past this many distinct ones, new
+#: shapes are no longer remembered.
+_MAX_SHAPES = 1 << 16
+#: A block of one byte-sized element: the layout of dtypes outside the table.
+_BYTE = (1, 1)
 
 
 class InventoryBuilder:
@@ -261,6 +343,10 @@ class InventoryBuilder:
     ranges are ``default`` (normally metadata), bytes of a storage reached by no view are
     ``unused_storage``, overlapping views count once (by :data:`PRECEDENCE`), and storages
     whose bytes equal an earlier storage's are ``duplicates``.
+
+    Each declared tensor and storage becomes its record at once (one object each, whatever
+    the checkpoint's size); :meth:`build` fills in what only the whole can tell (bytes by
+    category, stored bytes, duplicates) before the records are handed out.
     """
 
     def __init__(self, format: str, paths: Iterable[str | Path], *, root: str | Path | None = None):
@@ -270,10 +356,17 @@ class InventoryBuilder:
             path = Path(p)
             self.files.append(FileInfo(path, path.stat().st_size))
         self._regions: list[Region] = []
-        self._storages: dict[str, _Declared] = {}
+        self._storages: dict[str, StorageRecord] = {}
         #: CRC-32 of a storage's bytes where the file records one (zip members).
         self._crc: dict[str, int] = {}
-        self._tensors: list[dict[str, Any]] = []
+        self._tensors: list[TensorRecord] = []
+        #: (elements, bytes) per block of the tensors whose dtype is packed or not in the
+        #: table (by index): what their strided views are counted in.
+        self._blocks: dict[int, tuple[int, int]] = {}
+        #: Each distinct shape once, shared by the tensors that have it.
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        #: dtype as a reader spells it -> (canonical name, DType), for dtypes in the table.
+        self._dtypes: dict[str, tuple[str, DType]] = {}
         self._unsafe: dict[str, None] = {}
         self.notes: list[str] = []
         self.facts: dict[str, str] = {}
@@ -305,8 +398,7 @@ class InventoryBuilder:
         if nbytes == 0:
             return
         self.check_range(offset, nbytes, label, file)
-        self._regions.append(_record(
-            Region, file=file, offset=offset, nbytes=nbytes, category=category, label=label))
+        self._regions.append(_region(file, offset, nbytes, category, label))
 
     def add_storage(
         self,
@@ -331,9 +423,9 @@ class InventoryBuilder:
             raise self.corrupt(f"storage {key!r} declared twice", offset, file)
         if crc32 is not None:
             self._crc[key] = crc32
-        self._storages[key] = (
-            file, offset, nbytes, nbytes if logical_nbytes is None else logical_nbytes,
-            compressed, dtype,
+        self._storages[key] = _storage(
+            key, file, offset, nbytes, nbytes if logical_nbytes is None else logical_nbytes,
+            compressed, dtype, _NO_CHARGES, None,
         )
 
     def has_storage(self, key: str) -> bool:
@@ -360,25 +452,46 @@ class InventoryBuilder:
         ``itemsize`` gives the bytes per element of a dtype outside the table (NumPy strings,
         structured records); without it such a dtype is sized 0 with a note.
         """
-        shape_t = tuple(map(int, shape))
-        dt_name = dtype if dtype in DTYPES else canonical(dtype) or dtype
-        dt = DTYPES.get(dt_name)
-        if dt is None and itemsize is not None:
-            dt = DType(dt_name, 1, int(itemsize))
+        # A shape met before is taken as it was normalised then (equal tuples hash alike).
+        shared = self._shapes.get(shape) if type(shape) is tuple else None  # type: ignore[arg-type]
+        if shared is not None:
+            shape_t = shared
+        else:
+            shape_t = tuple(map(int, shape))
+            shared = self._shapes.get(shape_t)
+            if shared is not None:
+                shape_t = shared
+            elif len(self._shapes) < _MAX_SHAPES:
+                self._shapes[shape_t] = shape_t
+        known = self._dtypes.get(dtype)
+        dt: DType | None
+        if known is not None:
+            dt_name, dt = known
+        else:
+            dt_name = dtype if dtype in DTYPES else canonical(dtype) or dtype
+            dt = DTYPES.get(dt_name)
+            if dt is not None:
+                self._dtypes[dtype] = (dt_name, dt)
+            elif itemsize is not None:
+                dt = DType(dt_name, 1, int(itemsize))
         n = math.prod(shape_t)
-        nbytes = dt.nbytes(n) if dt else 0
         if dt is None:
+            nbytes = 0
             self.notes.append(f"unknown dtype {dtype!r} for {name}: size taken as 0")
+            self._blocks[len(self._tensors)] = (1, 0)
+        else:
+            block, block_bytes = dt.block, dt.block_bytes
+            nbytes = n * block_bytes if block == 1 else -(-n // block) * block_bytes
+            if block != 1 or dt_name not in DTYPES:
+                self._blocks[len(self._tensors)] = (block, block_bytes)
         strides_t = tuple(map(int, strides)) if strides is not None else None
-        if strides_t is not None and is_contiguous(shape_t, strides_t):
+        if strides_t is not None and (not n or is_contiguous(shape_t, strides_t)):
             strides_t = None
         offset_bytes = dt.nbytes(int(storage_offset)) if dt and storage_offset else 0
-        self._tensors.append({
-            "name": name, "dtype": dt_name, "shape": shape_t, "category": category,
-            "nbytes": nbytes, "storage": storage, "storage_offset": offset_bytes,
-            "tags": tuple(tags), "strides": strides_t if n else None, "container": container,
-            "block": (dt.block, dt.block_bytes) if dt else (1, 0),
-        })
+        self._tensors.append(_tensor(
+            name, dt_name, shape_t, category, nbytes, 0, storage, offset_bytes,
+            tags if type(tags) is tuple else tuple(tags), None, strides_t, container,
+        ))
 
     def add_unsafe_global(self, name: str) -> None:
         """Record a callable the file would import and call on load."""
@@ -386,53 +499,82 @@ class InventoryBuilder:
 
     # -- accounting --------------------------------------------------------------------
     def build(self, default: Category = Category.METADATA, *, dedupe: bool = True) -> Inventory:
-        """Resolve storages, fill gaps with ``default`` and return the inventory."""
-        stored = [0] * len(self._tensors)
-        by_storage: dict[str, list[_View]] = {}
-        for i, t in enumerate(self._tensors):
-            key = t["storage"]
+        """Resolve storages, fill gaps with ``default`` and return the inventory.
+
+        A builder builds once: the records it made are completed and handed out.
+        """
+        with paused_gc():
+            return self._build(default, dedupe)
+
+    def _block(self, index: int) -> tuple[int, int]:
+        """(elements, bytes) per block of tensor ``index``'s dtype."""
+        found = self._blocks.get(index)
+        if found is not None:
+            return found
+        dt = DTYPES.get(self._tensors[index].dtype)
+        return (dt.block, dt.block_bytes) if dt is not None else _BYTE
+
+    def _build(self, default: Category, dedupe: bool) -> Inventory:
+        tensors = self._tensors
+        storages = self._storages
+        # Storage key -> the index of its only view when that view is contiguous (most
+        # storages: no _View is made for them), else the list of its views.
+        by_storage: dict[str, int | list[_View]] = {}
+        for i, t in enumerate(tensors):
+            key = t.storage
             if key is None:
                 continue
-            if key not in self._storages:
-                raise self.corrupt(f"tensor {t['name']!r} refers to missing storage {key!r}")
-            if t["strides"] is None:  # contiguous: most tensors, built here at no extra call
-                start, n = t["storage_offset"], t["nbytes"]
-                view = _View(i, t["category"], start, start + n, n)
-            else:
-                view = _view_of(i, t)
-            views = by_storage.get(key)
-            if views is None:
-                by_storage[key] = [view]
-            else:
-                views.append(view)
+            seen = by_storage.get(key)
+            if seen is None:
+                if key not in storages:
+                    raise self.corrupt(f"tensor {t.name!r} refers to missing storage {key!r}")
+                by_storage[key] = i if t.strides is None else [self._view(i)]
+                continue
+            if isinstance(seen, int):
+                seen = by_storage[key] = [self._view(seen)]
+            seen.append(self._view(i))
         self._check_reached(by_storage)
 
-        storages: dict[str, StorageRecord] = {}
         rank = {c: i for i, c in enumerate(PRECEDENCE)}
         approximated: list[str] = []
-        for key, (file, offset, nbytes, logical, compressed, dtype) in self._storages.items():
-            totals: dict[Category, int] = {}
-            views = by_storage.get(key, [])
-            if compressed:
-                # Compressed bytes cannot be mapped to element ranges: the best view owns all.
-                if len(views) > 1:
-                    views = sorted(views, key=lambda v: (rank[v.category], v.record_index))
-                if views:
-                    totals[views[0].category] = nbytes
-                    stored[views[0].record_index] += nbytes
+        unused = Category.UNUSED_STORAGE
+        # Storages of one size and category share their (immutable) Charges.
+        shared: dict[Category, dict[int, Charges]] = {c: {} for c in Category}
+        for key, st in storages.items():
+            nbytes = st.nbytes
+            found = by_storage.get(key)
+            charges: Mapping[Category, int]
+            if type(found) is int:  # one contiguous view
+                t = tensors[found]
+                start, size = t.storage_offset, t.nbytes
+                if st.compressed or (start == 0 and size == nbytes):
+                    reached = nbytes
                 else:
-                    totals[Category.UNUSED_STORAGE] = nbytes
+                    reached = max(0, min(start + size, nbytes) - max(start, 0))
+                if reached:
+                    _set_stored(t, t.stored_nbytes + reached)
+                if reached == nbytes:
+                    if not nbytes:
+                        continue  # no bytes: no charges
+                    same_size = shared[t.category]
+                    one = same_size.get(nbytes)
+                    if one is None:
+                        one = Charges(t.category, nbytes)
+                        if len(same_size) < 1 << 16:
+                            same_size[nbytes] = one
+                    charges = one
+                elif reached:
+                    charges = {t.category: reached, unused: nbytes - reached}
+                else:
+                    charges = Charges(unused, nbytes)
+            elif found is None:
+                if not nbytes:
+                    continue
+                charges = Charges(unused, nbytes)
             else:
-                reached = _charge(views, nbytes, rank, totals, stored)
-                approximated.extend(self._tensors[v.record_index]["name"]
-                                    for v in views if v.approximate)
-                if nbytes > reached:
-                    totals[Category.UNUSED_STORAGE] = nbytes - reached
-            storages[key] = _record(
-                StorageRecord, key=key, file=file, offset=offset, nbytes=nbytes,
-                logical_nbytes=logical, compressed=compressed, dtype=dtype,
-                bytes_by_category=totals, duplicate_of=None,
-            )
+                assert isinstance(found, list)
+                charges = self._charge_views(found, nbytes, st.compressed, rank, approximated)
+            _set_charges(st, charges)
         if approximated:
             more = f" and {len(approximated) - 1} more" if len(approximated) > 1 else ""
             self.notes.append(
@@ -443,61 +585,103 @@ class InventoryBuilder:
             )
 
         dedupe = dedupe and READ_DATA.get()
-        dup_of: dict[str, str] = self._find_duplicates(storages, by_storage) if dedupe else {}
+        dup_of: dict[str, str] = self._find_duplicates(by_storage) if dedupe else {}
+        del by_storage
         for key, original in dup_of.items():
             st = storages[key]
             totals = {Category.DUPLICATES: sum(
-                n for c, n in st.bytes_by_category.items() if c != Category.UNUSED_STORAGE
+                n for c, n in st.bytes_by_category.items() if c != unused
             )}
-            if Category.UNUSED_STORAGE in st.bytes_by_category:
-                totals[Category.UNUSED_STORAGE] = st.bytes_by_category[Category.UNUSED_STORAGE]
-            storages[key] = StorageRecord(
-                st.key, st.file, st.offset, st.nbytes, st.logical_nbytes, st.compressed, st.dtype,
-                totals, original,
-            )
-
-        # A tensor of a duplicate storage duplicates the tensor viewing the original storage
-        # the same way (same offset, shape, strides, dtype); none may (then it is no alias).
-        same_view: dict[tuple[Any, ...], str] = {}
+            if unused in st.bytes_by_category:
+                totals[unused] = st.bytes_by_category[unused]
+            _set_charges(st, totals)
+            _set_original(st, original)
         if dup_of:
-            for t in self._tensors:
-                if t["storage"] is not None:
-                    same_view.setdefault((t["storage"], t["storage_offset"], t["shape"],
-                                          t["strides"], t["dtype"]), t["name"])
-        tensors = []
-        for i, t in enumerate(self._tensors):
-            cat, dup = t["category"], None
-            if dup_of and t["storage"] in dup_of:
-                cat = Category.DUPLICATES
-                dup = same_view.get((dup_of[t["storage"]], t["storage_offset"], t["shape"],
-                                     t["strides"], t["dtype"]))
-            tensors.append(_record(
-                TensorRecord, name=t["name"], dtype=t["dtype"], shape=t["shape"], category=cat,
-                nbytes=t["nbytes"], stored_nbytes=stored[i], storage=t["storage"],
-                storage_offset=t["storage_offset"], tags=t["tags"], duplicate_of=dup,
-                strides=t["strides"], container=t["container"],
-            ))
+            # A tensor of a duplicate storage duplicates the tensor viewing the original
+            # storage the same way (same offset, shape, strides, dtype); none may (then it is
+            # no alias).
+            originals = set(dup_of.values())
+            same_view: dict[tuple[Any, ...], str] = {}
+            for t in tensors:
+                if t.storage in originals:
+                    same_view.setdefault(
+                        (t.storage, t.storage_offset, t.shape, t.strides, t.dtype), t.name)
+            duplicates = Category.DUPLICATES
+            for t in tensors:
+                if t.storage in dup_of:
+                    _set_category(t, duplicates)
+                    _set_duplicate(t, same_view.get((dup_of[t.storage], t.storage_offset,
+                                                     t.shape, t.strides, t.dtype)))
 
-        regions = list(self._regions) + self._gaps(storages.values(), default)
-        return Inventory(
+        regions = self._regions + self._gaps(default)
+        regions.sort(key=lambda r: (r.file, r.offset))
+        inventory = Inventory(
             format=self.format,
             files=tuple(self.files),
             tensors=tuple(tensors),
             storages=tuple(storages.values()),
-            regions=tuple(sorted(regions, key=lambda r: (r.file, r.offset))),
+            regions=tuple(regions),
             unsafe_globals=tuple(self._unsafe),
             notes=tuple(dict.fromkeys(self.notes)),
             facts=dict(self.facts),
         )
+        # Handed out: a second build would change records the inventory holds.
+        self._tensors, self._storages, self._blocks = [], {}, {}
+        return inventory
 
-    def _check_reached(self, by_storage: dict[str, list[_View]]) -> None:
+    def _view(self, index: int) -> _View:
+        """The bytes of its storage tensor ``index`` reaches (see :func:`element_runs`)."""
+        t = self._tensors[index]
+        offset, nbytes, strides = t.storage_offset, t.nbytes, t.strides
+        if strides is None or nbytes == 0:
+            return _View(index, t.category, offset, offset + nbytes, nbytes)
+        block, block_bytes = self._block(index)
+        # Span and element count only (one run at most): most views need no more.
+        first, stop, _, count, approximate = element_runs(t.shape, strides, 1)
+        if block != 1:
+            # Packed sub-byte elements share bytes: only the span can be said to be reached.
+            start = offset + (first // block) * block_bytes
+            span = -(-(stop - first) // block) * block_bytes
+            return _View(index, t.category, start, start + span, span)
+        return _View(index, t.category, offset + first * block_bytes,
+                     offset + stop * block_bytes, count * block_bytes,
+                     (t.shape, strides, offset, block_bytes), approximate)
+
+    def _charge_views(
+        self, views: list[_View], nbytes: int, compressed: bool, rank: dict[Category, int],
+        approximated: list[str],
+    ) -> dict[Category, int]:
+        """The bytes by category of a storage of ``nbytes`` with several (or strided) views."""
+        totals: dict[Category, int] = {}
+        tensors = self._tensors
+        if compressed:
+            # Compressed bytes cannot be mapped to element ranges: the best view owns all.
+            best = min(views, key=lambda v: (rank[v.category], v.record_index))
+            totals[best.category] = nbytes
+            t = tensors[best.record_index]
+            _set_stored(t, t.stored_nbytes + nbytes)
+            return totals
+        stored: defaultdict[int, int] = defaultdict(int)
+        reached = _charge(views, nbytes, rank, totals, stored)
+        for index, n in stored.items():
+            if n:
+                t = tensors[index]
+                _set_stored(t, t.stored_nbytes + n)
+        approximated.extend(tensors[v.record_index].name for v in views if v.approximate)
+        if nbytes > reached:
+            totals[Category.UNUSED_STORAGE] = nbytes - reached
+        return totals
+
+    def _check_reached(self, by_storage: Mapping[str, object]) -> None:
         """Refuse storages left without tensors by a layout the reader did not understand.
 
         Whole storages that no tensor refers to, in a file where no storage (or fewer storages
         than those) is reached, are a parser's failure, not a finding: reported as
         ``unused_storage``, they would have the user slim the model away.
         """
-        unreached = [k for k, d in self._storages.items() if d[2] and k not in by_storage]
+        if len(by_storage) * 2 >= len(self._storages):
+            return  # at least as many reached as could be unreached
+        unreached = [k for k, st in self._storages.items() if st.nbytes and k not in by_storage]
         if not unreached or len(unreached) <= len(by_storage):
             return
         if not by_storage:
@@ -512,17 +696,17 @@ class InventoryBuilder:
             "understand; please report it"
         )
 
-    def _gaps(self, storages: Iterable[StorageRecord], default: Category) -> list[Region]:
+    def _gaps(self, default: Category) -> list[Region]:
         # Spans carry what they are (a region or a storage), named only for an error message.
-        spans: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(self.files))}
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in self.files]
         what: list[Region | StorageRecord] = []
         for r in self._regions:
             spans[r.file].append((r.offset, r.offset + r.nbytes, len(what)))
             what.append(r)
-        for s in storages:
-            if s.nbytes:
-                spans[s.file].append((s.offset, s.offset + s.nbytes, len(what)))
-                what.append(s)
+        for st in self._storages.values():
+            if st.nbytes:
+                spans[st.file].append((st.offset, st.offset + st.nbytes, len(what)))
+                what.append(st)
 
         def label(i: int) -> str:
             if i < 0:
@@ -531,7 +715,7 @@ class InventoryBuilder:
             return w.label if isinstance(w, Region) else f"storage {w.key}"
 
         gaps: list[Region] = []
-        for file, items in spans.items():
+        for file, items in enumerate(spans):
             items.sort()
             pos = 0
             prev = -1
@@ -542,71 +726,83 @@ class InventoryBuilder:
                         file,
                     )
                 if start > pos:
-                    gaps.append(_record(Region, file=file, offset=pos, nbytes=start - pos,
-                                        category=default, label="structure"))
+                    gaps.append(_region(file, pos, start - pos, default, "structure"))
                 pos, prev = stop, index
             size = self.files[file].nbytes
             if size > pos:
-                gaps.append(Region(file, pos, size - pos, default, "structure"))
+                gaps.append(_region(file, pos, size - pos, default, "structure"))
         return gaps
 
-    def _find_duplicates(
-        self, storages: dict[str, StorageRecord], by_storage: dict[str, list[_View]]
-    ) -> dict[str, str]:
+    def _find_duplicates(self, by_storage: Mapping[str, int | list[_View]]) -> dict[str, str]:
         """Map storage key -> key of an earlier storage holding identical bytes.
 
         Candidates must agree on dtype, shape of their first view, size and recorded CRC-32
         (zip members: equal bytes have equal CRCs, so most storages of a checkpoint are ruled
-        out unread); their first 64 bytes, first 4 KiB, then samples of the middle and the end
-        prune them before they are compared whole, a piece at a time, so only real duplicates
-        are read to the end.
+        out unread); a digest of their first 4 KiB and of samples of their middle and end
+        (read in file order, a window at a time, so a million small storages cost a few large
+        reads) prunes them before they are compared whole, a piece at a time, so only real
+        duplicates are read to the end.
         Storages whose bytes are one value repeated (zero-initialised biases, counters) are
         left alone: equal by construction, not by accident of saving. Large candidates whose
         samples are one value repeated are left alone unread (a file of zero-initialised
         tensors would otherwise be read whole): a duplicate whose start, middle and end are
         constant but whose other bytes differ from that value goes unreported.
         """
+        storages = self._storages
+        # Signature -> its first storage's key; signatures met twice or more -> all their keys
+        # (no list is made for the storages alone in their signature: nearly all of them).
+        first_of: dict[tuple[Any, ...], str] = {}
         groups: dict[tuple[Any, ...], list[str]] = {}
         crc = self._crc
+        tensors = self._tensors
+        itemsizes: dict[str, int] = {}
         for key, st in storages.items():
-            views = by_storage.get(key)
-            if not views or st.nbytes == 0:
+            found = by_storage.get(key)
+            if found is None or st.nbytes == 0:
                 continue
-            first = self._tensors[views[0].record_index]
-            if not st.compressed and st.nbytes <= _itemsize(first["dtype"]):
+            first = tensors[found if isinstance(found, int) else found[0].record_index]
+            dtype = first.dtype
+            itemsize = itemsizes.get(dtype)
+            if itemsize is None:
+                itemsize = itemsizes[dtype] = _itemsize(dtype)
+            if not st.compressed and st.nbytes <= itemsize:
                 continue  # one element: one value repeated, never a duplicate (see constant)
-            sig = (st.nbytes, st.logical_nbytes, st.compressed, first["dtype"], first["shape"],
-                   crc.get(key))
-            groups.setdefault(sig, []).append(key)
+            sig = (st.nbytes, st.logical_nbytes, st.compressed, dtype, first.shape, crc.get(key))
+            earlier = first_of.setdefault(sig, key)
+            if earlier is not key:
+                same = groups.get(sig)
+                if same is None:
+                    groups[sig] = [earlier, key]
+                else:
+                    same.append(key)
+        del first_of
+        candidates = list(groups.items())
+        del groups
         result: dict[str, str] = {}
+        if not candidates:
+            return result
         with _FileReader(self, storages) as reader:
-            for sig, keys in groups.items():
-                if len(keys) < 2:
-                    continue
+            for sig, keys in candidates:
                 itemsize = _itemsize(sig[3])
-                for alike in _split(keys, reader.prefix):
-                    for same in _split(alike, reader.head):
-                        for equal in _split(same, reader.rest):
-                            if reader.sampled_constant(equal[0], itemsize):
-                                # equal samples, each one value repeated: zero-initialised
-                                # tensors, left alone unread (reading 300 zero tensors of a
-                                # 10 GB file to rule them out would read all 10 GB)
-                                continue
-                            for identical in reader.identical(equal):
-                                if reader.constant(identical[0], itemsize):
-                                    continue
-                                for key in identical[1:]:
-                                    result[key] = identical[0]
-                reader.heads.clear()
-                reader.whole.clear()
+                for equal in reader.probe_groups(keys):
+                    if reader.sampled_constant(equal[0], itemsize):
+                        # equal samples, each one value repeated: zero-initialised tensors,
+                        # left alone unread (reading 300 zero tensors of a 10 GB file to rule
+                        # them out would read all 10 GB)
+                        continue
+                    for identical in reader.identical(equal):
+                        if reader.constant(identical[0], itemsize):
+                            continue
+                        for key in identical[1:]:
+                            result[key] = identical[0]
         return result
 
 
 #: Bytes sampled at the start, the middle and the end of a duplicate candidate.
 _PROBE = 4096
-#: The first bytes compared: hashing them is cheaper than hashing a whole probe.
-_PREFIX = 64
 _CHUNK = 1 << 20
+#: Small candidates lying closer than this are read together, in one read of up to _CHUNK.
+_NEAR = _PROBE
 #: Candidates whose chunks are held side by side; more are compared by hashes of their chunks.
 _MAX_SIDE_BY_SIDE = 8
 
@@ -624,18 +820,23 @@ def _split(keys: list[str], sample: Callable[[str], bytes]) -> list[list[str]]:
     return [same for same in by_sample.values() if len(same) > 1]
 
 
+def _samples(nbytes: int) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of a storage that its probe digest covers: all of a small one; else its
+    first, middle and last :data:`_PROBE` bytes."""
+    if nbytes <= 3 * _PROBE:
+        return ((0, nbytes),)
+    mid = nbytes // 2
+    return ((0, _PROBE), (mid, mid + _PROBE), (nbytes - _PROBE, nbytes))
+
+
 class _FileReader:
     """Reads storage bytes for duplicate detection through one open handle per file."""
 
     def __init__(self, builder: InventoryBuilder, storages: dict[str, StorageRecord]) -> None:
         self.builder = builder
         self.storages = storages
-        self.handles: dict[int, BinaryIO] = {}
+        self.handles: dict[int, int] = {}
         self.closing = contextlib.ExitStack()
-        #: The first :data:`_PROBE` bytes of the current group's storages.
-        self.heads: dict[str, bytes] = {}
-        #: Storages of the current group whose samples were all of their bytes.
-        self.whole: dict[str, bytes] = {}
 
     def __enter__(self) -> _FileReader:
         return self
@@ -643,48 +844,84 @@ class _FileReader:
     def __exit__(self, *exc: object) -> None:
         self.closing.close()
 
-    def read(self, key: str, start: int, stop: int) -> bytes:
-        """Bytes ``start..stop`` of a storage (at most a chunk)."""
-        whole = self.whole.get(key)
-        if whole is not None:
-            return whole[start:stop]
-        st = self.storages[key]
-        fh = self.handles.get(st.file)
-        if fh is None:
-            # Unbuffered: reads are scattered samples; one handle per file for the whole build.
-            fh = open(self.builder.files[st.file].path, "rb", buffering=0)  # noqa: SIM115 (closed by __exit__)
-            self.handles[st.file] = self.closing.enter_context(fh)
-        fh.seek(st.offset + start)
-        data = fh.read(stop - start)
-        while len(data) < stop - start:  # a short read: the file ends, or shrank meanwhile
-            more = fh.read(stop - start - len(data))
+    def _fd(self, file: int) -> int:
+        fd = self.handles.get(file)
+        if fd is None:
+            # One handle per file for the whole build; reads are positioned (pread).
+            path = self.builder.files[file].path
+            fh = self.closing.enter_context(open(path, "rb", buffering=0))  # noqa: SIM115
+            fd = self.handles[file] = fh.fileno()
+        return fd
+
+    def _pread(self, file: int, start: int, nbytes: int, what: StorageRecord) -> bytes:
+        fd = self._fd(file)
+        data = os.pread(fd, nbytes, start)
+        while len(data) < nbytes:  # a short read: the file ends, or shrank meanwhile
+            more = os.pread(fd, nbytes - len(data), start + len(data))
             if not more:
-                raise self.builder.corrupt(f"storage {st.key} ends early", st.offset, st.file)
+                raise self.builder.corrupt(f"storage {what.key} ends early", what.offset,
+                                           what.file)
             data += more
         return data
 
-    def prefix(self, key: str) -> bytes:
-        """The first :data:`_PREFIX` bytes (the first :data:`_PROBE` are read and kept)."""
-        n = self.storages[key].nbytes
-        data = self.heads[key] = self.read(key, 0, min(n, _PROBE))
-        if n <= _PROBE:
-            self.whole[key] = data
-        return data[:_PREFIX]
+    def read(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes ``start..stop`` of a storage (at most a chunk)."""
+        st = self.storages[key]
+        return self._pread(st.file, st.offset + start, stop - start, st)
 
-    def head(self, key: str) -> bytes:
-        """The first :data:`_PROBE` bytes after the prefix."""
-        return self.heads[key][_PREFIX:]
+    def probe_groups(self, keys: list[str]) -> list[list[str]]:
+        """The groups (of two or more, in order) of same-sized ``keys`` whose probes (see
+        :func:`_samples`) have equal CRC-32s: only they can hold equal bytes.
 
-    def rest(self, key: str) -> bytes:
-        """The sample after the head: the rest if small, else the middle and the last bytes."""
-        n = self.storages[key].nbytes
-        if n <= _PROBE:
-            return b""
-        if n <= 3 * _PROBE:
-            data = self.whole[key] = self.read(key, 0, n)
-            return data[_PROBE:]
-        mid = n // 2
-        return self.read(key, mid, mid + _PROBE) + self.read(key, n - _PROBE, n)
+        Probes are read in file order; small storages lying near each other are read together
+        (a million 8-byte tensors cost a few hundred reads, not a million).
+        """
+        sts = [self.storages[k] for k in keys]
+        nbytes = sts[0].nbytes
+        samples = _samples(nbytes)
+        digests = [0] * len(sts)
+        places = [(st.file << 64) | st.offset for st in sts]
+        order = sorted(range(len(sts)), key=places.__getitem__)
+        del places
+        crc32 = zlib.crc32
+        if len(samples) == 1:
+            # Whole storages: consecutive ones are read in windows of up to _CHUNK bytes.
+            j = 0
+            while j < len(order):
+                first = sts[order[j]]
+                stop = j + 1
+                end = first.offset + nbytes
+                while stop < len(order):
+                    nxt = sts[order[stop]]
+                    if (nxt.file != first.file or nxt.offset - end > _NEAR
+                            or nxt.offset + nbytes - first.offset > _CHUNK):
+                        break
+                    end = nxt.offset + nbytes
+                    stop += 1
+                window = memoryview(self._pread(first.file, first.offset, end - first.offset,
+                                                first))
+                for i in order[j:stop]:
+                    at = sts[i].offset - first.offset
+                    digests[i] = crc32(window[at : at + nbytes])
+                j = stop
+        else:
+            for i in order:
+                st = sts[i]
+                crc = 0
+                for a, b in samples:
+                    crc = crc32(self._pread(st.file, st.offset + a, b - a, st), crc)
+                digests[i] = crc
+        first_with: dict[int, int] = {}
+        groups: dict[int, list[str]] = {}
+        for i, digest in enumerate(digests):
+            j = first_with.setdefault(digest, i)
+            if j != i:
+                same = groups.get(j)
+                if same is None:
+                    groups[j] = [keys[j], keys[i]]
+                else:
+                    same.append(keys[i])
+        return list(groups.values())
 
     def identical(self, keys: list[str]) -> list[list[str]]:
         """The groups (of two or more, in order) of same-sized ``keys`` with equal bytes.
@@ -725,12 +962,12 @@ class _FileReader:
         return [same for _, same in seen if len(same) > 1]
 
     def sampled_constant(self, key: str, itemsize: int) -> bool:
-        """Whether the samples read so far (start, middle, end) are one value repeated."""
+        """Whether a large storage's samples (start, middle, end) are one value repeated."""
         st = self.storages[key]
         if st.compressed or st.nbytes <= 3 * _PROBE:
             return False  # small: read whole anyway, :meth:`constant` decides exactly
-        value = self.heads[key][:itemsize]
-        sample = self.heads[key] + self.rest(key)
+        sample = b"".join(self.read(key, a, b) for a, b in _samples(st.nbytes))
+        value = sample[:itemsize]
         return bool(value) and sample == value * (len(sample) // len(value))
 
     def constant(self, key: str, itemsize: int) -> bool:
@@ -769,24 +1006,6 @@ def is_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 
 # -- the bytes views reach ------------------------------------------------------------------
-
-
-def _view_of(index: int, t: dict[str, Any]) -> _View:
-    """The bytes of its storage the declared tensor ``t`` reaches (see :func:`element_runs`)."""
-    offset, nbytes, strides = t["storage_offset"], t["nbytes"], t["strides"]
-    block, block_bytes = t["block"]
-    if strides is None or nbytes == 0:
-        return _View(index, t["category"], offset, offset + nbytes, nbytes)
-    # Span and element count only (one run at most): most views need no more.
-    first, stop, _, count, approximate = element_runs(t["shape"], strides, 1)
-    if block != 1:
-        # Packed sub-byte elements share bytes: only the span can be said to be reached.
-        start = offset + (first // block) * block_bytes
-        span = -(-(stop - first) // block) * block_bytes
-        return _View(index, t["category"], start, start + span, span)
-    return _View(index, t["category"], offset + first * block_bytes,
-                 offset + stop * block_bytes, count * block_bytes,
-                 (t["shape"], strides, offset, block_bytes), approximate)
 
 
 def element_runs(
@@ -871,7 +1090,7 @@ def _charge(
     size: int,
     rank: dict[Category, int],
     totals: dict[Category, int],
-    stored: list[int],
+    stored: dict[int, int],
 ) -> int:
     """Charge the bytes of a storage of ``size`` bytes its ``views`` reach; return their total.
 
@@ -912,7 +1131,7 @@ def _charge(
 
 def _charge_overlapping(
     group: list[_View], rank: dict[Category, int], totals: dict[Category, int],
-    stored: list[int],
+    stored: dict[int, int],
 ) -> int:
     """:func:`_charge` for views whose spans overlap: their runs merged in precedence order."""
     starts: list[int] = []

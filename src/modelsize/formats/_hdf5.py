@@ -520,7 +520,8 @@ class _Reader:
             raise HDF5Error(f"attribute message version {version} (expected 1-3)", msg.offset)
         if pos + pad(name_size) + pad(dt_size) + pad(ds_size) > len(data):
             raise HDF5Error("attribute parts run past the attribute message", msg.offset)
-        name = data[pos : pos + name_size].split(b"\x00", 1)[0].decode("utf-8", "replace")
+        name = _utf8(data[pos : pos + name_size].split(b"\x00", 1)[0], "attribute name",
+                     msg.offset)
         pos += pad(name_size)
         dt = data[pos : pos + dt_size]
         pos += pad(dt_size)
@@ -651,7 +652,7 @@ class _Reader:
                 raise HDF5Error(f"link name offset {name_at} outside a {len(names)}-byte heap",
                                 address)
             end = names.find(b"\x00", name_at)
-            name = names[name_at : end if end >= 0 else len(names)].decode("utf-8", "replace")
+            name = _utf8(names[name_at : end if end >= 0 else len(names)], "link name", address)
             yield name, header
 
     def link(self, data: bytes, where: int) -> tuple[str, int] | None:
@@ -673,11 +674,19 @@ class _Reader:
         pos += width
         if pos + name_len > len(data):
             raise HDF5Error("link name runs past its message", where)
-        name = data[pos : pos + name_len].decode("utf-8", "replace")
+        name = _utf8(data[pos : pos + name_len], "link name", where)
         pos += name_len
         if kind != 0:
             return None
         return name, self.addr(data, pos, "link address")
+
+
+def _utf8(raw: bytes, what: str, where: int) -> str:
+    """A name as HDF5 stores it (ASCII or UTF-8); h5py, and so every loader, refuses others."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HDF5Error(f"{what} {raw[:40]!r} is not UTF-8 (h5py cannot open it)", where) from exc
 
 
 def read_hdf5(blob: Blob) -> H5File:

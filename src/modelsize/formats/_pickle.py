@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     import mmap
 
+    from modelsize.formats._limits import ParseBudget
+
 #: What the parser reads from: bytes in memory or a memory-mapped file.
 Data: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap"
 
@@ -34,13 +36,19 @@ Data: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap"
 #: recurses in C, where Python's recursion limit does not protect the stack.
 MAX_DEPTH = 100
 #: Ceilings on work and memory that no real checkpoint pickle comes near.
-MAX_OPS = 50_000_000
+MAX_OPS = 48 << 20  # 50,331,648: whole blocks
 MAX_MEMO = 10_000_000
 MAX_STACK = 10_000_000
 MAX_LONG_BYTES = 1 << 16
 MAX_HASH_COST = 256
 MAX_LINE = 1 << 26
 HIGHEST_PROTOCOL = 5
+#: Opcodes run between checks of the ceilings and the budget.
+_BLOCK = 1 << 20
+#: How many inline opcodes' time one opcode run by a method costs (measured: ~6x).
+_SLOW_WEIGHT = 5
+#: Strings longer than this are made only if the budget's memory allows them.
+_BIG_TEXT = 16 << 20
 
 
 class PickleError(ValueError):
@@ -357,14 +365,21 @@ class _Machine:
         offset: int,
         persistent_load: Callable[[object], object] | None,
         on_build: BuildHook | None = None,
+        end: int | None = None,
+        budget: ParseBudget | None = None,
     ) -> None:
         self.on_build = on_build
         if isinstance(data, memoryview):
             data = data.tobytes()
         self.data = data
         self.view = memoryview(data)
-        self.size = len(data)
+        self.size = len(data) if end is None else min(end, len(data))
         self.pos = offset
+        self.budget = budget
+        #: Opcodes run by a method call (slower than the inline ones): weighed in the budget.
+        self.slow = 0
+        #: Tensors and arrays met (persistent ids, bytes payloads): what a budget grows with.
+        self.found = 0
         self.persistent_load = persistent_load
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
@@ -580,14 +595,16 @@ class _Machine:
         stack = self.stack
         texts: tuple[_Text | None, _Text | None] = (None, None)
         pos = op = self.pos
-        # Each opcode pushes at most one item, MARKs or memoizes at most once: until there have
-        # been as many opcodes as the lowest ceiling, none can be crossed, and none is checked.
-        # Only a pickle running longer pays for checking the stack, the MARKs and the memo.
-        free = min(MAX_OPS, MAX_STACK, MAX_MEMO)
+        # Each opcode pushes at most one item, MARKs or memoizes at most once: the ceilings on
+        # the stack, the MARKs and the memo (and the budget) are checked once per block of
+        # opcodes, and can be passed by at most a block.
         try:
             # The ranges count the opcodes (MAX_OPS in all) at no cost per opcode.
-            for checked, count in ((False, free), (True, MAX_OPS - free)):
-                for _ in range(count):
+            for block in range(MAX_OPS // _BLOCK):
+                if block:
+                    self.pos, self.stack = pos, stack
+                    self.after_block(block * _BLOCK)
+                for _ in range(_BLOCK):
                     op = pos
                     if op >= size:
                         raise self.error("data ends before the pickle's STOP opcode", op, "")
@@ -685,6 +702,7 @@ class _Machine:
                     elif c == 0x51:  # BINPERSID
                         if not stack:
                             raise _Fail("stack underflow")
+                        self.found += 1
                         pid = stack.pop()
                         stack.append(
                             persistent_load(pid) if persistent_load is not None
@@ -794,24 +812,28 @@ class _Machine:
                         if handler is None:
                             raise self.error(f"unknown opcode {bytes([c])!r}", op, "")
                         self.pos, self.stack = pos, stack
+                        self.slow += 1
                         handler()
                         pos, stack = self.pos, self.stack
-                    if checked:
-                        self.stack = stack
-                        self.check_ceilings()
             if pos >= size:
                 raise self.error("data ends before the pickle's STOP opcode", pos, "")
             if not _NAMES[data[pos]]:
                 raise self.error(f"unknown opcode {bytes([data[pos]])!r}", pos, "")
             op = pos
-            raise self.error(f"more than {MAX_OPS} opcodes", op, _NAMES[data[op]])
+            raise self.error(f"more than {MAX_OPS:,} opcodes", op, _NAMES[data[op]])
         except _Fail as exc:
             raise self.error(exc.reason, op, _NAMES[data[op]]) from exc.__cause__
         except (struct.error, OverflowError, MemoryError, RecursionError) as exc:
             raise self.error(f"{type(exc).__name__}: {exc}", op, _NAMES[data[op]]) from exc
 
+    def after_block(self, ops: int) -> None:
+        """After a block of opcodes: the ceilings, and the budget of the parse if it has one."""
+        self.check_ceilings()
+        if self.budget is not None:
+            self.budget.check(ops + _SLOW_WEIGHT * self.slow, self.found)
+
     def check_ceilings(self) -> None:
-        """After an opcode: the ceilings it may have crossed (each opcode grows each by <= 1)."""
+        """The ceilings on the stack, the MARKs and the memo."""
         if len(self.stack) > MAX_STACK:
             raise _Fail(f"more than {MAX_STACK} items on the stack")
         if len(self.metastack) > MAX_STACK:
@@ -898,6 +920,7 @@ class _Machine:
 
     def op_binstring(self) -> None:
         n = self.read_i32()
+        self.reserve(n)
         self.stack.append(self.text(self.read(n), "latin-1"))
 
     def op_short_binstring(self) -> None:
@@ -909,11 +932,18 @@ class _Machine:
 
     def op_binunicode8(self) -> None:
         n = self.read_u64()
+        self.reserve(n)
         self.stack.append(self.text(self.read(n), "utf-8", "surrogatepass"))
+
+    def reserve(self, n: int) -> None:
+        """Before a string of ``n`` bytes is made: whether the budget's memory allows it."""
+        if self.budget is not None and n > _BIG_TEXT:
+            self.budget.check(0, self.found, more=n)
 
     def blob(self, n: int, kind: str = "bytes") -> None:
         offset = self.pos
         self.read(n)
+        self.found += 1
         self.stack.append(Blob(offset, n, kind))
 
     def op_binbytes(self) -> None:
@@ -1176,6 +1206,8 @@ def scan(
     offset: int = 0,
     persistent_load: Callable[[object], object] | None = None,
     on_build: BuildHook | None = None,
+    end: int | None = None,
+    budget: ParseBudget | None = None,
 ) -> PickleScan:
     """Parse the pickle starting at ``offset`` without importing or calling anything.
 
@@ -1186,8 +1218,13 @@ def scan(
     array bytes right after its wrapper object) and replaces the object on the stack. Raises
     :class:`PickleError` on malformed input (its ``unsafe`` lists what was judged unsafe
     before the error: a hostile pickle may break itself after its payload ran).
+
+    The pickle lies in ``data[offset:end]`` (``end``: the end of the data if not given;
+    offsets in the result are ``data``'s). ``budget`` bounds the parse's work and memory by
+    what it finds (:class:`~modelsize.formats._limits.ParseBudget`: a refusal naming the limit
+    when it is spent).
     """
-    m = _Machine(data, offset, persistent_load, on_build)
+    m = _Machine(data, offset, persistent_load, on_build, end, budget)
     value = m.run()
     return PickleScan(
         value=value, end=m.pos, globals=list(m.globals), unsafe=list(m.unsafe),
@@ -1199,18 +1236,20 @@ def scan(
 _PROTO0_STARTS = frozenset(b"(]}).NIJKLMFGSTUVXcl")
 
 
-def looks_like_pickle(data: Data, offset: int = 0) -> bool:
+def looks_like_pickle(data: Data, offset: int = 0, end: int | None = None) -> bool:
     """Whether a pickle plausibly starts at ``offset`` (cheap check on the first bytes)."""
-    if offset >= len(data):
+    size = len(data) if end is None else end
+    if offset >= size:
         return False
     first = data[offset]
     if first == 0x80:
-        return offset + 1 < len(data) and 2 <= data[offset + 1] <= HIGHEST_PROTOCOL
+        return offset + 1 < size and 2 <= data[offset + 1] <= HIGHEST_PROTOCOL
     return first in _PROTO0_STARTS
 
 
 def scan_all(
-    data: Data, *, offset: int = 0, on_build: BuildHook | None = None
+    data: Data, *, offset: int = 0, on_build: BuildHook | None = None, end: int | None = None,
+    budget: ParseBudget | None = None,
 ) -> list[PickleScan]:
     """Scan consecutive pickles until the end of the data or bytes that are no pickle.
 
@@ -1219,11 +1258,11 @@ def scan_all(
     breaks off is kept only if it named unsafe callables before breaking (with ``error`` set
     and ``end`` where parsing stopped); otherwise scanning stops before it.
     """
-    scans = [scan(data, offset=offset, on_build=on_build)]
+    scans = [scan(data, offset=offset, on_build=on_build, end=end, budget=budget)]
     pos = scans[0].end
-    while looks_like_pickle(data, pos):
+    while looks_like_pickle(data, pos, end):
         try:
-            scans.append(scan(data, offset=pos, on_build=on_build))
+            scans.append(scan(data, offset=pos, on_build=on_build, end=end, budget=budget))
         except PickleError as exc:
             if exc.unsafe:
                 scans.append(

@@ -15,17 +15,22 @@ every member, and torch loads such files): :func:`crc_recorded` tells readers to
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import zipfile
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError
+from modelsize.formats import _limits
 from modelsize.inventory import InventoryBuilder
+
+if TYPE_CHECKING:
+    from modelsize.formats._pickle import Data
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
 #: The local header's name and extra field lengths (its last fields, at byte 26).
@@ -35,8 +40,6 @@ STORED = zipfile.ZIP_STORED
 DEFLATED = zipfile.ZIP_DEFLATED
 #: Deflate cannot expand data more than ~1032:1; a member claiming more is lying.
 _MAX_RATIO = 1100
-#: Members we read whole (pickles, JSON headers) are never allowed past this.
-MAX_READ = 1 << 30
 #: Bytes read (or inflated) at a time when a member is only checked, not kept.
 _CHUNK = 1 << 20
 
@@ -67,11 +70,14 @@ def members(
     builder: InventoryBuilder,
     file: int = 0,
     infos: list[zipfile.ZipInfo] | None = None,
+    names: bool = False,
 ) -> list[Member]:
     """All members with their data offsets, each checked to lie inside the file.
 
     ``infos`` is the central directory if the caller already parsed it
     (:meth:`~modelsize.formats.base.Source.zip_infos`); it is read from ``path`` otherwise.
+    With ``names``, each local header must name its member as the central directory does:
+    Python's :mod:`zipfile` (so ``np.load`` and Keras) refuses to open a member otherwise.
     """
     size = builder.files[file].nbytes
     if infos is None:
@@ -101,6 +107,8 @@ def members(
                 )
             name_len, extra_len = _NAME_EXTRA.unpack_from(raw, 26)
             data_offset = header + local_size + name_len + extra_len
+            if names:
+                _check_local_name(fd, info, header + local_size, name_len, builder, file)
             compress_size, file_size, method = (
                 info.compress_size, info.file_size, info.compress_type
             )
@@ -123,6 +131,22 @@ def members(
                        info.CRC)
             )
     return out
+
+
+def _check_local_name(fd: int, info: zipfile.ZipInfo, at: int, length: int,
+                      builder: InventoryBuilder, file: int) -> None:
+    """Refuse a local header whose name is not the central directory's (as zipfile does)."""
+    local = os.pread(fd, length, at)
+    encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
+    try:
+        same = local.decode(encoding) == info.orig_filename
+    except UnicodeDecodeError:
+        same = False
+    if not same:
+        raise builder.corrupt(
+            f"member {info.filename!r} is named {local[:80]!r} in its local header: zipfile "
+            "(and so its framework's loader) refuses to open it", info.header_offset, file,
+        )
 
 
 def crc_recorded(member: Member) -> bool:
@@ -154,17 +178,17 @@ def _bad_size(member: Member, size: int, builder: InventoryBuilder, file: int) -
 
 
 def read_member(
-    path: Path, member: Member, builder: InventoryBuilder, limit: int = MAX_READ, file: int = 0
+    path: Path, member: Member, builder: InventoryBuilder,
+    limit: _limits.Limit = _limits.READ_BYTES, file: int = 0,
 ) -> bytes:
-    """The uncompressed bytes of a member (stored or deflated), at most ``limit`` bytes,
-    checked against the member's CRC-32."""
-    if member.file_size > limit:
-        raise builder.corrupt(
-            f"member {member.name!r} is {member.file_size} bytes, more than the {limit} "
-            "modelsize reads whole", member.header_offset, file,
-        )
+    """The uncompressed bytes of a member (stored or deflated), checked against the member's
+    CRC-32; one larger than ``limit`` is refused (the message names how to raise it)."""
+    limit.check(builder.files[file].path, member.file_size, f"member {member.name!r}")
     if member.method not in (STORED, DEFLATED):
         raise _unsupported(member, builder, file)
+    if member.method == DEFLATED:
+        _limits.check_inflate(builder.files[file].path, member.name, member.compress_size,
+                              member.file_size)
     with open(path, "rb") as fh:
         fh.seek(member.data_offset)
         data = fh.read(member.compress_size)
@@ -182,6 +206,37 @@ def read_member(
     return data
 
 
+def pickle_data(path: Path, member: Member, builder: InventoryBuilder, file: int = 0,
+                ) -> tuple[Data, int, int]:
+    """A pickle member to parse: ``(data, start, end)``, the pickle being ``data[start:end]``.
+
+    A stored member is parsed in place, in a read-only map of the file (offsets in it are the
+    file's; nothing is copied, and only the pages the parser touches are read); a deflated one
+    is inflated to memory, up to ``MODELSIZE_MAX_READ_BYTES``. A stored member is checked
+    against its CRC-32 a chunk at a time, as members charged but not read are.
+    """
+    if member.method == STORED:
+        check_members(path, [member], builder, file)
+        with open(path, "rb") as fh:
+            if member.compress_size == 0:
+                return b"", 0, 0
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        return mm, member.data_offset, member.data_offset + member.compress_size
+    data = read_member(path, member, builder, file=file)
+    return data, 0, len(data)
+
+
+def refuse_duplicates(items: list[Member], builder: InventoryBuilder, why: str,
+                      file: int = 0) -> None:
+    """Refuse an archive that holds two members of one name (``why``: what its loader does)."""
+    seen: set[str] = set()
+    for m in items:
+        if m.name in seen:
+            raise builder.corrupt(f"member {m.name!r} appears twice in the archive ({why})",
+                                  m.header_offset, file)
+        seen.add(m.name)
+
+
 def check_members(
     path: Path, items: Iterable[Member], builder: InventoryBuilder, file: int = 0
 ) -> None:
@@ -194,6 +249,9 @@ def check_members(
         for m in todo:
             if m.method not in (STORED, DEFLATED):
                 raise _unsupported(m, builder, file)
+            if m.method == DEFLATED:
+                _limits.check_inflate(builder.files[file].path, m.name, m.compress_size,
+                                      m.file_size)
             fh.seek(m.data_offset)
             crc = size = 0
             left = m.compress_size

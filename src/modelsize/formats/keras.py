@@ -33,24 +33,23 @@ import os
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from modelsize.categories import Category
 from modelsize.errors import UsageError, printable
-from modelsize.formats import _zip
+from modelsize.formats import _limits, _zip
 from modelsize.formats._hdf5 import SIGNATURE, Blob, BytesBlob, H5File, HDF5Error, read_hdf5
 from modelsize.formats._keras_optimizer import optimizer_facts
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
 __all__ = ["InflatedBlob", "KerasH5Reader", "KerasReader", "account_hdf5", "categorize",
-           "layer_classes", "storage_chunks"]
+           "layer_classes", "storage_chunks", "unknown_groups", "weight_groups"]
 
 WEIGHTS_MEMBER = "model.weights.h5"
-_MAX_CONFIG = 256 << 20
 _BUFFER_LEAVES = frozenset(
     {
         "moving_mean", "moving_variance", "moving_stddev", "renorm_mean", "renorm_stddev",
@@ -80,6 +79,8 @@ class InflatedBlob:
     _STEP = 1 << 16
     _PAGE = 1 << 16
     _CACHE_PAGES = 64
+    #: Bytes inflated at a time while scanning.
+    _PIECE = 1 << 22
 
     def __init__(self, fh: BinaryIO, member: _zip.Member) -> None:
         self.fh = fh
@@ -101,15 +102,21 @@ class InflatedBlob:
         crc, out, last_snap = 0, 0, 0
         for c in range(0, self.csize, self._STEP):
             chunk = self._compressed(c)
-            data = d.decompress(chunk)
-            crc = zlib.crc32(data, crc)
-            out += len(data)
+            # Inflated a piece at a time: a chunk of a highly compressed stream is never held
+            # inflated whole.
+            while chunk and out <= self.size:
+                data = d.decompress(chunk, self._PIECE)
+                chunk = d.unconsumed_tail
+                crc = zlib.crc32(data, crc)
+                out += len(data)
+                if not data:
+                    break
             if out > self.size:
                 break
-            self.points_c.append(c + len(chunk))
+            self.points_c.append(c + min(self._STEP, self.csize - c))
             self.points_u.append(out)
             if out - last_snap >= self.interval:
-                self.snapshots.append((c + len(chunk), out, d.copy()))
+                self.snapshots.append((c + min(self._STEP, self.csize - c), out, d.copy()))
                 self.snapshot_u.append(out)
                 last_snap = out
         if out != self.size or crc != member.crc:
@@ -153,16 +160,22 @@ class InflatedBlob:
         d = snap.copy()
         pending = bytearray()  # inflated bytes from output position u on
         while True:
-            # Keep every whole page inflated on the way: reads tend to move forward.
+            # Keep every whole page inflated on the way: reads tend to move forward. The page
+            # asked for is returned as it is found, not looked up in the cache afterwards: a
+            # stream that inflates many pages from one chunk evicts the first of them.
             first = -(-u // size) * size
+            found = None
             while first + size <= u + len(pending) or (
                 c >= self.csize and first < u + len(pending)
             ):
-                self._remember(first // size, bytes(pending[first - u : first - u + size]))
+                data = bytes(pending[first - u : first - u + size])
+                self._remember(first // size, data)
+                if first // size == page:
+                    found = data
                 first += size
-            if page in self.pages:
-                return self.pages[page]
-            if c >= self.csize:
+            if found is not None:
+                return found
+            if c >= self.csize or first > page * size:
                 raise ValueError("read past the end of an inflated member")
             drop = min(len(pending), first - u)
             del pending[:drop]
@@ -384,6 +397,77 @@ def _map(stack: ExitStack, path: Path) -> mmap.mmap:
         return stack.enter_context(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
 
 
+def _config_classes(builder: InventoryBuilder, path: Path, member: _zip.Member,
+                    ) -> dict[str, Any] | None:
+    """A ``.keras`` archive's ``config.json``, parsed; None (with a note) when it cannot be:
+    too large to parse within ``MODELSIZE_MAX_JSON_BYTES``, or not JSON."""
+    limit = _limits.JSON_BYTES
+    if member.file_size > limit.value():
+        _zip.check_members(path, [member], builder)
+        builder.notes.append(
+            f"config.json is {member.file_size:,} bytes, more than modelsize parses "
+            f"({limit.hint()}): layer roles are guessed from their names"
+        )
+        return None
+    try:
+        config = json.loads(_zip.read_member(path, member, builder, limit))
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
+        builder.notes.append("config.json is not valid JSON (Keras cannot load this file)")
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _snake_case(name: str) -> str:
+    """Keras 3's ``naming.to_snake_case``: ``BatchNormalization`` -> ``batch_normalization``."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def weight_groups(config: object) -> dict[str, str] | None:
+    """The groups a Keras 3 model's layers keep their variables in, each with its layer's
+    class: ``layers/<group>/vars/<i>``; None if the config lists no layers.
+
+    Keras names them after the class, not the layer (``Dense`` -> ``dense``, the next one
+    ``dense_1``), in the order of the model's layers; loading looks them up the same way, so
+    a group no layer of the config accounts for is one Keras cannot load.
+    """
+    inner = config.get("config") if isinstance(config, dict) else None
+    layers = inner.get("layers") if isinstance(inner, dict) else None
+    if not isinstance(layers, list):
+        return None
+    used: dict[str, int] = {}
+    groups: dict[str, str] = {}
+    for layer in layers:
+        cls = layer.get("class_name") if isinstance(layer, dict) else None
+        if not isinstance(cls, str):
+            return None
+        name = _snake_case(cls)
+        if name in used:
+            used[name] += 1
+            name = f"{name}_{used[name]}"
+        else:
+            used[name] = 0
+        groups[name] = cls
+    return groups
+
+
+def unknown_groups(datasets: Iterable[str], groups: dict[str, str]) -> list[str]:
+    """The layer groups of weights paths (``layers/<group>/...``) that ``groups`` lacks."""
+    found = {p.strip("/").split("/")[1] for p in datasets if p.strip("/").startswith("layers/")}
+    return sorted(found - set(groups))
+
+
+def _note_unknown_layers(builder: InventoryBuilder, h5: H5File, groups: dict[str, str]) -> None:
+    """A note when the weights hold layer groups the config's layers do not account for."""
+    unknown = unknown_groups((d.path for d in h5.datasets), groups)
+    if unknown:
+        builder.notes.append(
+            f"{WEIGHTS_MEMBER} holds variables of {len(unknown)} layer(s) config.json does not "
+            f"have ({', '.join(printable(n, 40) for n in unknown[:3])}): Keras cannot load them"
+        )
+
+
 # --------------------------------------------------------------------------------------
 # Readers
 # --------------------------------------------------------------------------------------
@@ -408,10 +492,16 @@ class KerasH5Reader:
             config = h5.groups.get("/", {}).get("model_config")
             classes: dict[str, str] = {}
             if config is not None and isinstance(config.value, str):
-                try:
-                    classes = layer_classes(json.loads(config.value))
-                except json.JSONDecodeError:
-                    builder.notes.append("model_config attribute is not valid JSON")
+                if len(config.value) > _limits.JSON_BYTES.value():
+                    builder.notes.append(
+                        f"the model_config attribute is {len(config.value):,} characters, more "
+                        f"than modelsize parses ({_limits.JSON_BYTES.hint()})"
+                    )
+                else:
+                    try:
+                        classes = layer_classes(json.loads(config.value))
+                    except (ValueError, RecursionError):
+                        builder.notes.append("model_config attribute is not valid JSON")
             builder.facts["layout"] = _h5_layout(h5)
             account_hdf5(builder, h5, categorize(h5, classes), lambda o, n: (o, n, False))
             return builder.build()
@@ -446,19 +536,22 @@ class KerasReader:
         """Account for every byte of the archive, the HDF5 member read in place."""
         path = source.path
         builder = InventoryBuilder(self.name, [path], root=path)
-        members = _zip.members(path, builder, infos=source.zip_infos())
+        members = _zip.members(path, builder, infos=source.zip_infos(), names=True)
+        _zip.refuse_duplicates(members, builder, "Keras would read only the last")
         _zip.account_headers(builder, members)
         classes: dict[str, str] = {}
+        groups: dict[str, str] | None = None
         weights: _zip.Member | None = None
         for m in members:
             if m.name == "config.json":
                 builder.add_region(m.data_offset, m.compress_size, Category.GRAPH, m.name)
-                try:
-                    config = json.loads(_zip.read_member(path, m, builder, _MAX_CONFIG))
+                config = _config_classes(builder, path, m)
+                if config is not None:
                     classes = layer_classes(config)
                     builder.facts.update(optimizer_facts(config))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    builder.notes.append("config.json is not valid JSON")
+                    groups = weight_groups(config)
+                    # The weights name a layer by its group: its class is known from there too.
+                    classes.update(groups or {})
             elif m.name == "metadata.json":
                 builder.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 _zip.check_members(path, [m], builder)
@@ -477,6 +570,8 @@ class KerasReader:
             builder.facts["weights_member"] = (
                 "stored" if weights.method == _zip.STORED else "deflated"
             )
+            if groups is not None:
+                _note_unknown_layers(builder, h5, groups)
             account_hdf5(builder, h5, categorize(h5, classes), place)
             # Interpolated spans of a deflated stream are not data: never hash them as such.
             return builder.build(dedupe=weights.method == _zip.STORED)
@@ -491,6 +586,8 @@ class KerasReader:
                 f"{member.name} uses compression method {member.method}; modelsize reads "
                 "stored and deflated members", member.header_offset,
             )
+        _limits.check_inflate(builder.files[0].path, member.name, member.compress_size,
+                              member.file_size)
         try:
             inflated = InflatedBlob(fh, member)
         except (ValueError, zlib.error) as exc:

@@ -27,6 +27,9 @@ often one); arrays of an ``.npz`` are classified by name like a state dict
 from __future__ import annotations
 
 import ast
+import functools
+import mmap
+import os
 import re
 import struct
 import zipfile
@@ -34,15 +37,18 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import numel
-from modelsize.errors import printable
+from modelsize.errors import CorruptFileError, printable
 from modelsize.formats import _zip
 from modelsize.formats.base import Source
 from modelsize.formats.safetensors import classify_name
-from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
+from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord, paused_gc
+
+if TYPE_CHECKING:
+    from modelsize.formats._pickle import Data
 
 MAGIC = b"\x93NUMPY"
 #: NumPy itself refuses headers above 10 000 bytes unless told otherwise; we allow more but
@@ -50,17 +56,22 @@ MAGIC = b"\x93NUMPY"
 MAX_HEADER = 1 << 20
 #: NumPy's own limit (NPY_MAXDIMS); it also keeps ``numel`` of a hostile shape cheap.
 MAX_DIMS = 64
-#: Object-array pickles are read whole to be scanned; past this we refuse rather than guess.
-MAX_PICKLE = _zip.MAX_READ
 
 _KINDS = {
     ("b", 1): "bool",
     ("i", 1): "int8", ("i", 2): "int16", ("i", 4): "int32", ("i", 8): "int64",
     ("u", 1): "uint8", ("u", 2): "uint16", ("u", 4): "uint32", ("u", 8): "uint64",
-    ("f", 2): "float16", ("f", 4): "float32", ("f", 8): "float64",
-    ("c", 8): "complex64", ("c", 16): "complex128",
+    ("f", 2): "float16", ("f", 4): "float32", ("f", 8): "float64", ("f", 16): "float128",
+    ("c", 8): "complex64", ("c", 16): "complex128", ("c", 32): "complex256",
 }
-_TYPESTR = re.compile(r"^([<>|=]?)([biufcmMOSaUV])(\d*)(\[\w+\])?$")
+_TYPESTR = re.compile(r"^([<>|=]?)([biufcmMOSaUV])(\d*)(?:\[(\d*)(\w+)\])?$")
+#: The units NumPy knows for datetime64 and timedelta64 (``[10ns]`` repeats one).
+_TIME_UNITS = frozenset({"Y", "M", "W", "D", "h", "m", "s", "ms", "us", "\u03bcs", "ns", "ps",
+                         "fs", "as", "generic"})
+#: NumPy keeps an item's size in a C int: a dtype (or a field's subarray) may not be larger.
+MAX_ITEMSIZE = 2**31 - 1
+#: Array sizes are C ``npy_intp`` (64-bit): elements and bytes both stay below this.
+MAX_ELEMENTS = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -91,24 +102,33 @@ class NpyHeader:
 
 
 def parse_typestr(descr: str) -> NpyDType:
-    """Size of a NumPy type string such as ``'<f4'``, ``'|S10'``, ``'<U3'``, ``'<M8[ns]'``."""
+    """Size of a NumPy type string such as ``'<f4'``, ``'|S10'``, ``'<U3'``, ``'<M8[ns]'``.
+
+    Only what ``numpy.dtype`` itself accepts is accepted (a ``ValueError`` says why not): item
+    sizes that fit NumPy's C int, the sizes each kind has, datetime units NumPy knows.
+    """
     m = _TYPESTR.match(descr)
     if m is None:
         raise ValueError(f"unknown NumPy type string {descr!r:.40}")
-    _, kind, digits, unit = m.groups()
+    _, kind, digits, repeat, unit = m.groups()
+    if unit is not None and (kind not in "mM" or unit not in _TIME_UNITS):
+        raise ValueError(f"type string {descr!r:.40}: NumPy has no such datetime unit")
     if kind == "O":
-        return NpyDType("object", 0, has_object=True)
-    if len(digits) > 18:
-        raise ValueError(f"type string {descr!r:.40} has an absurd item size")
+        if digits not in ("", "4", "8"):
+            raise ValueError(f"type string {descr!r:.40}: an object is 8 bytes")
+        return NpyDType("object", 8, has_object=True)
+    if len(digits) > 10 or (digits and int(digits) > MAX_ITEMSIZE // (4 if kind == "U" else 1)):
+        raise ValueError(
+            f"type string {descr!r:.40}: item size above the {MAX_ITEMSIZE:,} bytes NumPy "
+            "allows (np.load refuses it)"
+        )
     size = int(digits) if digits else 0
     if (kind, size) in _KINDS:
         name = _KINDS[(kind, size)]
         return NpyDType(name, size, floating=kind in "fc")
-    if kind in "fc" and size:
-        return NpyDType(f"{'float' if kind == 'f' else 'complex'}{size * 8}", size, floating=True)
     if kind in "mM" and size == 8:
         base = "timedelta64" if kind == "m" else "datetime64"
-        return NpyDType(base + (unit or ""), 8)
+        return NpyDType(base + (f"[{repeat}{unit}]" if unit and unit != "generic" else ""), 8)
     if kind in "Sa":
         return NpyDType(f"bytes{size * 8}", size)
     if kind == "U":
@@ -118,17 +138,32 @@ def parse_typestr(descr: str) -> NpyDType:
     raise ValueError(f"unsupported NumPy type string {descr!r:.40}")
 
 
+def _field_name(name: Any) -> str:
+    """A structured field's name (a title may come with it, as a ``(title, name)`` pair)."""
+    if isinstance(name, tuple) and len(name) == 2 and all(isinstance(n, str) for n in name):
+        return str(name[1])
+    if not isinstance(name, str):
+        raise ValueError(f"a structured field's name must be a string, found {name!r:.60}")
+    return name
+
+
 def parse_descr(descr: Any, depth: int = 0) -> NpyDType:
-    """Size of a ``descr``: a type string, or a structured list of ``(name, descr[, shape])``."""
+    """Size of a ``descr``: a type string, or a structured list of ``(name, descr[, shape])``.
+
+    Field names must be strings and distinct; a field's subarray and the record itself must
+    fit NumPy's item size limit (NumPy refuses them otherwise).
+    """
     if isinstance(descr, str):
         return parse_typestr(descr)
     if not isinstance(descr, list) or depth > 32:
         raise ValueError(f"descr should be a type string or a list of fields, found {descr!r:.60}")
     itemsize = 0
     has_object = False
+    names: set[str] = set()
     for field in descr:
         if not isinstance(field, tuple) or len(field) not in (2, 3):
             raise ValueError(f"a structured field should be (name, descr[, shape]): {field!r:.60}")
+        name = _field_name(field[0])
         sub = parse_descr(field[1], depth + 1)
         count = 1
         if len(field) == 3:
@@ -137,10 +172,33 @@ def parse_descr(descr: Any, depth: int = 0) -> NpyDType:
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
             ):
                 raise ValueError(f"field shape should be non-negative integers: {field[2]!r:.60}")
-            count = numel(shape)
+            count = _capped_numel(shape, MAX_ITEMSIZE + 1)
+            if sub.itemsize * count > MAX_ITEMSIZE:
+                raise ValueError(f"field {name!r:.40} is larger than the {MAX_ITEMSIZE:,} "
+                                 "bytes NumPy allows")
+        padding = name == "" and sub.name.startswith("void") and not sub.structured
+        if not padding:
+            if name in names:
+                raise ValueError(f"field name {name!r:.40} appears twice")
+            names.add(name)
         itemsize += sub.itemsize * count
+        if itemsize > MAX_ITEMSIZE:
+            raise ValueError(f"records are larger than the {MAX_ITEMSIZE:,} bytes NumPy allows")
         has_object = has_object or sub.has_object
     return NpyDType(f"void{itemsize * 8}", itemsize, has_object, structured=True)
+
+
+def _capped_numel(shape: tuple[int, ...], cap: int) -> int:
+    """``numel(shape)``, or ``cap`` once it reaches it (a hostile shape is never multiplied
+    out in full)."""
+    if 0 in shape:
+        return 0
+    count = 1
+    for d in shape:
+        count *= d
+        if count >= cap:
+            return cap
+    return count
 
 
 def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHeader:
@@ -173,50 +231,85 @@ def parse_header(read_prefix: Callable[[int], bytes], available: int) -> NpyHead
     if len(raw) != length:
         raise ValueError(f"header should be {length} bytes, found {len(raw)}")
     text = raw.decode("utf-8" if major == 3 else "latin1")
-    try:
-        doc = ast.literal_eval(text)
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
-        raise ValueError(f"header is not a Python literal dict ({type(exc).__name__})") from exc
-    if not isinstance(doc, dict) or set(doc) != {"descr", "fortran_order", "shape"}:
-        raise ValueError(
-            f"expected a dict with keys descr, fortran_order, shape; found {text.strip()!r:.80}"
-        )
-    shape = doc["shape"]
+    # Headers repeat (an archive of arrays of a few shapes): each text is parsed once.
+    parsed = _parse_dict(text) if len(text) > _CACHED_TEXT else _parse_dict_cached(text)
+    return NpyHeader(parsed[0], parsed[1], pre + length, parsed[2], parsed[3])
+
+
+#: Headers as NumPy's ``write_array`` writes them: parsed by this, not by ``ast``.
+_CANONICAL = re.compile(
+    r"\{'descr': '([<>|=]?[a-zA-Z][0-9]*(?:\[[0-9]*\w+\])?)', "
+    r"'fortran_order': (True|False), 'shape': \((|[0-9]+,|[0-9]+(?:, [0-9]+)+)\), \}[ \n]*"
+)
+#: Header texts up to this long are remembered once parsed.
+_CACHED_TEXT = 4096
+
+
+def _parse_dict(text: str) -> tuple[NpyDType, tuple[int, ...], bool, bool]:
+    """(dtype, shape, fortran order, big-endian) of a header's dict, checked as NumPy would."""
+    m = _CANONICAL.fullmatch(text)
+    if m is not None:
+        descr: Any = m.group(1)
+        fortran: Any = m.group(2) == "True"
+        shape: Any = tuple(int(d) for d in m.group(3).split(",") if d)
+    else:
+        try:
+            doc = ast.literal_eval(text)
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+            raise ValueError(
+                f"header is not a Python literal dict ({type(exc).__name__})") from exc
+        if not isinstance(doc, dict) or set(doc) != {"descr", "fortran_order", "shape"}:
+            raise ValueError(
+                f"expected a dict with keys descr, fortran_order, shape; found "
+                f"{text.strip()!r:.80}"
+            )
+        descr, fortran, shape = doc["descr"], doc["fortran_order"], doc["shape"]
     if not isinstance(shape, tuple) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise ValueError(f"shape should be a tuple of non-negative integers, found {shape!r:.60}")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"shape has {len(shape)} dimensions, NumPy allows {MAX_DIMS}")
-    descr = doc["descr"]
+    if not isinstance(fortran, bool):
+        raise ValueError(f"fortran_order should be True or False, found {fortran!r:.40}")
     dtype = parse_descr(descr)
+    count = _capped_numel(shape, MAX_ELEMENTS + 1)
+    if count > MAX_ELEMENTS or count * dtype.itemsize > MAX_ELEMENTS:
+        raise ValueError(f"shape {shape!r:.60} of {dtype.itemsize}-byte items is larger than "
+                         "NumPy's largest array")
     big = isinstance(descr, str) and descr.startswith(">") and dtype.itemsize > 1
     if big and dtype.name.startswith(("str", "bytes", "void", "datetime", "timedelta")):
         big = False  # bytes are bytes; datetimes are left as they are
-    return NpyHeader(dtype, shape, pre + length, doc["fortran_order"] is True, big)
+    return dtype, shape, fortran, big
+
+
+_parse_dict_cached = functools.lru_cache(maxsize=1024)(_parse_dict)
 
 
 # -- shared accounting -------------------------------------------------------------------------
 
 
 def _scan_pickle(
-    builder: InventoryBuilder, data: bytes, name: str, what: str, offset: int,
-    blob_base: int | None,
+    builder: InventoryBuilder, data: Data, start: int, end: int, name: str, what: str,
+    offset: int, blob_base: int | None,
 ) -> list[tuple[int, int]] | None:
-    """Record the unsafe globals of an object array's pickle (it is never loaded) and declare
-    the NumPy arrays it holds as tensors; ``None`` if it holds none.
+    """Record the unsafe globals of an object array's pickle ``data[start:end]`` (it is never
+    loaded) and declare the NumPy arrays it holds as tensors; ``None`` if it holds none.
 
     ``what`` prefixes error messages (empty for a lone ``.npy``, the member for an ``.npz``).
-    ``blob_base`` is the file offset of ``data`` (``None`` if it was inflated): the arrays'
-    data found in the pickle is then declared as storages, returned as (offset, bytes) holes.
+    ``blob_base`` is the file offset of ``data`` (0 for a map of the file, ``None`` if it was
+    inflated): the arrays' data found in the pickle is then declared as storages, returned as
+    (offset, bytes) holes.
     """
+    from modelsize.formats._limits import ParseBudget
     from modelsize.formats._pickle import Call, PickleError, scan_all
     from modelsize.formats._torch_tree import classify
 
-    if not data:
+    if start >= end:
         raise builder.corrupt(f"{what}object array without the pickle of its contents", offset)
     try:
-        scans = scan_all(data)
+        scans = scan_all(data, offset=start, end=end,
+                         budget=ParseBudget(builder.files[0].path, f"{name}'s pickle"))
     except PickleError as exc:
         named = f"; before breaking it named {', '.join(exc.unsafe)}" if exc.unsafe else ""
         raise builder.corrupt(
@@ -276,45 +369,58 @@ def _declare_array(
     )
 
 
-def _read_at(path: Path, offset: int, limit: int) -> Callable[[int], bytes]:
-    def read_prefix(n: int) -> bytes:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            return fh.read(min(n, limit))
+class _Prefixes:
+    """``read_prefix`` functions for streams of one file, read through one open handle (an
+    archive of 200,000 arrays is not opened 400,000 times). The first read of a stream takes
+    :data:`_AHEAD` bytes: nearly every header is inside them."""
 
-    return read_prefix
+    _AHEAD = 512
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        """Close the handle."""
+        os.close(self.fd)
+
+    def at(self, offset: int, limit: int) -> Callable[[int], bytes]:
+        """``read_prefix`` for the ``limit`` bytes at ``offset``."""
+        ahead = os.pread(self.fd, min(self._AHEAD, limit), offset)
+
+        def read_prefix(n: int) -> bytes:
+            n = min(n, limit)
+            return ahead[:n] if n <= len(ahead) else os.pread(self.fd, n, offset)
+
+        return read_prefix
 
 
 def _account_plain(
-    builder: InventoryBuilder, name: str, start: int, length: int, classify: Classifier,
-    what: str = "", member: _zip.Member | None = None,
+    builder: InventoryBuilder, prefixes: _Prefixes, name: str, start: int, length: int,
+    classify: Classifier, member: _zip.Member | None = None,
 ) -> None:
     """An uncompressed ``.npy`` stream at ``start`` of ``length`` bytes: header, data, rest.
 
     ``member`` is the stored ``.npz`` member holding the stream, if any: an object array's
-    pickle is then read with its member, whole and CRC-checked.
+    pickle is then CRC-checked with its member; messages name it.
     """
     path = builder.files[0].path
     try:
-        header = parse_header(_read_at(path, start, length), length)
+        header = parse_header(prefixes.at(start, length), length)
     except ValueError as exc:
-        raise builder.corrupt(f"{what}{exc}", start) from exc
+        raise builder.corrupt(f"{_member(member)}{exc}", start) from exc
+    what = _member(member) if header.dtype.has_object else ""
     builder.add_region(start, header.nbytes, Category.METADATA, f"npy header of {name}")
     data_start, rest = start + header.nbytes, length - header.nbytes
     if header.dtype.has_object:
-        if rest > MAX_PICKLE:
-            raise builder.corrupt(
-                f"{what}object-array pickle of {rest} bytes is more than the "
-                f"{MAX_PICKLE} modelsize scans", data_start,
-            )
         if member is not None:
-            whole = _zip.read_member(path, member, builder, MAX_PICKLE + header.nbytes)
-            data = whole[header.nbytes :]
-        else:
+            _zip.check_members(path, [member], builder)
+        # Parsed in place, in a map of the file: only the pages the parser touches are read.
+        data: Data = b""
+        if rest:
             with open(path, "rb") as fh:
-                fh.seek(data_start)
-                data = fh.read(rest)
-        holes = _scan_pickle(builder, data, name, what, data_start, data_start)
+                data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        holes = _scan_pickle(builder, data, data_start, data_start + rest, name, what,
+                             data_start, 0)
         if holes is None:
             builder.add_region(data_start, rest, Category.OTHER, f"pickled object array {name}")
             _declare_array(builder, name, header, classify, None)
@@ -324,7 +430,7 @@ def _account_plain(
     need = header.data_nbytes
     if need > rest:
         raise builder.corrupt(
-            f"{what}shape {header.shape} of {header.dtype.name} needs {need} bytes "
+            f"{_member(member)}shape {header.shape} of {header.dtype.name} needs {need} bytes "
             f"of data, only {rest} follow the header", data_start,
         )
     # Big-endian data is "encoded": the reader's storage_chunks swaps it to little-endian.
@@ -392,11 +498,20 @@ def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
         return
     member = _zip.Member(storage.key, storage.offset, storage.offset, storage.nbytes, 0,
                          _zip.DEFLATED, 0)
-    header = parse_header(_inflate_prefix(path, member), 1 << 62)
+
+    def corrupt(reason: str) -> CorruptFileError:
+        return CorruptFileError(path, inv.format, f"member {printable(storage.key)}.npy: "
+                                f"{reason}", storage.offset)
+
+    try:
+        header = parse_header(_inflate_prefix(path, member), 1 << 62)
+    except (ValueError, zlib.error) as exc:
+        raise corrupt(str(exc)) from exc
     itemsize = header.dtype.itemsize
     d = zlib.decompressobj(-15)
     skip = header.nbytes
     carry = b""
+    given = 0
     with open(path, "rb") as fh:
         fh.seek(storage.offset)
         left = storage.nbytes
@@ -406,7 +521,10 @@ def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
                 left -= len(raw)
             if not raw:
                 break
-            out = d.decompress(raw, _DECODE_CHUNK)
+            try:
+                out = d.decompress(raw, _DECODE_CHUNK)
+            except zlib.error as exc:
+                raise corrupt(f"its deflate stream is damaged ({exc})") from exc
             if skip:
                 cut = min(skip, len(out))
                 out, skip = out[cut:], skip - cut
@@ -414,9 +532,14 @@ def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
             whole = len(out) - len(out) % max(1, itemsize)
             carry = out[whole:]
             if whole:
+                given += whole
                 yield _swap(out[:whole], itemsize) if header.big_endian else out[:whole]
             if d.eof:
                 break
+    given += len(carry)
+    if given < storage.logical_nbytes:
+        raise corrupt(f"inflates to {given} bytes of array data, its header needs "
+                      f"{storage.logical_nbytes} (np.load refuses it)")
     if carry:
         yield carry
 
@@ -463,21 +586,29 @@ class NpyReader:
     def read(self, source: Source) -> Inventory:
         """Header, data and any trailing bytes of the array."""
         builder = InventoryBuilder(self.name, [source.path], root=source.path)
-        _account_plain(builder, source.path.stem, 0, builder.files[0].nbytes, classify_bare)
+        prefixes = _Prefixes(source.path)
+        try:
+            _account_plain(builder, prefixes, source.path.stem, 0, builder.files[0].nbytes,
+                           classify_bare)
+        finally:
+            prefixes.close()
         return builder.build()
 
 
 # -- .npz --------------------------------------------------------------------------------------
 
 
-def _member(m: _zip.Member) -> str:
-    return f"member {printable(m.name)!r}: "
+def _member(m: _zip.Member | None) -> str:
+    """How messages about ``m`` begin (nothing for a lone ``.npy``)."""
+    return f"member {printable(m.name)!r}: " if m is not None else ""
 
 
 def _inflate_prefix(path: Path, member: _zip.Member) -> Callable[[int], bytes]:
-    """``read_prefix`` for a deflated member: inflates only as far as asked."""
+    """``read_prefix`` for a deflated member: inflates only as far as asked (the first call
+    inflates :data:`_Prefixes._AHEAD` bytes, which later short reads are served from)."""
+    ahead: list[bytes] = []
 
-    def read_prefix(n: int) -> bytes:
+    def inflate(n: int) -> bytes:
         d = zlib.decompressobj(-15)
         out = bytearray()
         with open(path, "rb") as fh:
@@ -497,6 +628,13 @@ def _inflate_prefix(path: Path, member: _zip.Member) -> Callable[[int], bytes]:
                 if d.eof:
                     break
         return bytes(out)
+
+    def read_prefix(n: int) -> bytes:
+        if not ahead:
+            ahead.append(inflate(_Prefixes._AHEAD))
+        if n <= len(ahead[0]) or len(ahead[0]) < _Prefixes._AHEAD:
+            return ahead[0][:n]
+        return inflate(n)
 
     return read_prefix
 
@@ -519,8 +657,18 @@ class NpzReader:
     def read(self, source: Source) -> Inventory:
         """Zip structures as metadata, each member as header plus storage."""
         builder = InventoryBuilder(self.name, [source.path], root=source.path)
-        items = _zip.members(source.path, builder, infos=source.zip_infos())
+        items = _zip.members(source.path, builder, infos=source.zip_infos(), names=True)
         _zip.account_headers(builder, items)
+        prefixes = _Prefixes(source.path)
+        try:
+            with paused_gc():
+                self._account_members(builder, source.path, prefixes, items)
+        finally:
+            prefixes.close()
+        return builder.build()
+
+    def _account_members(self, builder: InventoryBuilder, path: Path, prefixes: _Prefixes,
+                         items: list[_zip.Member]) -> None:
         for m in items:
             if m.name.endswith("/") and m.compress_size == 0:
                 continue
@@ -531,29 +679,31 @@ class NpzReader:
                 continue
             if m.method == _zip.STORED:
                 _account_plain(
-                    builder, name, m.data_offset, m.compress_size, classify_member, _member(m), m
+                    builder, prefixes, name, m.data_offset, m.compress_size, classify_member, m
                 )
             elif m.method == _zip.DEFLATED:
-                self._account_deflated(builder, source.path, m, name)
+                self._account_deflated(builder, path, m, name)
             else:
                 raise builder.corrupt(
                     f"member {printable(m.name)!r} uses compression method {m.method}; "
                     "np.load reads stored and deflated members", m.header_offset,
                 )
-        return builder.build()
 
     def _account_deflated(
         self, builder: InventoryBuilder, path: Path, m: _zip.Member, name: str
     ) -> None:
         try:
             header = parse_header(_inflate_prefix(path, m), m.file_size)
+        except zlib.error as exc:
+            raise builder.corrupt(f"{_member(m)}its deflate stream is damaged ({exc})",
+                                  m.data_offset) from exc
         except ValueError as exc:
             raise builder.corrupt(f"{_member(m)}{exc}", m.data_offset) from exc
         if header.dtype.has_object:
-            data = _zip.read_member(path, m, builder, MAX_PICKLE)
+            data = _zip.read_member(path, m, builder)
             # Inflated: the arrays inside have no place in the file, the member holds them.
             holes = _scan_pickle(
-                builder, data[header.nbytes:], name, _member(m), m.data_offset, None
+                builder, data, header.nbytes, len(data), name, _member(m), m.data_offset, None
             )
             builder.add_region(
                 m.data_offset, m.compress_size, Category.OTHER, f"pickled object array {name}"

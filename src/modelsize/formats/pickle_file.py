@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 
 from modelsize.categories import Category
+from modelsize.formats._limits import ParseBudget
 from modelsize.formats._pickle import (
     Blob,
     Call,
@@ -82,7 +83,8 @@ class PickleReader:
         data = open_mapped(source.path)
         joblib = _Joblib(data)
         try:
-            scans = scan_all(data, on_build=joblib.after_build)
+            scans = scan_all(data, on_build=joblib.after_build,
+                             budget=ParseBudget(source.path, source.path.name))
         except PickleError as exc:
             found = ""
             if exc.unsafe:

@@ -17,21 +17,24 @@ left out.
 from __future__ import annotations
 
 import json
+import re
 import struct
-from dataclasses import dataclass
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
 from modelsize.categories import Category
-from modelsize.dtypes import DTYPES, canonical
+from modelsize.dtypes import DTYPES, DType, canonical
 from modelsize.errors import CorruptFileError, printable
+from modelsize.formats import _limits
 from modelsize.formats.base import Source, is_regular_file, real_path
-from modelsize.inventory import Inventory, InventoryBuilder
+from modelsize.inventory import Inventory, InventoryBuilder, paused_gc
 
-#: The Rust implementation refuses headers above this; so do we, before reading one.
-MAX_HEADER = 100_000_000
-#: An index file is a JSON map of tensor names; even the largest models stay far below this.
-MAX_INDEX = 100_000_000
+#: The Rust implementation refuses headers above this; so do we, before reading one (the
+#: limit in force is ``MODELSIZE_MAX_HEADER_BYTES``: :mod:`modelsize.formats._limits`).
+MAX_HEADER = _limits.HEADER_BYTES.default
 INDEX_SUFFIX = ".safetensors.index.json"
 #: Files of a model directory counted with the weights, and their category.
 _SIDE_FILES: dict[str, Category] = {
@@ -61,6 +64,19 @@ _EMA_PARTS = frozenset(
 _QUANT_PARTS = frozenset({"qweight", "qzeros", "g_idx", "absmax", "quant_map"})
 
 
+def _words(words: frozenset[str]) -> str:
+    return "|".join(re.escape(w) for w in sorted(words))
+
+
+#: Whether any part of a lowered name makes it EMA, a gradient or optimizer state: names
+#: without one (nearly all) are classified without being split.
+_SPECIAL = re.compile(
+    rf"(?:^|[./])(?:(?:{_words(_EMA_PARTS | _GRAD_PARTS | _OPTIMIZER_PARTS | _OPTIMIZER_SLOTS)})"
+    r"(?=[./]|$)|ema_)|_ema(?=[./]|$)"
+)
+_QUANT = re.compile(rf"(?:^|[./])(?:{_words(_QUANT_PARTS)})(?=[./]|$)")
+
+
 def classify_name(name: str, floating: bool) -> tuple[Category, tuple[str, ...]]:
     """The category (and tags) of a tensor known only by its flat name and dtype.
 
@@ -70,8 +86,15 @@ def classify_name(name: str, floating: bool) -> tuple[Category, tuple[str, ...]]
     optimizer state; ``.grad`` tensors are gradients. EMA copies keep their category and get
     the tag ``"ema"``.
     """
-    parts = [p for p in name.replace("/", ".").split(".") if p]
-    lowered = [p.lower() for p in parts]
+    low = name.lower()
+    if _SPECIAL.search(low) is None:  # the common case, decided without splitting the name
+        last = low.replace("/", ".").rstrip(".").rpartition(".")[2]
+        if last in _BUFFER_NAMES:
+            return Category.BUFFERS, ()
+        if floating or "weight" in low or _QUANT.search(low) is not None:
+            return Category.WEIGHTS, ()
+        return Category.BUFFERS, ()
+    lowered = [p for p in low.replace("/", ".").split(".") if p]
     tags: tuple[str, ...] = ()
     if any(p in _EMA_PARTS or p.startswith("ema_") or p.endswith("_ema") for p in lowered):
         tags = ("ema",)
@@ -92,8 +115,7 @@ def classify_name(name: str, floating: bool) -> tuple[Category, tuple[str, ...]]
 # -- one safetensors file ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One tensor of a safetensors header, validated."""
 
     name: str
@@ -105,11 +127,29 @@ class Entry:
 
 @dataclass(frozen=True)
 class Header:
-    """A parsed safetensors header: where the data starts and what lies in it."""
+    """A parsed safetensors header: where the data starts and what lies in it.
+
+    The tensors are kept as columns (a record per tensor would cost more than the tensor's
+    name); :attr:`entries` makes :class:`Entry` records of them on demand.
+    """
 
     data_start: int
-    entries: tuple[Entry, ...]
     metadata: dict[str, Any]
+    names: list[str] = field(repr=False)
+    dtypes: list[str] = field(repr=False)
+    shapes: list[tuple[int, ...]] = field(repr=False)
+    begins: array[int] = field(repr=False)
+    ends: array[int] = field(repr=False)
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        """Every tensor, in header order."""
+        return tuple(map(Entry, self.names, self.dtypes, self.shapes, self.begins, self.ends))
+
+    @property
+    def data_nbytes(self) -> int:
+        """Bytes of data the tensors claim (overlaps counted twice)."""
+        return sum(self.ends) - sum(self.begins)
 
 
 def looks_like_safetensors(head: bytes, size: int, suffix: str = "") -> bool:
@@ -133,7 +173,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _bounded_numel(shape: list[int], limit: int) -> int | None:
+def _bounded_numel(shape: Sequence[int], limit: int) -> int | None:
     """``numel(shape)``, or None once it passes ``limit``.
 
     A hostile header may list a million huge dimensions; multiplying them all out would take
@@ -153,8 +193,219 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class _Bad(Exception):
+    """A tensor entry that fails validation: its name and what is wrong."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(reason)
+        self.name = name
+        self.reason = reason
+
+
+class _Columns:
+    """The tensors of a header as they are validated, a column per field."""
+
+    def __init__(self, data_size: int) -> None:
+        self.data_size = data_size
+        self.names: list[str] = []
+        self.dtypes: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.begins: array[int] = array("q")
+        self.ends: array[int] = array("q")
+        #: dtype as spelled in the header -> (canonical name, DType)
+        self.known: dict[str, tuple[str, DType]] = {}
+        #: every distinct shape once (most repeat)
+        self.seen_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def add(self, name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int) -> None:
+        """Validate one tensor and append it; :class:`_Bad` if it is not valid."""
+        known = self.known.get(dtype)
+        if known is None:
+            canon = canonical(dtype)
+            if canon is None:
+                raise _Bad(name, f"unknown dtype {dtype!r:.40}")
+            known = self.known[dtype] = (canon, DTYPES[canon])
+        canon, dt = known
+        if not 0 <= begin <= end:
+            raise _Bad(name, "data_offsets should be [begin, end] with begin <= end, found "
+                       f"{[begin, end]!r:.80}")
+        data_size = self.data_size
+        if end > data_size:
+            raise _Bad(name, f"data_offsets [{begin}, {end}] run past the data area "
+                       f"({data_size} bytes)")
+        if len(shape) == 1:
+            count: int | None = shape[0]
+        else:
+            count = _bounded_numel(shape, data_size * dt.block + 1)
+            if count is None:
+                raise _Bad(name, f"shape {list(shape)!r:.80} needs more bytes than the data "
+                           f"area holds ({data_size})")
+        assert count is not None
+        block = dt.block
+        if block == 1:
+            expected = count * dt.block_bytes
+        else:
+            if count % block:
+                raise _Bad(name, f"{count} elements of {dtype} do not fill whole bytes")
+            expected = count // block * dt.block_bytes
+        if end - begin != expected:
+            raise _Bad(name, f"shape {list(shape)} of {dtype} needs {expected} bytes but "
+                       f"data_offsets [{begin}, {end}] hold {end - begin}")
+        same = self.seen_shapes.get(shape)
+        if same is None:
+            if len(self.seen_shapes) < 1 << 16:
+                self.seen_shapes[shape] = shape
+        else:
+            shape = same
+        self.names.append(name)
+        self.dtypes.append(canon)
+        self.shapes.append(shape)
+        self.begins.append(begin)
+        self.ends.append(end)
+
+
+# The header as the safetensors library writes it (compact JSON, keys in this order), parsed
+# entry by entry from the bytes: no JSON object is made, and the header is never decoded as a
+# whole. Anything else goes to the JSON parser.
+_WS = rb"[ \t\n\r]*"
+_STR = rb'"([^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*)"'
+_ANY_STR = rb'"[^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*"'
+_NUM = rb"(?:0|[1-9][0-9]*)"
+_ENTRY = re.compile(
+    _WS + _STR + _WS + rb":" + _WS + rb'\{"dtype":' + _WS + rb'"([A-Za-z0-9_]{1,40})",'
+    + _WS + rb'"shape":' + _WS + rb"\[((?:" + _NUM + rb"(?:," + _NUM + rb")*)?)\]," + _WS
+    + rb'"data_offsets":' + _WS + rb"\[(" + _NUM + rb"),(" + _NUM + rb")\]\}" + _WS
+    + rb"([,}])"
+)
+_PAIR = _ANY_STR + _WS + rb":" + _WS + _ANY_STR
+_METADATA = re.compile(
+    _WS + rb'"__metadata__"' + _WS + rb":" + _WS + rb"(\{" + _WS + rb"(?:" + _PAIR + rb"(?:"
+    + _WS + rb"," + _WS + _PAIR + rb")*)?" + _WS + rb"\})" + _WS + rb"([,}])"
+)
+#: Arrays, objects, strings and commas a legal header may hold beyond those of its tensors
+#: (metadata, brackets inside names...): past them, JSON parsing is refused before it starts.
+_SLACK = 1 << 20
+
+
+def _scan_compact(raw: bytes, cols: _Columns) -> dict[str, Any] | None:
+    """Parse a header written the way the safetensors library writes it into ``cols``; the
+    metadata, or None if the header is written some other way (``cols`` is then partial)."""
+    if raw[:1] != b"{":
+        return None
+    metadata: dict[str, Any] | None = None
+    pos = 1
+    if raw[1:].lstrip(b" \t\n\r")[:1] == b"}":
+        return {}
+    match_entry, match_meta = _ENTRY.match, _METADATA.match
+    # Each distinct shape text once: (shape, its element count), the count None if the shape
+    # needs more bytes than the data area holds.
+    shapes: dict[bytes, tuple[tuple[int, ...], int | None]] = {}
+    known = cols.known
+    data_size = cols.data_size
+    names, dtypes, shape_col = cols.names, cols.dtypes, cols.shapes
+    begins, ends = cols.begins.append, cols.ends.append
+    while True:
+        m = match_entry(raw, pos)
+        if m is not None:
+            name_b, dtype_b, shape_b, begin_b, end_b, close = m.groups()
+            name = (json.loads(b'"' + name_b + b'"') if b"\\" in name_b
+                    else name_b.decode("utf-8"))
+            if name == "__metadata__":
+                return None
+            seen = shapes.get(shape_b)
+            if seen is None:
+                shape = tuple(map(int, shape_b.split(b","))) if shape_b else ()
+                seen = (shape, _bounded_numel(shape, data_size * 32 + 1))
+                if len(shapes) < 1 << 16:
+                    shapes[shape_b] = seen
+            shape, count = seen
+            begin, end = int(begin_b), int(end_b)
+            dtype = dtype_b.decode("ascii")
+            dt = known.get(dtype)
+            # The common case checked here; anything else by cols.add (which says what is wrong).
+            if (dt is not None and count is not None and dt[1].block == 1 and begin <= end
+                    and end <= data_size and end - begin == count * dt[1].block_bytes):
+                names.append(name)
+                dtypes.append(dt[0])
+                shape_col.append(shape)
+                begins(begin)
+                ends(end)
+            else:
+                cols.add(name, dtype, shape, begin, end)
+        else:
+            m = match_meta(raw, pos)
+            if m is None or metadata is not None:
+                return None
+            metadata = json.loads(m.group(1), object_pairs_hook=_no_duplicate_keys)
+            close = m.group(2)
+        pos = m.end()
+        if close == b"}":
+            break
+    if raw[pos:].strip(b" \t\n\r"):
+        return None
+    return metadata or {}
+
+
+def _scan_json(raw: bytes, cols: _Columns) -> dict[str, Any]:
+    """Parse any header with the JSON parser into ``cols``; its metadata.
+
+    Entries are turned into tuples as they are parsed. The parser builds whatever the header
+    holds, so its arrays, objects, strings and commas are counted first (bytes are counted in
+    C, fast): a legal header has three arrays and objects, ten quotes and at most a few commas
+    per tensor, and one that holds many more (a header of nested lists) is refused unparsed.
+    """
+    tensors = raw.count(b'"data_offsets"')
+    containers = raw.count(b"[") + raw.count(b"{")
+    if (containers > 3 * tensors + _SLACK or raw.count(b'"') > 10 * tensors + 2 * _SLACK
+            or raw.count(b",") > 16 * tensors + _SLACK):
+        raise ValueError(
+            f"it holds {containers:,} arrays and objects for {tensors:,} tensors: not a "
+            "safetensors header (a tensor's entry holds three)"
+        )
+
+    def compact(pairs: list[tuple[str, Any]]) -> Any:
+        if len(pairs) == 3:
+            info = dict(pairs)
+            if len(info) == 3 and "dtype" in info and "shape" in info and "data_offsets" in info:
+                shape, offsets = info["shape"], info["data_offsets"]
+                if type(shape) is list:
+                    info["shape"] = tuple(shape)
+                if type(offsets) is list:
+                    info["data_offsets"] = tuple(offsets)
+                return info
+        return _no_duplicate_keys(pairs)
+
+    doc = json.loads(raw.decode("utf-8"), object_pairs_hook=compact)
+    if not isinstance(doc, dict):
+        raise _Bad("", f"expected a JSON object as header, found {type(doc).__name__}")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise _Bad("", f"__metadata__ should be an object of strings, found "
+                   f"{type(metadata).__name__}")
+    for name, info in doc.items():
+        if not isinstance(info, dict):
+            raise _Bad(name, "expected an object with dtype, shape, data_offsets; found "
+                       f"{info!r:.80}")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise _Bad(name, f"dtype should be a string, found {dtype!r:.80}")
+        if not isinstance(shape, tuple) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise _Bad(name, "shape should be a list of non-negative integers, found "
+                       f"{shape!r:.80}")
+        if (not isinstance(offsets, tuple) or len(offsets) != 2
+                or not all(_is_int(o) for o in offsets)):
+            raise _Bad(name, "data_offsets should be [begin, end] with begin <= end, found "
+                       f"{offsets!r:.80}")
+        cols.add(name, dtype, shape, offsets[0], offsets[1])
+    return metadata
+
+
 def parse_header(builder: InventoryBuilder, file: int = 0) -> Header:
-    """Read and validate the header of file ``file``; every size checked before it is used."""
+    """Read and validate the header of file ``file``; every size checked before it is used.
+
+    A header is at most ``MODELSIZE_MAX_HEADER_BYTES`` (100 MB, the safetensors library's own
+    limit); its memory grows with its tensors, never with what it merely claims.
+    """
     path = builder.files[file].path
     size = builder.files[file].nbytes
     with open(path, "rb") as fh:
@@ -164,83 +415,63 @@ def parse_header(builder: InventoryBuilder, file: int = 0) -> Header:
                 f"expected an 8-byte header length, the file has {size} bytes", 0, file
             )
         n = struct.unpack("<Q", raw_len)[0]
-        if n > MAX_HEADER:
-            raise builder.corrupt(
-                f"header length {n} is above the {MAX_HEADER}-byte limit of safetensors", 0, file
-            )
         builder.check_range(8, n, "safetensors header", file)
+        _limits.HEADER_BYTES.check(path, n, "the safetensors header")
         raw = fh.read(n)
+    data_start = 8 + n
+    cols = _Columns(size - data_start)
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        metadata = _scan_compact(raw, cols)
+        if metadata is None:
+            cols = _Columns(size - data_start)
+            metadata = _scan_json(raw, cols)
+    except _Bad as exc:
+        where = f"tensor {printable(exc.name)!r}: " if exc.name else ""
+        raise builder.corrupt(f"{where}{exc.reason}", 8, file) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise builder.corrupt(f"header is not valid UTF-8 JSON ({exc})", 8, file) from exc
-    if not isinstance(doc, dict):
-        raise builder.corrupt(
-            f"expected a JSON object as header, found {type(doc).__name__}", 8, file
-        )
-    data_start = 8 + n
-    data_size = size - data_start
-    metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise builder.corrupt(
-            f"__metadata__ should be an object of strings, found {type(metadata).__name__}",
-            8, file,
-        )
-    entries = [_entry(builder, file, name, info, data_size) for name, info in doc.items()]
-    return Header(data_start, tuple(entries), metadata)
+    return Header(data_start, metadata, cols.names, cols.dtypes, cols.shapes, cols.begins,
+                  cols.ends)
 
 
-def _entry(builder: InventoryBuilder, file: int, name: str, info: Any, data_size: int) -> Entry:
-    def bad(reason: str) -> Exception:
-        return builder.corrupt(f"tensor {printable(name)!r}: {reason}", 8, file)
-
-    if not isinstance(info, dict):
-        raise bad(f"expected an object with dtype, shape, data_offsets; found {info!r:.80}")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not isinstance(dtype, str):
-        raise bad(f"dtype should be a string, found {dtype!r:.80}")
-    canon = canonical(dtype)
-    if canon is None:
-        raise bad(f"unknown dtype {dtype!r:.40}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise bad(f"shape should be a list of non-negative integers, found {shape!r:.80}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_is_int(o) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise bad(f"data_offsets should be [begin, end] with begin <= end, found {offsets!r:.80}")
-    begin, end = offsets
-    if end > data_size:
-        raise bad(f"data_offsets [{begin}, {end}] run past the data area ({data_size} bytes)")
-    dt = DTYPES[canon]
-    count = _bounded_numel(shape, data_size * dt.block + 1)
-    if count is None:
-        raise bad(f"shape {shape!r:.80} needs more bytes than the data area holds ({data_size})")
-    if count % dt.block:
-        raise bad(f"{count} elements of {dtype} do not fill whole bytes")
-    expected = dt.nbytes(count)
-    if end - begin != expected:
-        raise bad(
-            f"shape {shape} of {dtype} needs {expected} bytes but data_offsets "
-            f"[{begin}, {end}] hold {end - begin}"
-        )
-    return Entry(name, canon, tuple(shape), begin, end)
+def read_metadata(builder: InventoryBuilder, file: int = 0) -> dict[str, Any]:
+    """The ``__metadata__`` of file ``file`` without parsing its tensors when it comes first
+    (where the safetensors library writes it); else from the whole header."""
+    path = builder.files[file].path
+    with open(path, "rb") as fh:
+        raw_len = fh.read(8)
+        if len(raw_len) == 8:
+            n = struct.unpack("<Q", raw_len)[0]
+            if 8 + n <= builder.files[file].nbytes:
+                head = fh.read(min(n, 1 << 20))
+                m = _METADATA.match(head, 1) if head[:1] == b"{" else None
+                if m is not None:
+                    try:
+                        found = json.loads(m.group(1), object_pairs_hook=_no_duplicate_keys)
+                    except ValueError:
+                        found = None
+                    if isinstance(found, dict):
+                        return found
+                elif head[:1] == b"{" and b'"__metadata__"' not in head and n <= len(head):
+                    return {}
+    return parse_header(builder, file).metadata
 
 
 def account_file(builder: InventoryBuilder, file: int = 0, prefix: str = "") -> Header:
     """Declare the header, every tensor and any stray bytes of one safetensors file."""
-    header = parse_header(builder, file)
-    builder.add_region(0, header.data_start, Category.METADATA, "safetensors header", file)
-    for e in header.entries:
-        key = prefix + e.name
-        builder.add_storage(
-            key, header.data_start + e.begin, e.end - e.begin, file=file, dtype=e.dtype
-        )
-        category, tags = classify_name(e.name, DTYPES[e.dtype].floating)
-        builder.add_tensor(e.name, e.dtype, e.shape, category, storage=key, tags=tags)
-    _account_stray(builder, header, file)
+    with paused_gc():
+        header = parse_header(builder, file)
+        start = header.data_start
+        builder.add_region(0, start, Category.METADATA, "safetensors header", file)
+        floating = {name: dt.floating for name, dt in DTYPES.items()}
+        add_storage, add_tensor = builder.add_storage, builder.add_tensor
+        for name, dtype, shape, begin, end in zip(header.names, header.dtypes, header.shapes,
+                                                  header.begins, header.ends, strict=True):
+            key = prefix + name
+            add_storage(key, start + begin, end - begin, file=file, dtype=dtype)
+            category, tags = classify_name(name, floating[dtype])
+            add_tensor(name, dtype, shape, category, storage=key, tags=tags)
+        _account_stray(builder, header, file)
     fmt = header.metadata.get("format")
     if isinstance(fmt, str) and "safetensors_format" not in builder.facts:
         builder.facts["safetensors_format"] = printable(fmt, 40)
@@ -249,10 +480,12 @@ def account_file(builder: InventoryBuilder, file: int = 0, prefix: str = "") -> 
 
 def _account_stray(builder: InventoryBuilder, header: Header, file: int) -> None:
     """Data-area bytes no tensor claims: ``other``, with a note (safetensors refuses them)."""
-    pos = 0
     end_of_data = builder.files[file].nbytes - header.data_start
+    if header.data_nbytes == end_of_data:
+        return  # the tensors tile the data area (or overlap: the builder refuses that)
+    pos = 0
     stray = 0
-    spans = sorted((e.begin, e.end) for e in header.entries if e.end > e.begin)
+    spans = sorted((b, e) for b, e in zip(header.begins, header.ends, strict=True) if e > b)
     for begin, end in [*spans, (end_of_data, end_of_data)]:
         if begin > pos:
             builder.add_region(
@@ -285,20 +518,43 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
 
 
-def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, str]:
-    """The weight map of a sharded checkpoint's index (tensor name -> shard file), validated.
+@dataclass(frozen=True)
+class Index:
+    """A sharded checkpoint's index: its weight map (tensor name -> shard file name) and the
+    ``metadata.total_size`` it claims (None if absent or not an integer)."""
 
-    Shared by the safetensors and torch shard readers: both use Hugging Face's index layout.
-    """
+    weight_map: dict[str, str]
+    total_size: int | None
+
+
+#: (path, size, mtime) -> the index read from it: a reader asks for it several times.
+_INDEXES: dict[tuple[str, int, int], Index] = {}
+
+
+def read_index(path: Path, format: str = "safetensors-index") -> Index:
+    """Read and validate an index (Hugging Face's layout, shared by safetensors and torch
+    shards), once: at most ``MODELSIZE_MAX_JSON_BYTES``, parsed by the JSON parser with each
+    shard name kept once however many tensors name it."""
 
     def bad(reason: str) -> CorruptFileError:
         return CorruptFileError(path, format, reason)
 
-    size = path.stat().st_size
-    if size > MAX_INDEX:
-        raise bad(f"index is {size} bytes, more than the {MAX_INDEX} modelsize reads")
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    hit = _INDEXES.get(key)
+    if hit is not None:
+        return hit
+    _limits.JSON_BYTES.check(path, st.st_size, "the index")
+    shards: dict[str, str] = {}
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            out[k] = shards.setdefault(v, v) if type(v) is str else v
+        return out
+
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        doc = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=pairs)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"expected a JSON index, found invalid JSON ({exc})") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -306,7 +562,20 @@ def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, 
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise bad('expected {"weight_map": {tensor name: shard file name}}')
-    return weight_map
+    meta = doc.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    index = Index(weight_map, total if _is_int(total) else None)
+    _INDEXES.clear()  # the last one only: memory for one index, not every index ever read
+    _INDEXES[key] = index
+    return index
+
+
+def read_weight_map(path: Path, format: str = "safetensors-index") -> dict[str, str]:
+    """The weight map of a sharded checkpoint's index (tensor name -> shard file), validated.
+
+    Shared by the safetensors and torch shard readers: both use Hugging Face's index layout.
+    """
+    return read_index(path, format).weight_map
 
 
 def _shard_paths(index: Path, weight_map: dict[str, str]) -> dict[str, Path]:
@@ -345,12 +614,7 @@ def _relative(path: Path, base: Path) -> str:
 
 
 def _total_size(index: Path) -> int | None:
-    try:
-        doc = json.loads(index.read_bytes().decode("utf-8"))
-        total = doc.get("metadata", {}).get("total_size")
-    except (ValueError, AttributeError):
-        return None
-    return total if _is_int(total) else None
+    return read_index(index).total_size
 
 
 def read_checkpoint(

@@ -31,6 +31,7 @@ from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats._torch_tree import torch_storage_chunks
 from modelsize.formats.base import Source, is_regular_file, real_path
+from modelsize.formats.safetensors import read_index as safetensors_index
 from modelsize.formats.safetensors import read_weight_map
 from modelsize.formats.torch_legacy import TorchLegacyReader
 from modelsize.formats.torch_zip import TorchZipReader
@@ -315,11 +316,7 @@ def read_index(path: Path) -> dict[str, str]:
 
 
 def _total_size(index: Path) -> int | None:
-    try:
-        total = json.loads(index.read_bytes().decode("utf-8")).get("metadata", {})["total_size"]
-    except (ValueError, AttributeError, KeyError, TypeError):
-        return None
-    return total if isinstance(total, int) and not isinstance(total, bool) else None
+    return safetensors_index(index, FORMAT).total_size
 
 
 def read_model(

@@ -22,6 +22,7 @@ import struct
 
 from modelsize.categories import Category
 from modelsize.formats import _zip
+from modelsize.formats._limits import ParseBudget
 from modelsize.formats._pickle import (
     PickleError,
     PickleScan,
@@ -44,8 +45,6 @@ from modelsize.formats._torch_tree import (
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder
 
-#: TorchScript sources larger than this are not searched for parameter names.
-_MAX_CODE = 1 << 26
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
 #: Small records torch writes beside the pickle.
 _RECORDS = frozenset(
@@ -165,9 +164,10 @@ class _ZipRead:
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
         """Record the unsafe globals of a side pickle whose tensors are not itemized."""
-        data = _zip.read_member(self.path, member, self.builder)
+        data, start, end = _zip.pickle_data(self.path, member, self.builder)
         try:
-            scans = scan_all(data)
+            scans = scan_all(data, offset=start, end=end,
+                             budget=ParseBudget(self.path, member.name))
         except PickleError as exc:
             self.builder.notes.append(f"{member.name} is not a valid pickle: {exc}")
             scans = [PickleScan(None, exc.offset, [], exc.unsafe)]
@@ -181,33 +181,40 @@ class _ZipRead:
                     self.builder.add_unsafe_global(name)
 
     def read_pickle(self, member: _zip.Member, folder: str, scripted: bool) -> Summary:
-        """Parse one pickle member, declare the storages it names, classify its tensors."""
+        """Parse one pickle member, declare the storages it names, classify its tensors.
+
+        A stored pickle (what torch writes) is parsed in place in a map of the file, its
+        offsets the file's; the parse is bounded by what it finds (:class:`ParseBudget`).
+        """
         b = self.builder
-        data = _zip.read_member(self.path, member, b)
+        data, start, end = _zip.pickle_data(self.path, member, b)
+        in_place = member.method == _zip.STORED
 
         def persistent_load(pid: object) -> StorageRef:
             return self.storage(pid, folder, member)
 
+        budget = ParseBudget(self.path, member.name)
         try:
-            parsed = scan(data, persistent_load=persistent_load)
+            parsed = scan(data, offset=start, end=end, persistent_load=persistent_load,
+                          budget=budget)
         except PickleError as exc:
             extra = f" (before that it calls {', '.join(exc.unsafe)})" if exc.unsafe else ""
             raise b.corrupt(
                 f"{member.name} is not a valid pickle: {exc}{extra}",
-                member.data_offset + exc.offset if member.method == _zip.STORED else None,
+                exc.offset if in_place else None,
             ) from exc
         scans = [parsed]
-        if parsed.end < len(data) and looks_like_pickle(data, parsed.end):
+        if parsed.end < end and looks_like_pickle(data, parsed.end, end):
             # torch.load reads one pickle; a second one hidden after STOP is still reported.
             try:
-                scans.extend(scan_all(data, offset=parsed.end))
+                scans.extend(scan_all(data, offset=parsed.end, end=end, budget=budget))
             except PickleError as exc:
                 scans.append(PickleScan(None, exc.offset, [], exc.unsafe))
             b.notes.append(f"{member.name} holds bytes after its pickle's STOP")
         self.record_unsafe(scans, scripted)
-        base = member.data_offset if member.method == _zip.STORED else None
         prefix = ("constants",) if folder == "constants" else ()
-        return classify(parsed.value, b, prefix=prefix, blob_base=base, script_roles=self.roles)
+        return classify(parsed.value, b, prefix=prefix, blob_base=0 if in_place else None,
+                        script_roles=self.roles)
 
     def read_script_roles(self, items: list[_zip.Member]) -> ScriptRoles:
         """Parameter/buffer names of every TorchScript class, from the ``code/`` sources."""
@@ -215,7 +222,7 @@ class _ZipRead:
         code = self.archive + "code/"
         for m in items:
             if m.name.startswith(code) and m.name.endswith(".py"):
-                text = _zip.read_member(self.path, m, self.builder, limit=_MAX_CODE)
+                text = _zip.read_member(self.path, m, self.builder)
                 self.read_whole.add(m.name)
                 module = m.name[len(code) : -len(".py")].replace("/", ".")
                 roles.update(script_roles(module, text.decode("utf-8", "replace")))

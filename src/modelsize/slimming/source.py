@@ -243,11 +243,12 @@ class Decoded:
     """``nbytes`` at byte ``offset`` of a storage decoded by its format's reader."""
 
     def __init__(self, stream: Callable[[], Iterator[bytes]], offset: int, nbytes: int,
-                 itemsize: int = 1) -> None:
+                 itemsize: int = 1, path: Path | None = None) -> None:
         self.stream = stream
         self.offset = offset
         self.nbytes = nbytes
         self.itemsize = max(1, itemsize)
+        self.path = path  # the file the storage is in, for the message when it is short
 
     def chunks(self) -> Iterator[bytes]:
         """Skip to ``offset``, then re-cut the decoder's pieces into whole elements."""
@@ -270,7 +271,8 @@ class Decoded:
             if left <= 0:
                 break
         if carry or left > 0:
-            raise ValueError(f"decoded storage ended {left} bytes early")
+            raise CorruptFileError(self.path or Path("?"), "slim",
+                                   f"decoded storage ended {left} bytes early")
 
 
 class Concat:
@@ -333,7 +335,7 @@ def tensor_source(inv: Inventory, t: TensorRecord,
             return dec(inv, st)
 
         if t.strides is None:
-            return Decoded(stream, t.storage_offset, t.nbytes, itemsize)
+            return Decoded(stream, t.storage_offset, t.nbytes, itemsize, path)
 
         def read_decoded(start: int, stop: int) -> bytes:
             return b"".join(bytes(c) for c in Decoded(stream, start, stop - start).chunks())

@@ -29,8 +29,12 @@ What Keras makes of the output (Keras 3.15 checked):
 
 Refused with a clear error: chunked or filtered (gzip...) datasets, variable-length and
 reference types (Keras writes none of them), ``--cast bfloat16`` (Keras keeps bfloat16 in an
-opaque HDF5 type modelsize reads as bytes). A deflated ``.keras`` input gives a stored
-output, as Keras writes it.
+opaque HDF5 type modelsize reads as bytes), and an input Keras itself would not load (member
+names twice, ``config.json`` not a model config, weights of layers the config lacks:
+:mod:`modelsize.slimming.loadable`). In a ``.keras`` archive the weights member is written
+stored, as Keras writes it; every other member is copied as it is, compressed bytes and all,
+so none is ever inflated (a deflate bomb among the assets stays a few MB). Where h5py cannot
+read the input (a damaged heap, a name that is not UTF-8), the input is refused in one line.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ from typing import Any, BinaryIO
 from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
+from modelsize.formats import _zip
+from modelsize.slimming.loadable import refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.writers.base import Meter, Written, slim_name, stream
-from modelsize.slimming.zipwriter import Member, ZipWriter, local_extra, plan_sizes
+from modelsize.slimming.zipwriter import Member, ZipWriter, local_extra
 
 WEIGHTS_MEMBER = "model.weights.h5"
 #: HDF5 types of the dtypes ``--cast`` can produce here (names of ``h5py.h5t`` constants).
@@ -217,6 +223,36 @@ class _Sizer(io.RawIOBase):
             mv[done : done + take] = held[at : at + take] if held is not None else bytes(take)
             done += take
         self.pos += n
+        return n
+
+
+class _Counter(io.RawIOBase):
+    """A file that keeps nothing but its size: what an archive's exact size is learnt on (its
+    members' data skipped over, only their headers and the directory written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.size + pos
+        self.size = max(self.size, self.pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        n = len(memoryview(data).cast("B"))
+        self.pos += n
+        self.size = max(self.size, self.pos)
         return n
 
 
@@ -518,7 +554,30 @@ def _open_input(plan: Plan) -> Iterator[tuple[Any, bytes]]:
 def _write_hdf5(plan: Plan, lay: _Layout, fh: Any, meter: Meter | None,
                 check: bool = False) -> dict[str, Written]:
     """The whole HDF5 output into the file object ``fh``; its data only with a ``meter``
-    (without, the skeleton: what sizes the output). ``check`` refuses what cannot be copied."""
+    (without, the skeleton: what sizes the output). ``check`` refuses what cannot be copied.
+
+    h5py reads the input's objects as they are copied: where it cannot (a damaged heap, a name
+    that is not UTF-8), the input is corrupt, and said so in one line. Errors of the operating
+    system (a full disk while writing) go on as they are.
+    """
+    try:
+        return _write_hdf5_unchecked(plan, lay, fh, meter, check)
+    except OSError as exc:
+        if exc.errno is not None:
+            raise
+        raise _h5py_failed(plan, exc) from exc
+    except (RuntimeError, KeyError, UnicodeDecodeError, TypeError) as exc:
+        raise _h5py_failed(plan, exc) from exc
+
+
+def _h5py_failed(plan: Plan, exc: BaseException) -> CorruptFileError:
+    inv = plan.inventory
+    return CorruptFileError(inv.files[0].path, inv.format,
+                            f"h5py cannot read it: {type(exc).__name__}: {exc}")
+
+
+def _write_hdf5_unchecked(plan: Plan, lay: _Layout, fh: Any, meter: Meter | None,
+                          check: bool) -> dict[str, Written]:
     h5py = _h5py()
     written: dict[str, Written] = {}
     with _open_input(plan) as (src, head):
@@ -637,6 +696,62 @@ class _InPlaceZipWriter(ZipWriter):
         return m
 
 
+def _copy_raw(zw: ZipWriter, m: _zip.Member, src: BinaryIO) -> None:
+    """Copy a member as it is in the input (its compressed bytes, CRC and sizes): a deflated
+    member is never inflated, so an archive holding a deflate bomb stays as small as it was."""
+    out = Member(m.name, m.file_size, deflate=m.method == _zip.DEFLATED)
+    out.header_offset = zw.pos
+    extra = local_extra(out, out.header_offset)
+    header = zw.local_header(out, extra, crc=m.crc, compressed=m.compress_size)
+    zw.fh.seek(out.header_offset)
+    zw.fh.write(header)
+    out.data_offset = out.header_offset + len(header)
+    out.compressed, out.crc = m.compress_size, m.crc
+    if isinstance(zw.fh, _Counter):
+        zw.fh.seek(m.compress_size, 1)
+    else:
+        left, pos = m.compress_size, m.data_offset
+        while left:
+            src.seek(pos)
+            piece = src.read(min(left, _COPY_STEP))
+            if not piece:
+                raise ValueError(f"member {m.name} ends early in the input")
+            zw.fh.write(piece)
+            left -= len(piece)
+            pos += len(piece)
+    zw.pos = out.data_offset + out.compressed
+    zw.members.append(out)
+
+
+def _write_archive(fh: BinaryIO, path: Path, members: list[_zip.Member], hdf5_bytes: int,
+                   fill: Callable[[_Window], None] | None) -> None:
+    """The output archive into ``fh``: every member copied as it is, the weights member written
+    in place by ``fill`` (with no ``fill``, a :class:`_Counter` learns the archive's size)."""
+    zw = _InPlaceZipWriter(fh)
+    with open(path, "rb") as src:
+        for m in members:
+            if m.name != WEIGHTS_MEMBER:
+                _copy_raw(zw, m, src)
+            elif fill is None:
+                _skip_in_place(zw, Member(m.name, hdf5_bytes))
+            else:
+                zw.write_in_place(Member(m.name, hdf5_bytes), fill)
+    zw.close()
+
+
+def _skip_in_place(zw: ZipWriter, m: Member) -> None:
+    """A stored member's header and ``m.nbytes`` skipped over, as :meth:`write_in_place` would
+    lay them out (for a :class:`_Counter`)."""
+    m.header_offset = zw.pos
+    extra = local_extra(m, m.header_offset)
+    zw.fh.write(zw.local_header(m, extra, crc=0, compressed=m.nbytes))
+    m.data_offset = zw.fh.tell()
+    zw.fh.seek(m.nbytes, 1)
+    m.compressed = m.nbytes
+    zw.pos = m.data_offset + m.nbytes
+    zw.members.append(m)
+
+
 @dataclass
 class KerasJob:
     """A ``.keras`` archive: the input's members in order, the weights member rewritten."""
@@ -647,40 +762,23 @@ class KerasJob:
     predicted_bytes: int | None
     plan: Plan
     layout: _Layout
-    members: list[tuple[str, int]] = field(default_factory=list)
+    members: list[_zip.Member] = field(default_factory=list)
     hdf5_bytes: int = 0
 
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:
-        """Every member stored; the HDF5 member written by h5py in place."""
-        path = self.plan.inventory.files[0].path
-        fh = out.open(self.main)
-        zw = _InPlaceZipWriter(fh)
+        """Every member copied as it is; the HDF5 member written by h5py in place."""
         written: dict[str, Written] = {}
 
         def fill(window: _Window) -> None:
             written.update(_write_hdf5(self.plan, self.layout, window, meter))
 
-        try:
-            with zipfile.ZipFile(path) as zin:
-                for name, nbytes in self.members:
-                    if name == WEIGHTS_MEMBER:
-                        zw.write_in_place(Member(name, self.hdf5_bytes), fill)
-                    else:
-                        zw.write_member(Member(name, nbytes), _member_chunks(zin, name))
-        except (zipfile.BadZipFile, zlib.error) as exc:
-            raise CorruptFileError(path, "keras", f"zip member unreadable: {exc}") from exc
-        zw.close()
+        _write_archive(out.open(self.main), self.plan.inventory.files[0].path, self.members,
+                       self.hdf5_bytes, fill)
         return written
 
     def output_name(self, name: str) -> str:
         """Datasets keep their paths."""
         return name
-
-
-def _member_chunks(zin: zipfile.ZipFile, name: str) -> Iterator[bytes]:
-    with zin.open(name) as fin:
-        while piece := fin.read(_COPY_STEP):
-            yield piece
 
 
 # -- the writers -----------------------------------------------------------------------------
@@ -716,23 +814,27 @@ class KerasWriter:
         return slim_name(source, ".keras")
 
     def prepare(self, plan: Plan, target: Path) -> KerasJob:
-        """The members in the input's order, all stored; the archive's exact size."""
+        """The members in the input's order, copied as they are, the weights member stored;
+        the archive's exact size. An input Keras would not load is refused first."""
         _check_format(plan, "keras")
+        refuse_unloadable(plan.inventory)
         path = plan.inventory.files[0].path
-        try:
-            with zipfile.ZipFile(path) as zin:
-                infos = zin.infolist()
-        except zipfile.BadZipFile as exc:
-            raise CorruptFileError(path, "keras", f"zip unreadable: {exc}") from exc
+        from modelsize.inventory import InventoryBuilder
+
+        members = _zip.members(path, InventoryBuilder("keras", [path]))
+        for m in members:
+            if m.method not in (_zip.STORED, _zip.DEFLATED):
+                raise CorruptFileError(path, "keras", f"member {m.name!r} uses compression "
+                                       f"method {m.method}; Keras writes stored members")
         lay = _layout(plan)
         hdf5 = _hdf5_size(plan, lay)
-        members = [(i.filename, i.file_size) for i in infos]
-        sizes = [Member(n, hdf5 if n == WEIGHTS_MEMBER else size) for n, size in members]
-        if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-            plan.notes.append("the input's members are compressed; the output stores them, "
-                              "as Keras writes them")
+        counter = _Counter()
+        _write_archive(counter, path, members, hdf5, None)  # type: ignore[arg-type]
+        if any(m.method != _zip.STORED for m in members if m.name == WEIGHTS_MEMBER):
+            plan.notes.append(f"the input's {WEIGHTS_MEMBER} is deflated; the output stores "
+                              "it, as Keras writes it")
         _notes(plan, target, lay)
-        return KerasJob([target.name], target.name, False, plan_sizes(sizes), plan, lay,
+        return KerasJob([target.name], target.name, False, counter.size, plan, lay,
                         members, hdf5)
 
 

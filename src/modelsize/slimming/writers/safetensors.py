@@ -117,14 +117,14 @@ def write_file(fh: Any, lay: FileLayout, meter: Meter, written: dict[str, Writte
 
 def _input_metadata(plan: Plan, file: int) -> dict[str, str]:
     """The ``__metadata__`` of an input safetensors file (kept on a same-format slim)."""
-    from modelsize.formats.safetensors import parse_header
+    from modelsize.formats.safetensors import read_metadata
     from modelsize.inventory import InventoryBuilder
 
     inv = plan.inventory
     if not inv.format.startswith("safetensors"):
         return {}
     b = InventoryBuilder(inv.format, [inv.files[file].path])
-    meta = parse_header(b).metadata
+    meta = read_metadata(b)
     return {k: v for k, v in meta.items() if isinstance(v, str) and k != ALIASES_KEY}
 
 

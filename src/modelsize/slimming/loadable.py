@@ -1,0 +1,199 @@
+"""What a framework's own loader checks before it reads a tensor, checked on a slimmed output.
+
+Verification compares what was read back with what was written; that alone would vouch for an
+output its framework refuses (a dtype NumPy cannot make, a member name Keras finds twice).
+:func:`problems_loading` applies the loader's rules, reading metadata only, never tensor data:
+
+* ``.npy``/``.npz``: each array's header through NumPy's own parser when NumPy is installed
+  (``numpy.lib.format``: magic, version, header dict, ``descr`` made into a dtype), else through
+  modelsize's, which accepts no more than NumPy does; then what ``np.load`` with
+  ``allow_pickle=False`` would refuse: object arrays, shapes past NumPy's largest array, data
+  shorter than the header says.
+* ``.keras``: Keras 3's rules: member names unique, ``config.json`` a JSON object naming a class,
+  ``metadata.json`` (if any) a JSON object, a ``model.weights.h5`` (already read back by
+  modelsize's HDF5 reader), and every layer the weights name present in the config.
+
+Each problem is one line; an empty list means the output loads as far as these rules go.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import zipfile
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from modelsize.errors import CorruptFileError, LimitError, printable
+from modelsize.inventory import Inventory
+
+#: A C ``npy_intp``: NumPy's largest element count and byte size.
+_MAX_INTP = 2**63 - 1
+
+
+def problems_loading(inv: Inventory) -> list[str]:
+    """Why the framework's loader would refuse ``inv``'s files (empty: it would not)."""
+    checks: dict[str, Callable[[Inventory], list[str]]] = {
+        "npy": _npy_problems, "npz": _npz_problems, "keras": _keras_problems,
+    }
+    check = checks.get(inv.format)
+    return check(inv) if check is not None else []
+
+
+def refuse_unloadable(inv: Inventory) -> None:
+    """Refuse, before anything is written, an input its framework would not load: the output
+    could not be verified by the same rules (a limit it needs is refused as the limit)."""
+    keras = inv.format == "keras"
+    problems = _keras_problems(inv, limits=True) if keras else problems_loading(inv)
+    if problems:
+        raise CorruptFileError(inv.files[0].path, inv.format,
+                               f"{problems[0]}: its framework would not load it")
+
+
+# -- NumPy -----------------------------------------------------------------------------------
+
+
+def _npy_problems(inv: Inventory) -> list[str]:
+    from modelsize.formats.numpy import _Prefixes
+
+    path = inv.files[0].path
+    size = path.stat().st_size
+    prefixes = _Prefixes(path)
+    try:
+        return _array_problems(prefixes.at(0, size), path.name, size, {})
+    finally:
+        prefixes.close()
+
+
+def _npz_problems(inv: Inventory) -> list[str]:
+    """Each member's header, read through one open handle (stored members) or inflated only
+    as far as the header (deflated ones)."""
+    from modelsize.formats import _zip
+    from modelsize.formats.numpy import _inflate_prefix, _Prefixes
+    from modelsize.inventory import InventoryBuilder
+
+    path = inv.files[0].path
+    members = _zip.members(path, InventoryBuilder("npz", [path]))
+    problems: list[str] = []
+    twice = [n for n, k in Counter(m.name for m in members).items() if k > 1]
+    if twice:
+        problems.append(f"member {printable(twice[0])} appears twice in the archive")
+    seen: dict[bytes, tuple[tuple[int, ...], int, bool] | str] = {}
+    prefixes = _Prefixes(path)
+    try:
+        for m in members:
+            if m.name.endswith("/"):
+                continue
+            read = (prefixes.at(m.data_offset, m.compress_size) if m.method == _zip.STORED
+                    else _inflate_prefix(path, m))
+            problems += _array_problems(read, f"member {m.name}", m.file_size, seen)
+    finally:
+        prefixes.close()
+    return problems
+
+
+def _array_problems(read_prefix: Callable[[int], bytes], what: str, size: int,
+                    seen: dict[bytes, tuple[tuple[int, ...], int, bool] | str]) -> list[str]:
+    """What ``np.load(allow_pickle=False)`` would refuse in the ``.npy`` stream of ``size``
+    bytes whose first bytes ``read_prefix`` gives (only its header is read). ``seen`` keeps
+    headers already parsed (an archive's repeat)."""
+    start = read_prefix(12)
+    version = tuple(start[6:8])
+    pre = 10 if version == (1, 0) else 12
+    if start[:6] != b"\x93NUMPY" or version not in ((1, 0), (2, 0)) or len(start) < pre:
+        return [f"{printable(what)}: not a .npy stream of a version modelsize writes"]
+    length = int.from_bytes(start[8:pre], "little")
+    raw = read_prefix(pre + length)
+    parsed = seen.get(raw)
+    if parsed is None:
+        parsed = seen[raw] = _parse_numpy_header(raw, size)
+    if isinstance(parsed, str):
+        return [f"{printable(what)}: {parsed}"]
+    shape, itemsize, has_object = parsed
+    if has_object:
+        return [f"{printable(what)}: an object array (np.load refuses it without "
+                "allow_pickle=True)"]
+    count = math.prod(shape)
+    if count > _MAX_INTP or count * itemsize > _MAX_INTP:
+        return [f"{printable(what)}: shape {list(shape)} is larger than NumPy's largest array"]
+    if size - len(raw) < count * itemsize:
+        return [f"{printable(what)}: holds {size - len(raw)} bytes of data, its header needs "
+                f"{count * itemsize}"]
+    return []
+
+
+def _parse_numpy_header(raw: bytes, size: int) -> tuple[tuple[int, ...], int, bool] | str:
+    """(shape, itemsize, has objects) of a ``.npy`` header (magic, version, length, dict), by
+    NumPy's own parser when NumPy is installed, else modelsize's (which accepts no more than
+    NumPy's); a string saying why not when it fails. Headers of any length are read: the
+    writer decides them, and NumPy reads long ones when told to."""
+    try:
+        from numpy.lib import format as npformat
+    except ImportError:
+        from modelsize.formats.numpy import parse_header
+
+        try:
+            h = parse_header(lambda n: raw[:n], size)
+        except ValueError as exc:
+            return printable(str(exc), 120)
+        return h.shape, h.dtype.itemsize, h.dtype.has_object
+    read = (npformat.read_array_header_1_0 if raw[6] == 1 else npformat.read_array_header_2_0)
+    try:
+        shape, _, dtype = read(io.BytesIO(raw[8:]), max_header_size=1 << 30)
+    except (ValueError, TypeError, OverflowError, SyntaxError, EOFError, KeyError) as exc:
+        return f"NumPy cannot read its header ({printable(str(exc), 120)})"
+    return tuple(shape), int(dtype.itemsize), bool(dtype.hasobject)
+
+
+# -- Keras -----------------------------------------------------------------------------------
+
+
+def _keras_problems(inv: Inventory, limits: bool = False) -> list[str]:
+    """Keras 3's rules; with ``limits``, a document past a modelsize limit raises (the
+    refusal names the limit) instead of being a problem."""
+    from modelsize.formats import _limits
+    from modelsize.formats.keras import WEIGHTS_MEMBER, unknown_groups, weight_groups
+
+    path = inv.files[0].path
+    problems: list[str] = []
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+        names = Counter(i.filename for i in infos)
+        twice = sorted(n for n, k in names.items() if k > 1)
+        if twice:
+            problems.append(f"member {printable(twice[0])} appears twice in the archive")
+        documents: dict[str, Any] = {}
+        for member in ("config.json", "metadata.json"):
+            if member not in names:
+                continue
+            info = zf.getinfo(member)
+            try:
+                _limits.JSON_BYTES.check(path, info.file_size, member)
+                documents[member] = json.loads(zf.read(info))
+            except LimitError:
+                if limits:
+                    raise
+                problems.append(f"{member} is larger than modelsize parses")
+            except (ValueError, RecursionError) as exc:
+                problems.append(f"{member} is not valid JSON ({printable(str(exc), 120)})")
+    config = documents.get("config.json")
+    if "config.json" not in names:
+        problems.append("the archive has no config.json")
+    elif "config.json" in documents and not (
+        isinstance(config, dict) and isinstance(config.get("class_name"), str)
+    ):
+        problems.append("config.json is not a Keras model config (an object with class_name)")
+    if "metadata.json" in documents and not isinstance(documents["metadata.json"], dict):
+        problems.append("metadata.json is not a JSON object")
+    if WEIGHTS_MEMBER not in names:
+        problems.append(f"the archive has no {WEIGHTS_MEMBER}")
+    groups = weight_groups(config)
+    if groups is not None:
+        unknown = unknown_groups((t.name for t in inv.tensors), groups)
+        if unknown:
+            problems.append(f"{WEIGHTS_MEMBER} holds variables of layer {printable(unknown[0])}"
+                            ", which no layer of config.json accounts for (Keras cannot load "
+                            "them)")
+    return problems
