@@ -22,7 +22,9 @@ DEFAULT_OPTIMIZER = "adamw"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define the ``estimate`` sub-command's arguments on ``parser``."""
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help="built-in name (see --list), a config.json, or module:factory")
+                        help="built-in name (see --list), a config.json, a model folder "
+                        "(config.json and weights), a .gguf file, hf://ORG/REPO[@REV], or "
+                        "module:factory")
     parser.add_argument("--list", action="store_true",
                         help="list the built-in models and exit (with --json: as JSON)")
     mode = parser.add_mutually_exclusive_group()
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
                          "module:factory); see modelsize estimate --list")
     require_torch()
-    if args.generate is not None:
+    if args.generate is not None or getattr(args, "engine", "hf") != "hf":
         from modelsize.cli import estimate_generate
 
         return estimate_generate.run(args, DEFAULT_DEVICE)
