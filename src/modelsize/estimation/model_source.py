@@ -345,10 +345,12 @@ def keep_fp32(model: nn.Module, dtype: str) -> tuple[str, ...]:
         for name, param in list(module.named_parameters(recurse=False)):
             full = f"{module_name}.{name}" if module_name else name
             assert param is not None
-            if param.dtype != torch.float32 and param.is_floating_point() and match(full):
+            if not param.is_floating_point() or not match(full):
+                continue
+            if param.dtype != torch.float32:
                 module._parameters[name] = nn.Parameter(param.detach().to(torch.float32),
                                                         requires_grad=param.requires_grad)
-                kept.append(full)
+            kept.append(full)
     return tuple(kept)
 
 
@@ -661,9 +663,11 @@ class HubFetch:
             return (f"Read from the Hugging Face cache ({printable(self.cache)}): nothing "
                     "fetched.")
         share = 100.0 * self.fetched_bytes / max(self.checkpoint_bytes, 1)
+        weights = [f for f in self.files if f != "config.json" and not f.endswith(".json")]
+        index = " and index" if len(weights) < len(self.files) - 1 else ""
         return (f"Read from the Hub: {self.fetched_bytes:,} bytes in {self.requests} requests "
-                f"(config.json and the weights' headers of {len(self.files) - 1} files) for a "
-                f"{self.checkpoint_bytes:,}-byte checkpoint ({share:.4f}%).")
+                f"(the listing, config.json{index} and the headers of {len(weights)} weights "
+                f"files) for a {self.checkpoint_bytes:,}-byte checkpoint ({share:.4f}%).")
 
 
 @contextmanager

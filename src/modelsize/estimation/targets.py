@@ -152,8 +152,10 @@ def _folder_target(folder: Path, dtype: str | None, kind: Any, origin: str,
         source = Source.CONFIG if why.startswith("config.json") else Source.MODEL
     model = ms.build_pretrained(entry, main)
     plan = ms.plan_folder(model, raw, ckpt, main, why, kind)
+    files = ", ".join(ckpt.files) if len(ckpt.files) <= 2 else (
+        f"{len(ckpt.files)} {Path(ckpt.files[0]).suffix.lstrip('.')} files")
     return _built(entry, model, main, source, plan,
-                  f"{entry.model_class} from {origin} ({', '.join(ckpt.files)})", raw)
+                  f"{entry.model_class} from {origin} ({files})", raw)
 
 
 def _built(entry: Any, model: Any, dtype: str, source: Source, plan: WeightsPlan,
