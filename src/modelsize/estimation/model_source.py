@@ -32,7 +32,6 @@ nothing loaded or executed):
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import tempfile
@@ -690,8 +689,3 @@ def hub_folder(spec: str) -> Iterator[tuple[Path, HubFetch, str]]:
         names = hub_snapshot_headers(hub, folder, stats)
         yield folder, HubFetch(hub.url, stats.fetched, stats.requests, stats.size,
                                tuple(names)), hub.url
-
-
-def env_note() -> str:
-    """Which Hub endpoint is read (``$HF_ENDPOINT``), for messages."""
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")

@@ -54,8 +54,6 @@ class Target:
     (:mod:`modelsize.estimation.model_source`)."""
     fetched: HubFetch | None = None
     """MODEL was a Hub repository: what reading it fetched."""
-    config: dict[str, Any] | None = None
-    """The config.json the model was built from (a model folder, GGUF, Hub), as read."""
 
 
 def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None) -> Target:
@@ -132,7 +130,7 @@ def _weights_target(spec: str, kind: Any, dtype: str | None) -> Target:
         plan = ms.gguf_plan(model, gguf, main, why)
         return _built(entry, model, main, Source.GIVEN if dtype else Source.CLI_DEFAULT, plan,
                       f"{entry.model_class} from the GGUF file {spec} (general.architecture "
-                      f"{gguf.architecture})", gguf.config)
+                      f"{gguf.architecture})")
     folder = Path(spec)
     return _folder_target(folder, dtype, kind, str(folder), folder.resolve().name)
 
@@ -155,11 +153,11 @@ def _folder_target(folder: Path, dtype: str | None, kind: Any, origin: str,
     files = ", ".join(ckpt.files) if len(ckpt.files) <= 2 else (
         f"{len(ckpt.files)} {Path(ckpt.files[0]).suffix.lstrip('.')} files")
     return _built(entry, model, main, source, plan,
-                  f"{entry.model_class} from {origin} ({files})", raw)
+                  f"{entry.model_class} from {origin} ({files})")
 
 
 def _built(entry: Any, model: Any, dtype: str, source: Source, plan: WeightsPlan,
-           description: str, config: dict[str, Any]) -> Target:
+           description: str) -> Target:
     import torch
 
     from modelsize.estimation import zoo
@@ -176,7 +174,7 @@ def _built(entry: Any, model: Any, dtype: str, source: Source, plan: WeightsPlan
     return Target(entry.name, description, model, make, entry.batch, entry.seq,
                   entry.repeated_block or _repeated_block(model), dtype == "float32", dtype,
                   source, entry.model_class or type(model).__name__, entry.inferred,
-                  str(entry.kind), weights=plan, config=config)
+                  str(entry.kind), weights=plan)
 
 
 def _accepted_kwargs(model: Any) -> set[str] | None:
