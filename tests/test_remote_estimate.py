@@ -208,3 +208,11 @@ def test_a_snapshot_in_the_hf_cache_is_read_in_place(saved: Path, hub: list[dict
     assert data["remote"]["hf_cache"] == str(snap) and data["remote"]["requests"] == 0
     local = _json(capsys, str(saved / "org" / "tiny" / "main"), *SHORT)
     assert data["peak_bytes"] == local["peak_bytes"]
+
+
+def test_offline_without_a_cached_snapshot_is_one_line(hub: list[dict[str, Any]], capsys: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["estimate", "hf://org/tiny", *SHORT]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HF_HUB_OFFLINE" in err and hub == []

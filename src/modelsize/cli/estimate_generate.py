@@ -16,7 +16,9 @@ from modelsize.estimation.generate_options import CacheChoice, GenerateOptions, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``--generate`` (``--generate`` itself is one of the estimate modes)."""
+    """The options of ``--generate`` (``--generate`` itself is one of the estimate modes) and
+    of ``--engine vllm``."""
+    from modelsize.estimation import engine_vllm
     gen = parser.add_argument_group("generation (with --generate N)")
     gen.add_argument("--cache", choices=[c.value for c in CacheChoice], default=None,
                      help="the cache generate() builds (default dynamic): static allocates "
@@ -36,12 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("serving engine (--engine vllm)")
     eng.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                      help="hf: transformers' generate() (default); vllm: the memory plan vLLM "
-                     f"{_VLLM_VERSION} makes at start-up (KV cache blocks, tokens, maximum "
+                     f"{engine_vllm.VERSION} makes at start-up (KV cache blocks, tokens, maximum "
                      "concurrency), from its rules and the traced model")
     eng.add_argument("--gpu-memory", default=None, metavar="SIZE|GPU",
                      help="the GPU's total memory for --engine vllm: a size (79.2GiB) or a "
-                     "GPU name (H100, H200, A100-80GB, A100-40GB, L40S, L4, A10G, RTX4090, "
-                     "B200; default H100)")
+                     f"GPU name ({', '.join(k.upper() for k in engine_vllm.GPUS)}; default "
+                     "H100)")
     eng.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="F",
                      help="vLLM's gpu_memory_utilization (default 0.92)")
     eng.add_argument("--max-model-len", type=_positive, default=None, metavar="N",
@@ -59,9 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--non-torch", default=None, metavar="SIZE",
                      help="memory vLLM's process takes outside PyTorch during start-up (not "
                      "traced; default 0)")
-
-
-_VLLM_VERSION = "0.33.0"
 
 
 def _fraction(text: str) -> float:

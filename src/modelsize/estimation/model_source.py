@@ -32,6 +32,7 @@ nothing loaded or executed):
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import tempfile
@@ -682,6 +683,11 @@ def hub_folder(spec: str) -> Iterator[tuple[Path, HubFetch, str]]:
         size = sum(p.stat().st_size for p in weight_files(cached))
         yield cached, HubFetch(hub.url, 0, 0, size, files, str(cached)), hub.url
         return
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        from modelsize.remote import RemoteError, hf_cache_dir
+
+        raise RemoteError(f"{hub.url}: HF_HUB_OFFLINE is set and the Hugging Face cache "
+                          f"({hf_cache_dir()}) has no complete snapshot of it")
     with tempfile.TemporaryDirectory(prefix="modelsize-hub-") as tmp:
         folder = Path(tmp) / hub.repo.split("/")[-1]
         folder.mkdir()
