@@ -91,7 +91,7 @@ DEFAULT_SMS = 132
 GPUS: dict[str, tuple[int, int, bool]] = {
     # name: (bytes, SMs, measured)
     "h100": (80 * GIB, 132, False),
-    "h200": (141 * 10**9, 132, False),
+    "h200": (141 * GIB, 132, False),
     "a100-80gb": (80 * GIB, 108, False),
     "a100-40gb": (40 * GIB, 108, False),
     "l40s": (48 * GIB, 142, False),
