@@ -10,7 +10,9 @@ owner; ``generate_fit`` its ``--fit``, ``sdpa_cuda`` its attention on a GPU),
 ``scratch`` (kernel buffers no tensor owns), ``device`` (allocator
 rounding and workspaces), ``result`` (the :class:`Estimate`), ``zoo`` (built-in models),
 ``fit`` (largest batch under a budget), ``targets`` (what the CLI traces: built-in
-models, ``config.json`` files, factories), ``verify`` (the same program run for real on CPU
+models, ``config.json`` files, factories, and weights: model folders, GGUF files, Hub
+repositories, read by ``model_source``), ``engine_vllm`` (vLLM's start-up memory plan from
+its rules and a traced profile run), ``verify`` (the same program run for real on CPU
 under the allocator's profiler).
 
 Importing this package does not import torch: :func:`estimate` does, when called.
