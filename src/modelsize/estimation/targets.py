@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import EstimateError, UsageError, printable
+from modelsize.formats.base import real_path
 from modelsize.estimation.result import Estimate, FitResult, Source, Suggestion
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def _weights_target(spec: str, kind: Any, dtype: str | None) -> Target:
                       f"{entry.model_class} from the GGUF file {spec} (general.architecture "
                       f"{gguf.architecture})")
     folder = Path(spec)
-    return _folder_target(folder, dtype, kind, str(folder), folder.resolve().name)
+    return _folder_target(folder, dtype, kind, str(folder), real_path(folder).name)
 
 
 def _folder_target(folder: Path, dtype: str | None, kind: Any, origin: str,
