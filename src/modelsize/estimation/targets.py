@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import EstimateError, UsageError, printable
-from modelsize.formats.base import real_path
 from modelsize.estimation.result import Estimate, FitResult, Source, Suggestion
+from modelsize.formats.base import real_path
 
 if TYPE_CHECKING:
     from modelsize.estimation.core import Settings
