@@ -4,33 +4,43 @@ CPU: PyTorch's CPU allocator hands out exactly the bytes asked for (the profiler
 ``[memory]`` events carry the requested sizes), so the device estimate is the tensor peak,
 kernel scratch included. Validated against the profiler in tests/estimate.
 
-CUDA (not validated here: no GPU was available when this model was written; see
-benchmarks/RESULTS.md):
+CUDA (checked against ``torch.cuda.max_memory_allocated()`` and the caching allocator's own
+event history on an H100, PyTorch 2.11: benchmarks/gpu_*.py, tests/estimation/test_cuda_*):
 
-* ``allocator_rounding``: the caching allocator rounds every block up to a multiple of 512
-  bytes (``kMinBlockSize``); the peak of rounded sizes is replayed from the trace, allocation
-  by allocation, so it is not just the rounded peak;
-* ``cublas_workspace``: one cuBLAS/cuBLASLt workspace per handle and stream, allocated through
-  the caching allocator on the first matmul: 32 MiB on Hopper (sm90), 8 MiB + 128 KiB on other
-  GPUs (PyTorch's ``CUBLAS_WORKSPACE_CONFIG`` defaults);
+* ``allocator_rounding``: ``max_memory_allocated`` counts the caching allocator's *blocks*.
+  The trace's allocations and frees, in order (the resident parameters, buffers and inputs
+  first), are replayed through a model of the allocator
+  (:mod:`modelsize.estimation.cuda_allocator`): 512-byte rounding, 2 MiB / 20 MiB / rounded
+  segments, best-fit reuse, and large blocks that are not split when at most 1 MiB would
+  remain. The term is the replay's peak minus the tensor peak and the workspaces;
+* ``cublas_workspace``: cuBLAS allocates its workspace through the caching allocator on the
+  first call of each thread's handle and keeps it: 32 MiB on Hopper (sm90; 8 MiB + 128 KiB on
+  other GPUs) on the first cuBLAS call of the main thread, and again on the first of the
+  autograd engine's thread (the backward); cuBLASLt's 1 MiB on the first call that takes
+  the Lt path (``addmm`` with a bias vector). Each is placed in the replay after the
+  outputs of the op that creates it, as the allocator sees them;
 * ``cuda_context``: the driver context, kernels and cuDNN/cuBLAS handles, outside PyTorch's
   allocator (seen in ``nvidia-smi``, not in ``max_memory_allocated``): several hundred MiB
   depending on the GPU, the driver and lazy loading; 512 MiB is assumed;
-* not modelled: cuDNN convolution workspaces (chosen by the autotuner at run time), caching
-  allocator fragmentation (``max_memory_reserved`` minus ``max_memory_allocated``), kernels
-  that differ between CPU and CUDA (the trace runs the CPU kernels' shapes).
+* ``cudnn_conv_workspace`` (only when the program convolves on CUDA): cuDNN's convolution
+  workspace, allocated through the caching allocator for each call and freed after it, is the
+  workspace of the engine cuDNN's heuristics pick at run time. It cannot be derived from the
+  shapes: the term is reported, not added (see :mod:`modelsize.estimation.cuda_kernels`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from modelsize.estimation.cuda_allocator import CachingAllocator
 from modelsize.estimation.result import DeviceEstimate, DeviceTerm
 from modelsize.estimation.tracker import Allocation
 
 CUDA_BLOCK = 512
 CUBLAS_WORKSPACE_SM90 = 32 * 2**20
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLASLT_WORKSPACE = 2**20
 CUDA_CONTEXT = 512 * 2**20
 
 
@@ -39,35 +49,94 @@ def round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def rounded_peak(allocations: Sequence[Allocation], scratch_at: dict[int, int],
-                 ticks: int, block: int) -> int:
-    """The peak of live bytes when every allocation is rounded up to ``block`` bytes."""
-    born = [0] * (ticks + 2)
-    dead = [0] * (ticks + 2)
-    live = 0
+@dataclass(frozen=True)
+class Replay:
+    """The caching allocator replayed over one trace: its peak and what made it up."""
+
+    peak: int
+    """``max_memory_allocated``: the highest sum of blocks."""
+    tick: int
+    """The op at whose allocations the peak was reached (0: the resident tensors)."""
+    requested: int
+    """Bytes the tensors and kernel scratch asked for at that moment."""
+    workspaces: int
+    """Bytes of library workspaces (cuBLAS, cuBLASLt) held at that moment."""
+    reserved: int
+    """Bytes of the segments mapped by the end (``max_memory_reserved``)."""
+
+
+def workspace_plan(first_calls: Mapping[tuple[str, bool], int], gpu: str = "sm90"
+                   ) -> dict[int, list[tuple[int, str]]]:
+    """Where each library workspace is allocated: tick -> ``[(bytes, name)]``.
+
+    ``first_calls`` maps (library, on the backward thread) to the tick of its first call
+    (see :attr:`CountingFakeMode.first_calls`); the Lt path creates the cuBLAS handle's
+    workspace first, then its own.
+    """
+    cublas = CUBLAS_WORKSPACE_SM90 if gpu == "sm90" else CUBLAS_WORKSPACE_DEFAULT
+    plan: dict[int, list[tuple[int, str]]] = {}
+    for backward in (False, True):
+        blas = first_calls.get(("cublas", backward))
+        lt = first_calls.get(("cublaslt", backward))
+        handle = min((t for t in (blas, lt) if t is not None), default=None)
+        if handle is not None:
+            plan.setdefault(handle, []).append((cublas, "cublas_workspace"))
+        if lt is not None:
+            plan.setdefault(lt, []).append((CUBLASLT_WORKSPACE, "cublas_workspace"))
+    return plan
+
+
+def replay(allocations: Sequence[Allocation], scratch_at: Mapping[int, int], ticks: int,
+           workspaces: Mapping[int, Sequence[tuple[int, str]]] | None = None) -> Replay:
+    """The caching allocator's peak over the trace, allocation by allocation.
+
+    Order within an op: its outputs (in the order they were counted), the workspaces it
+    creates, its scratch (allocated, then freed), then the storages freed after it.
+    Host-side storages (``Allocation.host``) are skipped.
+    """
+    sim = CachingAllocator()
+    workspaces = workspaces or {}
+    born: dict[int, list[Allocation]] = {}
+    dead: dict[int, list[Allocation]] = {}
+    handles: dict[int, object] = {}
     for rec in allocations:
-        size = round_up(rec.nbytes, block)
-        if rec.freed == 0:
-            continue  # gone before the first op
+        if rec.freed == 0 or rec.host:
+            continue  # gone before the first op, or not on the device
         if rec.created == 0:
-            live += size
+            handles[id(rec)] = sim.malloc(rec.nbytes)
         else:
-            born[rec.created] += size
+            born.setdefault(rec.created, []).append(rec)
         if rec.freed >= 0:
-            dead[max(rec.freed, rec.created)] += size
-    peak = live
+            dead.setdefault(max(rec.freed, rec.created), []).append(rec)
+    best = Replay(sim.allocated, 0, sim.requested, 0, 0)
+    held = 0
     for tick in range(1, ticks + 1):
-        live += born[tick]
+        for rec in born.get(tick, ()):
+            handles[id(rec)] = sim.malloc(rec.nbytes)
+        for nbytes, _name in workspaces.get(tick, ()):
+            sim.malloc(nbytes)
+            held += nbytes
         extra = scratch_at.get(tick, 0)
-        peak = max(peak, live + round_up(extra, block))
-        live -= dead[tick]
-    return peak
+        block = sim.malloc(extra) if extra else None
+        if sim.allocated > best.peak:
+            best = Replay(sim.allocated, tick, sim.requested - held, held, 0)
+        sim.free(block, extra)  # type: ignore[arg-type]
+        for rec in dead.get(tick, ()):
+            sim.free(handles.pop(id(rec)), rec.nbytes)  # type: ignore[arg-type]
+    return Replay(best.peak, best.tick, best.requested, best.workspaces, sim.reserved)
 
 
 def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
                     allocations: Sequence[Allocation], scratch_at: dict[int, int],
-                    ticks: int, uses_matmul: bool, gpu: str = "sm90") -> DeviceEstimate:
-    """The named terms between the tensor peak and what ``device`` would report."""
+                    ticks: int, uses_matmul: bool, gpu: str = "sm90", *,
+                    first_calls: Mapping[tuple[str, bool], int] | None = None,
+                    extra_terms: Sequence[DeviceTerm] = ()) -> DeviceEstimate:
+    """The named terms between the tensor peak and what ``device`` would report.
+
+    ``first_calls`` places the library workspaces (:func:`workspace_plan`); without it, a
+    program that uses a matmul (``uses_matmul``) gets one cuBLAS workspace from its first op.
+    ``extra_terms`` are reported beside the others and not added (bounds and unknowns).
+    """
     terms: tuple[DeviceTerm, ...]
     if device != "cuda":
         terms = (
@@ -75,19 +144,27 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
             DeviceTerm("kernel_scratch", scratch_bytes, "buffers the kernels allocate internally"),
         )
         return DeviceEstimate(device, terms, True, peak_bytes, peak_bytes)
-    rounded = rounded_peak(allocations, scratch_at, ticks, CUDA_BLOCK)
-    workspace = 0
-    if uses_matmul:
-        workspace = CUBLAS_WORKSPACE_SM90 if gpu == "sm90" else CUBLAS_WORKSPACE_DEFAULT
+    if first_calls is not None:
+        plan = workspace_plan(first_calls, gpu)
+    else:
+        size = CUBLAS_WORKSPACE_SM90 if gpu == "sm90" else CUBLAS_WORKSPACE_DEFAULT
+        plan = {1: [(size, "cublas_workspace")]} if uses_matmul and ticks else {}
+    result = replay(allocations, scratch_at, ticks, plan)
+    allocated = max(result.peak, peak_bytes)
+    where = ("" if result.tick == 0 or not ticks else
+             f"; the blocks peak at op {result.tick}")
     terms = (
         DeviceTerm("tensors", peak_bytes - scratch_bytes, "live tensor storages at the peak"),
-        DeviceTerm("kernel_scratch", scratch_bytes, "CPU kernels' buffers (CUDA kernels differ)"),
-        DeviceTerm("allocator_rounding", rounded - peak_bytes,
-                   "caching allocator rounds each block up to 512 bytes"),
-        DeviceTerm("cublas_workspace", workspace,
-                   "one cuBLAS workspace, 32 MiB on sm90 (8.1 MiB on older GPUs)"),
+        DeviceTerm("kernel_scratch", scratch_bytes, "buffers the kernels allocate internally"),
+        DeviceTerm("allocator_rounding", allocated - peak_bytes - result.workspaces,
+                   "the caching allocator's blocks beyond the bytes asked for (512-byte "
+                   "rounding, large blocks not split), replayed allocation by allocation"
+                   + where),
+        DeviceTerm("cublas_workspace", result.workspaces,
+                   "cuBLAS workspaces held at the peak: 32 MiB per thread's handle on sm90 "
+                   "(8.1 MiB on older GPUs), 1 MiB more for cuBLASLt"),
+        *extra_terms,
         DeviceTerm("cuda_context", CUDA_CONTEXT,
                    "driver context and kernels, outside the allocator (assumed)"),
     )
-    allocated = rounded + workspace
     return DeviceEstimate("cuda", terms, False, allocated, allocated + CUDA_CONTEXT)
