@@ -116,6 +116,19 @@ class CachingAllocator:
             self.peak = self.allocated
         return block
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: release the segments that are wholly free."""
+        for small in (True, False):
+            pool = self._free[small]
+            keep = [entry for entry in pool
+                    if entry[2].prev is not None or entry[2].next is not None]
+            self.reserved -= sum(e[0] for e in pool) - sum(e[0] for e in keep)
+            pool[:] = keep
+
+    def reset_peak(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats()``: the peak restarts from the current."""
+        self.peak = self.allocated
+
     def free(self, block: Block | None, nbytes: int = 0) -> None:
         """Return ``block`` to its pool, merged with free neighbours (None: nothing)."""
         if block is None:

@@ -176,8 +176,9 @@ def _kernel(name: str, op: Any, policy: str, casts: _Casts) -> Callable[..., Any
                     for t in (a if isinstance(a, (list, tuple)) else (a,)):
                         if _eligible(t):
                             to = torch.promote_types(to, t.dtype)
-            args = tuple(casts.cast(to, a) for a in args)
-            kwargs = {k: casts.cast(to, v) for k, v in kwargs.items()}
+            # the C++ wrapper casts its arguments as GCC evaluates them: last first
+            kwargs = {k: casts.cast(to, kwargs[k]) for k in reversed(list(kwargs))}
+            args = tuple(reversed([casts.cast(to, a) for a in reversed(args)]))
             return op(*args, **kwargs)
     return cast
 

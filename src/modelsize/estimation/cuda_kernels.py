@@ -23,7 +23,7 @@ convolutions of benchmarks/gpu_train.py's ConvNet). :func:`conv_workspace_note` 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -133,11 +133,12 @@ def cudnn_workspace(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
 
 
 def _cudnn_forward(args: Sequence[Any]) -> KernelCost:
-    """Workspace of the call; no log-sum-exp without a gradient (the meta kernel sizes one)."""
+    """Workspace of the call; no log-sum-exp without a gradient (the meta kernel sizes one);
+    the seed and offset allocated before the output."""
     query, key, value = args[0], args[1], args[2]
     lse = args[4] if len(args) > 4 else False
     return KernelCost(cudnn_workspace(query, key, value),
-                      (None, None if lse else 0, None, None))
+                      (None, None if lse else 0, None, None), order=(2, 3, 0, 1))
 
 
 def _cudnn_backward(args: Sequence[Any]) -> KernelCost:
@@ -147,6 +148,139 @@ def _cudnn_backward(args: Sequence[Any]) -> KernelCost:
     query = args[1]
     b, h, sq, d = (int(n) for n in query.shape)
     return KernelCost(b * h * sq * d * 4 + b * h * sq * 4 + CUDNN_PREFILL_WORKSPACE)
+
+
+#: An H100 SXM: streaming multiprocessors and resident threads per multiprocessor.
+SMS = 132
+THREADS_PER_SM = 2048
+
+
+def reduce_buffers(shape: Sequence[int], strides: Sequence[int], reduced: Sequence[int],
+                   itemsize: int, accsize: int, max_threads: int = 512) -> tuple[int, int]:
+    """The global buffer and semaphores (bytes) of ``gpu_reduce_kernel`` reducing ``reduced``
+    of a tensor (``shape``, ``strides`` in elements), or ``(0, 0)``.
+
+    ``setReduceConfig`` in ``aten/src/ATen/native/cuda/Reduce.cuh``: when each output has
+    enough inputs and the outputs are few, the inputs of an output are split across thread
+    blocks that combine their partial results through a buffer of ``accsize x outputs x
+    blocks per output`` (times the block width and the output vector when the reduced dim is
+    not the fastest) and one semaphore per block column. The dims are those TensorIterator
+    makes: size-1 dims dropped, the reduced ones first, each group by increasing input
+    stride, neighbours whose strides chain coalesced. The data pointer is taken as aligned.
+    """
+    dims = [(int(n), int(st), d in reduced) for d, (n, st) in enumerate(zip(shape, strides,
+                                                                           strict=True))
+            if n != 1]
+    numel = math.prod(n for n, _, _ in dims)
+    if not numel:
+        return (0, 0)
+    order = (sorted((d for d in dims if d[2]), key=lambda d: d[1])
+             + sorted((d for d in dims if not d[2]), key=lambda d: d[1]))
+    merged: list[tuple[int, int, bool]] = []
+    for n, st, red in order:
+        if merged and merged[-1][2] == red and merged[-1][1] * merged[-1][0] == st:
+            merged[-1] = (merged[-1][0] * n, merged[-1][1], red)
+        else:
+            merged.append((n, st, red))
+    n_reduce = sum(1 for d in merged if d[2])
+    outputs = math.prod(n for n, _, red in merged if not red)
+    inputs = numel // outputs
+    if not merged:
+        fastest_reduced, dim0, dim1, fastest = True, 1, 1, 1
+    else:
+        fastest_reduced = n_reduce == len(merged) or merged[0][1] < merged[n_reduce][1]
+        if fastest_reduced:
+            dim0, dim1, fastest = inputs, outputs, merged[0][1]
+        else:
+            dim0, dim1, fastest = outputs, inputs, merged[n_reduce][1]
+    out_vec = 1
+    if fastest == 1:
+        if fastest_reduced and dim0 >= 128 and n_reduce == 1:
+            dim0 //= 4  # vectorize along the input (input_vec_size = vt0 = 4)
+        elif not fastest_reduced:
+            out_vec = 4
+            while out_vec > 1 and (merged[n_reduce][0] % out_vec or any(
+                    st % out_vec for i, (_, st, _) in enumerate(merged) if i != n_reduce)):
+                out_vec //= 2
+            dim0 //= out_vec
+    threads = max_threads // out_vec
+
+    def pow2(n: int) -> int:
+        return 1 << (max(n, 1).bit_length() - 1) if n < threads else threads
+
+    width = min(pow2(dim0), 32)
+    height = min(pow2(dim1), threads // width)
+    width = min(pow2(dim0), threads // height)
+    step_in = step_out = 1
+    if not merged or fastest_reduced:
+        x_reduce, step_in = True, width
+    else:
+        x_reduce, step_out = False, width
+    per_thread = -(-inputs // step_in)
+    y_split = per_thread >= min(height * 16, 256)
+    if y_split:
+        step_in *= height
+    else:
+        step_out *= height
+    target = SMS * (THREADS_PER_SM // (width * height))
+    grid_x = -(-(outputs // out_vec) // step_out)
+    per_thread = -(-inputs // step_in)
+    if not (y_split and per_thread >= 256 and grid_x <= target):
+        return (0, 0)
+    ctas = max(-(-per_thread // 256), min(-(-target // grid_x), -(-per_thread // 16)))
+    if ctas <= 1:
+        return (0, 0)
+    size = accsize * outputs * ctas * (1 if x_reduce else width * out_vec)
+    return (size, 4 * grid_x)
+
+
+def _accsize(dtype: torch.dtype) -> int:
+    """``at::acc_type`` on CUDA: float for half/bfloat16/float, double, int64 for integers."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return 4
+    if dtype.is_complex:
+        return 16 if dtype == torch.complex128 else 8
+    return 8
+
+
+def _reduction(args: Sequence[Any]) -> KernelCost | None:
+    """``sum`` and ``mean`` over some dims (a list, or all of them)."""
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    dims = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else None
+    reduced = (range(x.dim()) if not dims else [d % x.dim() for d in dims])
+    buffer, semaphores = reduce_buffers(x.shape, x.stride(), list(reduced), x.element_size(),
+                                        _accsize(x.dtype))
+    if not buffer:
+        return None
+    return KernelCost(buffer + semaphores, parts=(buffer, semaphores))
+
+
+def _cublas_copy(m: Any) -> int:
+    """Bytes of the contiguous copy ``prepare_matrix_for_cublas`` (``Blas.cpp``) makes of a
+    matrix operand cuBLAS cannot read as it is: neither dim has stride 1 with the other's
+    stride at least its size (an expanded gradient, a sliced view). Batched operands are
+    judged on their last two dims."""
+    if not isinstance(m, torch.Tensor) or m.dim() < 2 or m.numel() == 0:
+        return 0
+    rows, cols = int(m.shape[-2]), int(m.shape[-1])
+    rs, cs = int(m.stride(-2)), int(m.stride(-1))
+    if (rs == 1 and cs >= max(1, rows)) or (cs == 1 and rs >= max(1, cols)):
+        return 0
+    if m.dim() > 2 and m.is_contiguous():
+        return 0
+    return m.numel() * m.element_size()
+
+
+def _operands(*at: int) -> Callable[[Sequence[Any]], KernelCost | None]:
+    """The copies of the matrix operands at ``at`` that cuBLAS needs, as scratch."""
+    def cost(args: Sequence[Any]) -> KernelCost | None:
+        pieces = tuple(n for n in (_cublas_copy(args[i]) for i in at if i < len(args)) if n)
+        if not pieces:
+            return None
+        return KernelCost(sum(pieces), parts=pieces if len(pieces) > 1 else ())
+    return cost
 
 
 def _addmm_library(args: Sequence[Any]) -> str:
@@ -168,6 +302,13 @@ def cuda_models(models: ScratchModels) -> None:
     aten = _ATEN
     models.costs[aten._scaled_dot_product_cudnn_attention.default] = _cudnn_forward
     models.costs[aten._scaled_dot_product_cudnn_attention_backward.default] = _cudnn_backward
+    for op, at in ((aten.mm.default, (0, 1)), (aten.bmm.default, (0, 1)),
+                   (aten.addmm.default, (1, 2)), (aten.baddbmm.default, (1, 2))):
+        models.costs[op] = _operands(*at)
+    for op in (aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default):
+        models.costs[op] = _reduction
+    # fused_dropout's kernel allocates its bool mask before its output
+    models.costs[aten.native_dropout.default] = lambda args: KernelCost(order=(1, 0))
     for op in (aten.mm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
                aten.addmv.default, aten.mv.default, aten.dot.default, aten.vdot.default):
         models.libraries[op] = _cublas

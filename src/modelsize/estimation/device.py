@@ -87,11 +87,13 @@ def workspace_plan(first_calls: Mapping[tuple[str, bool], int], gpu: str = "sm90
 
 
 def replay(allocations: Sequence[Allocation], scratch_at: Mapping[int, int], ticks: int,
-           workspaces: Mapping[int, Sequence[tuple[int, str]]] | None = None) -> Replay:
+           workspaces: Mapping[int, Sequence[tuple[int, str]]] | None = None,
+           scratch_parts: Mapping[int, Sequence[int]] | None = None) -> Replay:
     """The caching allocator's peak over the trace, allocation by allocation.
 
     Order within an op: its outputs (in the order they were counted), the workspaces it
-    creates, its scratch (allocated, then freed), then the storages freed after it.
+    creates, its scratch (allocated part by part, ``scratch_parts``, then freed in reverse),
+    then the storages freed after it.
     Host-side storages (``Allocation.host``) are skipped.
     """
     sim = CachingAllocator()
@@ -117,10 +119,12 @@ def replay(allocations: Sequence[Allocation], scratch_at: Mapping[int, int], tic
             sim.malloc(nbytes)
             held += nbytes
         extra = scratch_at.get(tick, 0)
-        block = sim.malloc(extra) if extra else None
+        pieces = (scratch_parts or {}).get(tick) or ((extra,) if extra else ())
+        blocks = [(sim.malloc(n), n) for n in pieces]
         if sim.allocated > best.peak:
             best = Replay(sim.allocated, tick, sim.requested - held, held, 0)
-        sim.free(block, extra)  # type: ignore[arg-type]
+        for block, n in reversed(blocks):
+            sim.free(block, n)
         for rec in dead.get(tick, ()):
             sim.free(handles.pop(id(rec)), rec.nbytes)  # type: ignore[arg-type]
     return Replay(best.peak, best.tick, best.requested, best.workspaces, sim.reserved)
@@ -130,6 +134,7 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
                     allocations: Sequence[Allocation], scratch_at: dict[int, int],
                     ticks: int, uses_matmul: bool, gpu: str = "sm90", *,
                     first_calls: Mapping[tuple[str, bool], int] | None = None,
+                    scratch_parts: Mapping[int, Sequence[int]] | None = None,
                     extra_terms: Sequence[DeviceTerm] = ()) -> DeviceEstimate:
     """The named terms between the tensor peak and what ``device`` would report.
 
@@ -149,7 +154,7 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
     else:
         size = CUBLAS_WORKSPACE_SM90 if gpu == "sm90" else CUBLAS_WORKSPACE_DEFAULT
         plan = {1: [(size, "cublas_workspace")]} if uses_matmul and ticks else {}
-    result = replay(allocations, scratch_at, ticks, plan)
+    result = replay(allocations, scratch_at, ticks, plan, scratch_parts)
     allocated = max(result.peak, peak_bytes)
     where = ("" if result.tick == 0 or not ticks else
              f"; the blocks peak at op {result.tick}")

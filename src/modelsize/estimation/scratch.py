@@ -85,6 +85,12 @@ class KernelCost:
 
     scratch: int = 0
     output_nbytes: tuple[int | None, ...] = ()
+    order: tuple[int, ...] = ()
+    """The order in which the kernel allocates its outputs (indices into them), when it is
+    not the order they are returned in."""
+    parts: tuple[int, ...] = ()
+    """The separate allocations ``scratch`` is made of, in the order the kernel makes them
+    (freed in reverse), where it makes more than one."""
 
 
 Key = int | str  # a positional argument's index, or a keyword argument's name

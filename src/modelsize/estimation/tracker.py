@@ -153,6 +153,9 @@ class CountingFakeMode(FakeTensorMode):
         self.timeline: list[int] = []
         self.ops: list[Any] = []
         self.scratch_at: dict[int, int] = {}
+        #: the separate allocations that make up ``scratch_at[tick]``, where a kernel makes
+        #: more than one (a CUDA reduction's buffer and semaphores), in order
+        self.scratch_parts: dict[int, tuple[int, ...]] = {}
         #: (library, on the backward thread) -> the tick of its first call: where a real run
         #: creates that thread's handle and its workspace (``ScratchModels.libraries``)
         self.first_calls: dict[tuple[str, bool], int] = {}
@@ -361,8 +364,10 @@ class CountingFakeMode(FakeTensorMode):
             return out
         kwargs = kwargs or {}
         scratch = self.scratch
+        pieces: tuple[int, ...] = ()
         extra = scratch.wrapped(func, args, kwargs, out) if scratch and scratch.wrap_numbers else 0
         counted = False
+        made: list[Allocation] = []
         for whole in _tensors(out):
             if not isinstance(whole, FakeTensor):
                 continue
@@ -375,6 +380,7 @@ class CountingFakeMode(FakeTensorMode):
                 rec = self.live.get(st._cdata)
                 if rec is None:
                     rec = self.track(t, self.origin)
+                    made.append(rec)
                     if func in self._host_ops and self.origin is Origin.OPTIMIZER:
                         rec.host = True  # a CPU step counter of a foreach optimizer
                         self.live_bytes -= rec.nbytes
@@ -392,6 +398,11 @@ class CountingFakeMode(FakeTensorMode):
             cost = scratch.cost(func, args, kwargs, out)
             if cost is not None:
                 extra += cost.scratch
+                pieces = cost.parts
+                if cost.order and len(made) == len(cost.order):
+                    n = len(made)  # the outputs' records are the last ones: reordered
+                    if all(a is b for a, b in zip(self.allocations[-n:], made, strict=True)):
+                        self.allocations[-n:] = [made[i] for i in cost.order]
                 for t, real in zip(_tensors(out), cost.output_nbytes, strict=False):
                     rec = self.allocation_of(t)
                     if real is not None and rec is not None and rec.created == self.tick:
@@ -404,6 +415,8 @@ class CountingFakeMode(FakeTensorMode):
             self.ops.append(func)
         if extra:
             self.scratch_at[self.tick] = extra
+            if pieces:
+                self.scratch_parts[self.tick] = pieces
         if self.progress is not None and not self.tick & 1023:
             self.progress(self.tick)
         high = self.live_bytes + extra
