@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from modelsize.estimation.cuda_allocator import CachingAllocator
+from modelsize.estimation.cuda_allocator import Block, CachingAllocator
 from modelsize.estimation.result import DeviceEstimate, DeviceTerm
 from modelsize.estimation.tracker import Allocation
 
@@ -86,47 +86,81 @@ def workspace_plan(first_calls: Mapping[tuple[str, bool], int], gpu: str = "sm90
     return plan
 
 
+@dataclass(frozen=True)
+class Event:
+    """One allocation or free the caching allocator sees, in order."""
+
+    tick: int
+    """The op it belongs to (0: the resident tensors, before the first op)."""
+    alloc: bool
+    key: int
+    """The same for an allocation and its free."""
+    nbytes: int
+    kind: str
+    """``tensor``, ``workspace`` or ``scratch``."""
+
+
+def device_events(allocations: Sequence[Allocation], scratch_at: Mapping[int, int],
+                  ticks: int, workspaces: Mapping[int, Sequence[tuple[int, str]]] | None = None,
+                  scratch_parts: Mapping[int, Sequence[int]] | None = None) -> list[Event]:
+    """The trace as the caching allocator sees it: every allocation and free, in order.
+
+    First the resident tensors (parameters, buffers, inputs: created before the first op).
+    Then, op by op: its outputs (in the order they were counted), the workspaces it creates
+    (kept to the end), its scratch (allocated part by part, ``scratch_parts``, then freed in
+    reverse), then the storages freed after it. Storages of 0 bytes and host-side ones
+    (``Allocation.host``) allocate nothing.
+    """
+    workspaces = workspaces or {}
+    parts = scratch_parts or {}
+    events: list[Event] = []
+    born: dict[int, list[int]] = {}
+    dead: dict[int, list[int]] = {}
+    for key, rec in enumerate(allocations):
+        if rec.freed == 0 or rec.host or rec.nbytes <= 0:
+            continue  # gone before the first op, or nothing on the device
+        if rec.created == 0:
+            events.append(Event(0, True, key, rec.nbytes, "tensor"))
+        else:
+            born.setdefault(rec.created, []).append(key)
+        if rec.freed >= 0:
+            dead.setdefault(max(rec.freed, rec.created), []).append(key)
+    extra_key = len(allocations)
+    for tick in range(1, ticks + 1):
+        for key in born.get(tick, ()):
+            events.append(Event(tick, True, key, allocations[key].nbytes, "tensor"))
+        for nbytes, _name in workspaces.get(tick, ()):
+            events.append(Event(tick, True, extra_key, nbytes, "workspace"))
+            extra_key += 1
+        extra = scratch_at.get(tick, 0)
+        pieces = [(extra_key + i, n) for i, n in
+                  enumerate(parts.get(tick) or ((extra,) if extra else ()))]
+        extra_key += len(pieces)
+        events.extend(Event(tick, True, k, n, "scratch") for k, n in pieces)
+        events.extend(Event(tick, False, k, n, "scratch") for k, n in reversed(pieces))
+        for key in dead.get(tick, ()):
+            events.append(Event(tick, False, key, allocations[key].nbytes, "tensor"))
+    return events
+
+
 def replay(allocations: Sequence[Allocation], scratch_at: Mapping[int, int], ticks: int,
            workspaces: Mapping[int, Sequence[tuple[int, str]]] | None = None,
            scratch_parts: Mapping[int, Sequence[int]] | None = None) -> Replay:
-    """The caching allocator's peak over the trace, allocation by allocation.
-
-    Order within an op: its outputs (in the order they were counted), the workspaces it
-    creates, its scratch (allocated part by part, ``scratch_parts``, then freed in reverse),
-    then the storages freed after it.
-    Host-side storages (``Allocation.host``) are skipped.
-    """
+    """The caching allocator's peak over the trace (:func:`device_events`), allocation by
+    allocation."""
     sim = CachingAllocator()
-    workspaces = workspaces or {}
-    born: dict[int, list[Allocation]] = {}
-    dead: dict[int, list[Allocation]] = {}
-    handles: dict[int, object] = {}
-    for rec in allocations:
-        if rec.freed == 0 or rec.host:
-            continue  # gone before the first op, or not on the device
-        if rec.created == 0:
-            handles[id(rec)] = sim.malloc(rec.nbytes)
-        else:
-            born.setdefault(rec.created, []).append(rec)
-        if rec.freed >= 0:
-            dead.setdefault(max(rec.freed, rec.created), []).append(rec)
-    best = Replay(sim.allocated, 0, sim.requested, 0, 0)
+    blocks: dict[int, Block | None] = {}
+    best = Replay(0, 0, 0, 0, 0)
     held = 0
-    for tick in range(1, ticks + 1):
-        for rec in born.get(tick, ()):
-            handles[id(rec)] = sim.malloc(rec.nbytes)
-        for nbytes, _name in workspaces.get(tick, ()):
-            sim.malloc(nbytes)
-            held += nbytes
-        extra = scratch_at.get(tick, 0)
-        pieces = (scratch_parts or {}).get(tick) or ((extra,) if extra else ())
-        blocks = [(sim.malloc(n), n) for n in pieces]
+    for e in device_events(allocations, scratch_at, ticks, workspaces, scratch_parts):
+        if not e.alloc:
+            sim.free(blocks.pop(e.key), e.nbytes)
+            continue
+        blocks[e.key] = sim.malloc(e.nbytes)
+        if e.kind == "workspace":
+            held += e.nbytes
         if sim.allocated > best.peak:
-            best = Replay(sim.allocated, tick, sim.requested - held, held, 0)
-        for block, n in reversed(blocks):
-            sim.free(block, n)
-        for rec in dead.get(tick, ()):
-            sim.free(handles.pop(id(rec)), rec.nbytes)  # type: ignore[arg-type]
+            best = Replay(sim.allocated, e.tick, sim.requested - held, held, 0)
     return Replay(best.peak, best.tick, best.requested, best.workspaces, sim.reserved)
 
 
