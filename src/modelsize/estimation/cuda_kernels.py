@@ -244,17 +244,27 @@ def _accsize(dtype: torch.dtype) -> int:
 
 
 def _reduction(args: Sequence[Any]) -> KernelCost | None:
-    """``sum`` and ``mean`` over some dims (a list, or all of them)."""
+    """``sum`` and ``mean`` over some dims (a list, or all of them): a bool or integer input
+    first becomes an int64 copy (``make_reduction`` casts to the result's dtype on CUDA,
+    measured: 8 bytes per element of a summed bool mask), then the reduction's buffers."""
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         return None
     dims = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else None
     reduced = (range(x.dim()) if not dims else [d % x.dim() for d in dims])
-    buffer, semaphores = reduce_buffers(x.shape, x.stride(), list(reduced), x.element_size(),
+    pieces: tuple[int, ...] = ()
+    shape, strides, itemsize = list(x.shape), list(x.stride()), x.element_size()
+    if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.int64:
+        pieces = (x.numel() * 8,)
+        strides = list(torch.empty(shape, device="meta").stride())
+        itemsize = 8
+    buffer, semaphores = reduce_buffers(shape, strides, list(reduced), itemsize,
                                         _accsize(x.dtype))
-    if not buffer:
+    if buffer:
+        pieces += (buffer, semaphores)
+    if not pieces or not sum(pieces):
         return None
-    return KernelCost(buffer + semaphores, parts=(buffer, semaphores))
+    return KernelCost(sum(pieces), parts=pieces)
 
 
 def _cublas_copy(m: Any) -> int:

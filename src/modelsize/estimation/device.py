@@ -22,10 +22,10 @@ event history on an H100, PyTorch 2.11: benchmarks/gpu_*.py, tests/estimation/te
 * ``cuda_context``: the driver context, kernels and cuDNN/cuBLAS handles, outside PyTorch's
   allocator (seen in ``nvidia-smi``, not in ``max_memory_allocated``): several hundred MiB
   depending on the GPU, the driver and lazy loading; 512 MiB is assumed;
-* ``cudnn_conv_workspace`` (only when the program convolves on CUDA): cuDNN's convolution
-  workspace, allocated through the caching allocator for each call and freed after it, is the
-  workspace of the engine cuDNN's heuristics pick at run time. It cannot be derived from the
-  shapes: the term is reported, not added (see :mod:`modelsize.estimation.cuda_kernels`).
+* not counted (named in the estimate's notes): cuDNN's convolution workspaces, allocated for
+  each call and freed after it, whose size is the workspace of the engine cuDNN's heuristics
+  pick at run time (:mod:`modelsize.estimation.cuda_kernels`); transient allocations inside
+  a few small kernels (``isin``'s temporaries, CUB's scan storage: bytes to kilobytes).
 """
 
 from __future__ import annotations
@@ -168,13 +168,13 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
                     allocations: Sequence[Allocation], scratch_at: dict[int, int],
                     ticks: int, uses_matmul: bool, gpu: str = "sm90", *,
                     first_calls: Mapping[tuple[str, bool], int] | None = None,
-                    scratch_parts: Mapping[int, Sequence[int]] | None = None,
-                    extra_terms: Sequence[DeviceTerm] = ()) -> DeviceEstimate:
+                    scratch_parts: Mapping[int, Sequence[int]] | None = None
+                    ) -> DeviceEstimate:
     """The named terms between the tensor peak and what ``device`` would report.
 
     ``first_calls`` places the library workspaces (:func:`workspace_plan`); without it, a
     program that uses a matmul (``uses_matmul``) gets one cuBLAS workspace from its first op.
-    ``extra_terms`` are reported beside the others and not added (bounds and unknowns).
+    ``scratch_parts`` splits a kernel's scratch into the allocations it makes.
     """
     terms: tuple[DeviceTerm, ...]
     if device != "cuda":
@@ -202,7 +202,6 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
         DeviceTerm("cublas_workspace", result.workspaces,
                    "cuBLAS workspaces held at the peak: 32 MiB per thread's handle on sm90 "
                    "(8.1 MiB on older GPUs), 1 MiB more for cuBLASLt"),
-        *extra_terms,
         DeviceTerm("cuda_context", CUDA_CONTEXT,
                    "driver context and kernels, outside the allocator (assumed)"),
     )
