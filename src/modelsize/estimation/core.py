@@ -264,14 +264,9 @@ def summarize(trace: Trace, program: Program, name: str,
                           scratch_parts=mode.scratch_parts)
     notes = list(mode.scratch.notes) if mode.scratch is not None else []
     if program.device == "cuda":
-        from modelsize.estimation.cuda_kernels import conv_workspace_note
+        from modelsize.estimation.cuda_kernels import cuda_notes
 
-        notes.append("cuda: the kernels and allocator of PyTorch 2.11 on an H100 (sm90, cuDNN "
-                     "9.19), checked there to the byte; other GPUs and versions are not "
-                     "validated")
-        conv = conv_workspace_note(mode.ops)
-        if conv:
-            notes.append(conv)
+        notes.extend(cuda_notes(mode.ops))
         if mode.host_rng_copies:
             from modelsize.estimation.rng import host_note
 

@@ -17,7 +17,7 @@ redirected here:
 cuDNN's convolution workspaces are not predicted: with ``cudnn.benchmark`` off, PyTorch asks
 cuDNN's heuristics for engine configurations and runs the first that builds, and each
 engine's workspace is its own (on an H100 with cuDNN 9.19, 0 to 3.3 times the input for the
-convolutions of benchmarks/gpu_train.py's ConvNet). :func:`conv_workspace_note` names them.
+convolutions of benchmarks/gpu_train.py's ConvNet). :func:`cuda_notes` names them.
 """
 
 from __future__ import annotations
@@ -326,11 +326,14 @@ def cuda_models(models: ScratchModels) -> None:
     models.libraries[aten._addmm_activation.default] = lambda args: "cublaslt"
 
 
-def conv_workspace_note(ops: Sequence[Any]) -> str | None:
-    """The note of a program that convolves on CUDA (cuDNN's workspaces are not counted)."""
-    names = {str(op) for op in ops}
-    if not any("convolution" in n for n in names):
-        return None
-    return ("cuda: cuDNN convolution workspaces are not counted: cuDNN's heuristics pick an "
-            "engine per call at run time, whose workspace (allocated for the call, freed "
-            "after it) measured 0 to 3.3 times the convolution's input on an H100")
+def cuda_notes(ops: Sequence[Any]) -> list[str]:
+    """The notes of a CUDA estimate: what it was checked on; for a program that convolves,
+    that cuDNN's convolution workspaces are not counted."""
+    notes = ["cuda: the kernels and allocator of PyTorch 2.11 on an H100 (sm90, cuDNN 9.19), "
+             "checked there to the byte; other GPUs and versions are not validated"]
+    if any("convolution" in str(op) for op in set(ops)):
+        notes.append("cuda: cuDNN convolution workspaces are not counted: cuDNN's heuristics "
+                     "pick an engine per call at run time, whose workspace (allocated for the "
+                     "call, freed after it) measured 0 to 3.3 times the convolution's input "
+                     "on an H100")
+    return notes
