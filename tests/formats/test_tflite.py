@@ -84,16 +84,21 @@ def _emit(buf: bytearray, obj: Field) -> int:
 
 
 def tiny_model(shape: tuple[int, ...] = (2, 3), data: bytes = bytes(range(24)),
-               buffer: int = 1, metadata: bytes = b"1.5.0\0") -> bytes:
+               buffer: int = 1, metadata: bytes = b"1.5.0\0", inputs: tuple[int, ...] = (1,),
+               ops: tuple[tuple[int, list[int], list[int]], ...] = ()) -> bytes:
     """A model of one subgraph with one float32 constant and one input, and one metadata
-    buffer named ``min_runtime_version``."""
+    buffer named ``min_runtime_version``; ``ops``: (opcode index, inputs, outputs) of
+    operators, with one operator code (ADD)."""
     tensors = [
         [("ints", list(shape)), ("u8", 0), ("u32", buffer), ("str", "dense/kernel")],
         [("ints", [1, 3]), ("u8", 0), ("u32", 0), ("str", "input")],
     ]
-    subgraph = [("tables", tensors), ("ints", [1]), ("ints", [1]), ("tables", []), ("str", "main")]
+    operators = [[("u32", code), ("ints", ins), ("ints", outs)] for code, ins, outs in ops]
+    subgraph = [("tables", tensors), ("ints", list(inputs)), ("ints", [1]),
+                ("tables", operators), ("str", "main")]
     model = [
-        ("u32", 3), ("tables", []), ("tables", [subgraph]), ("str", "hand made"),
+        ("u32", 3), ("tables", [[("u8", 0), None, None, ("u32", 0)]] if ops else []),
+        ("tables", [subgraph]), ("str", "hand made"),
         ("tables", [[], [("bytes", data)], [("bytes", metadata)]]), None,
         ("tables", [[("str", "min_runtime_version"), ("u32", 2)]]),
     ]
@@ -171,12 +176,26 @@ def test_sniffed_by_its_identifier_not_its_name(tmp_path: Path) -> None:
         (tiny_model(buffer=7), "refers to buffer 7, but the model has 3"),
         (tiny_model(shape=(-1, 3)), "has shape [-1, 3]"),
         (struct.pack("<I", 1 << 30) + b"TFL3" + bytes(8), "root offset claims bytes"),
+        # Found by the fuzz target: the interpreter refuses these ("Invalid tensor index"),
+        # and slim wrote them on as "Verified".
+        (tiny_model(inputs=(5,)), "subgraphs[0].inputs names tensor 5, but subgraph 0 has 2"),
+        (tiny_model(ops=((0, [0, 2147483647], [1]),)),
+         "operators[0].inputs names tensor 2147483647, but subgraph 0 has 2"),
+        (tiny_model(ops=((0, [0, 1], [12]),)), "operators[0].outputs names tensor 12"),
+        (tiny_model(ops=((3, [0, 1], [1]),)), "uses operator code 3, but the model has 1"),
     ],
-    ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset"],
+    ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset",
+         "subgraph-input-index", "operator-input-index", "operator-output-index",
+         "operator-code-index"],
 )
 def test_lying_models_are_refused(tmp_path: Path, data: bytes, reason: str) -> None:
     with pytest.raises(CorruptFileError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         _read(_write(tmp_path, data))
+
+
+def test_operators_naming_their_tensors_and_optional_inputs_are_read(tmp_path: Path) -> None:
+    inv = _read(_write(tmp_path, tiny_model(ops=((0, [0, -1], [1]),))))
+    assert inv.facts["tflite.operators"] == "1 (1 kinds)"
 
 
 def test_lying_vector_length_is_refused_without_allocating(tmp_path: Path) -> None:

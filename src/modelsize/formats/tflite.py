@@ -73,7 +73,7 @@ _T_SHAPE, _T_TYPE, _T_BUFFER, _T_NAME, _T_QUANT, _T_VARIABLE, _T_SPARSITY = 0, 1
 _T_SHAPE_SIGNATURE, _T_VARIANTS, _T_EXTERNAL = 7, 9, 10
 _Q_MIN, _Q_MAX, _Q_SCALE, _Q_ZERO, _Q_DETAILS, _Q_AXIS = 0, 1, 2, 3, 5, 6
 _B_DATA, _B_OFFSET, _B_SIZE = 0, 1, 2
-_OP_INPUTS, _OP_OUTPUTS, _OP_OPTIONS, _OP_CUSTOM, _OP_MUTATING = 1, 2, 4, 5, 7
+_OP_OPCODE, _OP_INPUTS, _OP_OUTPUTS, _OP_OPTIONS, _OP_CUSTOM, _OP_MUTATING = 0, 1, 2, 4, 5, 7
 _OP_INTERMEDIATES, _OP_LARGE_OFFSET, _OP_LARGE_SIZE, _OP_OPTIONS2 = 8, 9, 10, 12
 
 
@@ -333,15 +333,18 @@ def _parse(flat: _Flat) -> _Model:
     for s, sg in enumerate(subgraphs):
         sg_name = sg.string(_SG_NAME, f"subgraphs[{s}].name")
         prefix = "" if s == 0 else f"{sg_name or f'subgraph{s}'}/"
-        sg.ints(_SG_INPUTS, f"subgraphs[{s}].inputs")
-        sg.ints(_SG_OUTPUTS, f"subgraphs[{s}].outputs")
+        refs = [(f"subgraphs[{s}].{w}", sg.ints(slot, f"subgraphs[{s}].{w}"))
+                for w, slot in (("inputs", _SG_INPUTS), ("outputs", _SG_OUTPUTS))]
         for k, op in enumerate(sg.tables(_SG_OPERATORS, f"subgraphs[{s}].operators")):
-            _operator(flat, op, f"subgraphs[{s}].operators[{k}]", model)
+            refs += _operator(flat, op, f"subgraphs[{s}].operators[{k}]", model, len(codes))
             n_ops += 1
+        count = 0
         for k, t in enumerate(sg.tables(_SG_TENSORS, f"subgraphs[{s}].tensors")):
-            n_tensors += 1
+            count += 1
             _tensor(flat, t, f"subgraphs[{s}].tensors[{k}]", prefix, model, len(buffer_tables),
                     (s, k))
+        n_tensors += count
+        _check_indices(refs, count, s, sg.pos)
     _unique_names(model.tensors)
     model.facts["tflite.subgraphs"] = str(len(subgraphs))
     model.facts["tflite.operators"] = f"{n_ops} ({len(set(codes))} kinds)"
@@ -354,9 +357,26 @@ def _parse(flat: _Flat) -> _Model:
     return model
 
 
-def _operator(flat: _Flat, op: _Table, what: str, model: _Model) -> None:
-    for slot in (_OP_INPUTS, _OP_OUTPUTS, _OP_MUTATING, _OP_INTERMEDIATES):
-        op.vector(slot, 4 if slot != _OP_MUTATING else 1, f"{what} tensor list")
+def _check_indices(refs: list[tuple[str, list[int]]], count: int, s: int, pos: int) -> None:
+    """Every tensor index of a subgraph's interface and operators names one of its ``count``
+    tensors, or is -1 (an optional input), as the TFLite interpreter requires."""
+    for what, indices in refs:
+        bad = next((i for i in indices if not -1 <= i < count), None)
+        if bad is not None:
+            raise _Corrupt(f"{what} names tensor {bad}, but subgraph {s} has {count} tensors",
+                           pos)
+
+
+def _operator(flat: _Flat, op: _Table, what: str, model: _Model,
+              n_codes: int) -> list[tuple[str, list[int]]]:
+    """Mark an operator's bytes; return its tensor index lists (checked by the caller)."""
+    code = op.scalar(_OP_OPCODE, "I")
+    if code >= n_codes:
+        raise _Corrupt(f"{what} uses operator code {code}, but the model has {n_codes}", op.pos)
+    refs = [(f"{what}.{name}", op.ints(slot, f"{what} tensor list"))
+            for name, slot in (("inputs", _OP_INPUTS), ("outputs", _OP_OUTPUTS),
+                               ("intermediates", _OP_INTERMEDIATES))]
+    op.vector(_OP_MUTATING, 1, f"{what} tensor list")
     op.vector(_OP_CUSTOM, 1, f"{what}.custom_options")
     for slot in (_OP_OPTIONS, _OP_OPTIONS2):
         options = op.ref(slot, f"{what} options")
@@ -366,6 +386,7 @@ def _operator(flat: _Flat, op: _Table, what: str, model: _Model) -> None:
     if offset > 1 and nbytes:
         flat.need(offset, nbytes, f"{what}.large_custom_options")
         model.graph_extra.append((offset, offset + nbytes))
+    return refs
 
 
 def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
