@@ -396,6 +396,30 @@ def test_tensor_larger_than_its_storage(saved: Path, tmp_path: Path) -> None:
     expect_corrupt(bad, "reaches byte 108 of storage 'model/data/0', which holds 24")
 
 
+# Found by the fuzz target (tests/fuzz): torch.load refuses these, and slim wrote them on.
+
+
+@pytest.mark.parametrize("value", [b"litt\x7fe", b"", b"middle"])
+def test_unknown_byteorder_is_refused(saved: Path, tmp_path: Path, value: bytes) -> None:
+    bad = tmp_path / "byteorder.pt"
+    rewrite(saved, bad, {"model/byteorder": value})
+    with pytest.raises(ValueError, match="Unknown endianness type"):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, "model/byteorder says")
+
+
+def test_member_flagged_encrypted_is_refused(saved: Path) -> None:
+    data = bytearray(saved.read_bytes())
+    at = data.find(b"PK\x01\x02")  # the central directory records, in order
+    while data[at + 46 : at + 46 + len(b"model/data/0")] != b"model/data/0":
+        at = data.find(b"PK\x01\x02", at + 4)
+    data[at + 8] |= 0x01  # its general-purpose flags: encrypted
+    saved.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="unsupported encryption"):
+        torch.load(saved, weights_only=True)
+    expect_corrupt(saved, "member 'model/data/0' is marked encrypted")
+
+
 def test_zip_without_data_pkl_is_not_pytorch(tmp_path: Path) -> None:
     path = tmp_path / "other.zip"
     with zipfile.ZipFile(path, "w") as zf:

@@ -1,9 +1,10 @@
 """Zip archives read from their central directory, without trusting or extracting anything.
 
 Shared by every zip-based format (PyTorch, NumPy ``.npz``, Keras ``.keras``). Member data is
-located through each local header, checked against the file size, and read raw: encryption
-or data-descriptor flags that would make :mod:`zipfile` refuse a member do not hide its
-contents from us (loaders such as torch's ignore them too).
+located through each local header, checked against the file size, and read raw (a
+data-descriptor flag does not hide a member's contents). A member flagged encrypted, strongly
+encrypted or patched is refused: torch's miniz ("unsupported encryption") and Python's
+:mod:`zipfile` (so ``np.load`` and Keras) refuse to read it.
 
 Every member modelsize reads (:func:`read_member`) or charges to ``graph`` or ``metadata``
 without reading it (:func:`check_members`) is checked against the CRC-32 of the central
@@ -36,6 +37,10 @@ _LOCAL = struct.Struct("<4sHHHHHIIIHH")
 #: The local header's name and extra field lengths (its last fields, at byte 26).
 _NAME_EXTRA = struct.Struct("<HH")
 _LOCAL_MAGIC = b"PK\x03\x04"
+#: General-purpose flag bits no framework's zip reader reads past: encrypted (0), compressed
+#: patched data (5), strong encryption (6), masked local headers (13).
+_UNREADABLE_FLAGS = {0x1: "encrypted", 0x20: "compressed patched data",
+                     0x40: "strongly encrypted", 0x2000: "with masked local headers"}
 STORED = zipfile.ZIP_STORED
 DEFLATED = zipfile.ZIP_DEFLATED
 #: Deflate cannot expand data more than ~1032:1; a member claiming more is lying.
@@ -95,6 +100,12 @@ def members(
         fd = fh.fileno()
         for info in infos:
             header = info.header_offset
+            flagged = [w for bit, w in _UNREADABLE_FLAGS.items() if info.flag_bits & bit]
+            if flagged:
+                raise builder.corrupt(
+                    f"member {info.filename!r} is marked {flagged[0]} (flags "
+                    f"{info.flag_bits:#06x}): its framework's zip reader refuses it", header, file,
+                )
             if not 0 <= header <= size - local_size:
                 raise builder.corrupt(
                     f"member {info.filename!r} header at {header} is outside "

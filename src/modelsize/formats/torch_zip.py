@@ -21,6 +21,7 @@ from __future__ import annotations
 import struct
 
 from modelsize.categories import Category
+from modelsize.errors import printable
 from modelsize.formats import _zip
 from modelsize.formats._limits import ParseBudget
 from modelsize.formats._pickle import (
@@ -152,6 +153,9 @@ class _ZipRead:
                 b.add_region(m.data_offset, m.compress_size, Category.GRAPH, m.name)
                 if m.name not in self.read_whole:
                     charged.append(m)
+            elif rel == "byteorder":
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.byteorder(m)
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 charged.append(m)
@@ -161,6 +165,18 @@ class _ZipRead:
                 b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
         _zip.check_members(self.path, charged, b)
         return b.build()
+
+    def byteorder(self, member: _zip.Member) -> None:
+        """The ``byteorder`` record: ``little`` or ``big``, as ``torch.load`` requires
+        ("Unknown endianness type")."""
+        if member.file_size > 16:
+            raise self.builder.corrupt(f"{member.name} is {member.file_size} bytes, where torch "
+                                       "writes 'little' or 'big'", member.data_offset)
+        value = _zip.read_member(self.path, member, self.builder)
+        if value not in (b"little", b"big"):
+            raise self.builder.corrupt(
+                f"{member.name} says '{printable(value.decode('utf-8', 'replace'), 40)}', where "
+                "torch.load accepts 'little' or 'big'", member.data_offset)
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
         """Record the unsafe globals of a side pickle whose tensors are not itemized."""
