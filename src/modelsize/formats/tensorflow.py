@@ -778,6 +778,7 @@ class _Bundle:
         trainable = self._trainable(meta) if by_graph is None else None
         b.facts["checkpoint"] = "object-based (TF2)" if by_graph is not None else "name-based (TF1)"
         partitioned = {e.key.decode("utf-8", "replace"): e for e in entries if e.slices}
+        stored_slices: dict[str, set[tuple[tuple[int, int], ...]]] = {}
         # Entries naming the same bytes (a deduplicated bundle) view one storage.
         ranges: dict[tuple[int, int, int], str] = {}
         for entry in entries:
@@ -795,6 +796,7 @@ class _Bundle:
                     raise self.corrupt(f"slice key {_name(entry)} unreadable: {exc}") from exc
                 if base not in partitioned:
                     raise self.corrupt(f"slice of {printable(base)} whose full entry is missing")
+                stored_slices.setdefault(base, set()).add(extents)
                 name, tags = _slice_label(base, extents), ["slice"]
             else:
                 base = name
@@ -825,6 +827,17 @@ class _Bundle:
             # Strings, variants and exotic dtypes: account the stored bytes as they are.
             b.add_tensor(name, "uint8", (entry.size,), cat, storage=storage,
                          tags=[*tags, f"tf_dtype={tf_name}", f"shape={list(entry.shape)}"])
+        for base, full in partitioned.items():
+            # TensorFlow finds a partitioned variable's slices through its full entry's list:
+            # a slice listed but not stored, or stored but not listed, breaks its reader.
+            listed, stored = set(full.slices), stored_slices.get(base, set())
+            if listed != stored:
+                odd = sorted(listed ^ stored)[0]
+                raise self.corrupt(
+                    f"partitioned variable {printable(base)} "
+                    f"{'lists' if odd in listed else 'does not list'} the slice "
+                    f"{_slice_label(base, odd)}, which the bundle "
+                    f"{'does not hold' if odd in listed else 'holds'}")
 
 
 def _name(entry: Entry) -> str:
