@@ -539,3 +539,53 @@ def test_other_formats_are_not_written_as_keras(tmp_path: Path) -> None:
     plan = plan_slim(modelsize.formats.read(FIXTURES / "model.keras"), SlimOptions())
     with pytest.raises(UsageError, match="keras-h5 writer cannot write keras input"):
         KerasH5Writer().prepare(plan, tmp_path / "x.h5")
+
+
+# -- legacy .h5 Keras would not load (found by the fuzz target: slim wrote them, "Verified") ----
+
+
+def _legacy_copy(tmp_path: Path) -> Path:
+    path = tmp_path / "legacy.h5"
+    shutil.copy(FIXTURES / "legacy.h5", path)
+    path.chmod(0o644)
+    return path
+
+
+def test_legacy_h5_whose_model_config_is_not_json_is_refused(tmp_path: Path) -> None:
+    """A bit flipped in the ``model_config`` attribute: Keras's ``load_model`` fails on its
+    JSON; slim copied it (exit 0) before."""
+    path = _legacy_copy(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b'{"class_name": "Sequential"')
+    data[at + 1] ^= 0x40  # '"' -> 'b': no longer a property name
+    path.write_bytes(bytes(data))
+    for args in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.h5"), *args)
+        assert_one_line_error(proc, path)
+        assert "model_config attribute is not valid JSON" in proc.stderr
+        assert not (tmp_path / "o.h5").exists()
+
+
+def test_legacy_h5_missing_a_weight_its_layer_lists_is_refused(tmp_path: Path) -> None:
+    """A dataset renamed (by h5py) under the name its layer's ``weight_names`` lists: Keras's
+    loader looks it up by that name (KeyError)."""
+    path = _legacy_copy(tmp_path)
+    with h5py.File(path, "r+") as f:
+        group = f["model_weights/batch_normalization/batch_normalization"]
+        group.move("beta:0", "ean:0")
+    proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.h5"))
+    assert_one_line_error(proc, path)
+    assert "lists the weight batch_normalization/beta:0, which is not a dataset" in proc.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_dropping_a_weight_a_legacy_layer_lists_is_refused(tmp_path: Path) -> None:
+    """``--drop buffers`` of a legacy .h5 wrote a file whose BatchNormalization lists moving
+    statistics it no longer has: Keras's loader cannot read it. Refused, saying how to keep
+    them; the optimizer state still goes."""
+    with pytest.raises(UsageError, match=r"layer batch_normalization lists .*moving_mean:0 "
+                       r"\(buffers\): keep it"):
+        modelsize.slim(FIXTURES / "legacy.h5", tmp_path / "o.h5", drop=["buffers"])
+    assert list(tmp_path.iterdir()) == []
+    report = modelsize.slim(FIXTURES / "legacy.h5", tmp_path / "o.h5", drop=["optimizer_state"])
+    assert report.verified

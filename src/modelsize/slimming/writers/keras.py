@@ -53,7 +53,7 @@ from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
 from modelsize.formats import _zip
-from modelsize.slimming.loadable import refuse_unloadable
+from modelsize.slimming.loadable import keras_h5_listed, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.writers.base import Meter, Written, slim_name, stream
@@ -796,8 +796,20 @@ class KerasH5Writer:
         return slim_name(source)
 
     def prepare(self, plan: Plan, target: Path) -> KerasH5Job:
-        """Check every kept dataset, then size the output from its skeleton."""
+        """Check every kept dataset, then size the output from its skeleton. An input Keras
+        would not load is refused first."""
         _check_format(plan, "keras-h5")
+        refuse_unloadable(plan.inventory)
+        listed = keras_h5_listed(plan.inventory)
+        needed = [d for d in plan.dropped if d.record.name in listed]
+        if needed:
+            d = needed[0]
+            raise UsageError(
+                f"{printable(str(plan.inventory.path))}: Keras's HDF5 loader reads every weight "
+                f"a layer lists, and layer {printable(listed[d.record.name])} lists "
+                f"{printable(d.record.name)} ({d.record.category.value}): keep it "
+                f"(--keep '{printable(d.record.name)}') or write another format (--to "
+                "safetensors)")
         lay = _layout(plan)
         size = _hdf5_size(plan, lay)
         _notes(plan, target, lay)
