@@ -228,8 +228,24 @@ def _external_model(tmp_path: Path, entries: dict[str, str], data: bytes = bytes
     return _model(_init(_tensor("w", [4], external=entries)))
 
 
+def _output_with_type(type_proto: bytes) -> bytes:
+    """A model whose graph output ``y`` has the given ``TypeProto`` bytes."""
+    node = _f(1, LEN, _f(1, LEN, b"w") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
+    return _model(node, _init(_tensor("w", [2], raw=bytes(8))),
+                  _f(12, LEN, _f(1, LEN, b"y") + _f(2, LEN, type_proto)))
+
+
+#: ``TypeProto.tensor_type`` (elem_type float, shape [2]) whose length says 65535: found by the
+#: fuzz target (protobuf refuses the file: "Wire format was corrupt"; slim wrote it on).
+_TENSOR_TYPE = _f(1, VARINT, 1) + _f(2, LEN, _f(1, LEN, _f(1, VARINT, 2)))
+_BAD_TYPE = _key(1, LEN) + _varint(65535) + _TENSOR_TYPE
+
+
 LIARS = {
     "garbage": lambda tmp: b"\xff" * 40,
+    "output_type_length": lambda tmp: _output_with_type(_BAD_TYPE),
+    "output_shape_length": lambda tmp: _output_with_type(
+        _f(1, LEN, _f(1, VARINT, 1) + _key(2, LEN) + _varint(200) + _f(1, LEN, b""))),
     "group_wire_type": lambda tmp: _f(1, VARINT, 8) + _key(7, 3) + b"\x00",
     "length_past_eof": lambda tmp: _f(1, VARINT, 8) + _key(7, LEN) + _varint(10**9) + b"abc",
     "varint_too_long": lambda tmp: _f(1, VARINT, 8) + _key(5, VARINT) + b"\xff" * 11,
@@ -268,6 +284,15 @@ def test_lying_files_are_corrupt(tmp_path: Path, case: str) -> None:
         _read(p)
     assert info.value.format == "onnx"
     assert "Traceback" not in str(info.value)
+
+
+def test_output_types_parse_as_onnx_parses_them(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    good = _output_with_type(_f(1, LEN, _TENSOR_TYPE))
+    assert onnx.load_from_string(good).graph.output[0].type.tensor_type.elem_type == 1
+    assert _read(_write(tmp_path, good, "good.onnx")).file_bytes == len(good)
+    with pytest.raises(Exception, match=r"(?i)wire format|error parsing|protobuf"):
+        onnx.load_from_string(_output_with_type(_BAD_TYPE))
 
 
 def test_nested_subgraphs_within_limit(tmp_path: Path) -> None:

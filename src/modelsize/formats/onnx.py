@@ -487,11 +487,13 @@ class _Parser:
 
     def _value_info(self, f: Field) -> tuple[str, int]:
         """The name of a ``ValueInfoProto`` and the bytes of its doc_string and
-        metadata_props."""
+        metadata_props; its type is checked to parse."""
         name, debug = "", 0
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 name = _text(self.buf, g)
+            elif g.number == 2 and g.wire_type == LEN:
+                _check_message(self.buf, g.data_start, g.end, "TypeProto")
             elif g.number in (3, 4):
                 debug += g.nbytes
         return name, debug
@@ -795,6 +797,33 @@ class _Parser:
             elif g.number == 2 and g.wire_type == LEN:
                 value = _text(self.buf, g)
         return key, value
+
+
+#: The messages under a ``TypeProto`` (field number -> message, for the fields that are
+#: messages): protobuf parses them when it loads the model, so one that does not parse makes
+#: the whole file unloadable, though modelsize needs nothing from it.
+_TYPE_MESSAGES: dict[str, dict[int, str]] = {
+    "TypeProto": {1: "Tensor", 4: "Sequence", 5: "Map", 7: "Opaque", 8: "Tensor",
+                  9: "Sequence"},
+    "Tensor": {2: "TensorShapeProto"},
+    "Sequence": {1: "TypeProto"},
+    "Map": {2: "TypeProto"},
+    "TensorShapeProto": {1: "Dimension"},
+    "Dimension": {},
+    "Opaque": {},
+}
+
+
+def _check_message(buf: Buffer, start: int, end: int, kind: str, depth: int = 0) -> None:
+    """Raise :class:`ProtobufError` unless ``buf[start:end]`` parses as the message ``kind``
+    of :data:`_TYPE_MESSAGES` (with every message inside it)."""
+    if depth > MAX_GRAPH_DEPTH:
+        raise ProtobufError(f"types nested deeper than {MAX_GRAPH_DEPTH}", start)
+    inner = _TYPE_MESSAGES[kind]
+    for f in iter_fields(buf, start, end):
+        sub = inner.get(f.number)
+        if sub is not None and f.wire_type == LEN:
+            _check_message(buf, f.data_start, f.end, sub, depth + 1)
 
 
 def _text(buf: Buffer, f: Field) -> str:
