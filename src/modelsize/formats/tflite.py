@@ -231,6 +231,9 @@ class _Model:
     buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: buffer index -> metadata name.
     metadata: dict[int, str] = field(default_factory=dict)
+    #: buffers whose data vector is there but empty (the interpreter reads their tensors as
+    #: constants of no bytes).
+    empty_data: set[int] = field(default_factory=set)
     #: byte ranges outside the flatbuffer (large custom options): graph.
     graph_extra: list[tuple[int, int]] = field(default_factory=list)
     facts: dict[str, str] = field(default_factory=dict)
@@ -301,6 +304,8 @@ def _parse(flat: _Flat) -> _Model:
         offset, nbytes = b.scalar(_B_OFFSET, "Q"), b.scalar(_B_SIZE, "Q")
         if count:
             model.buffers[i] = (first, count)
+        elif first:
+            model.empty_data.add(i)
         elif offset > 1 and nbytes:  # a model past 2 GB: the bytes follow the flatbuffer
             flat.need(offset, nbytes, f"buffers[{i}] (offset {offset}, size {nbytes})")
             model.buffers[i] = (offset, nbytes)
@@ -405,6 +410,11 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     sparsity = _sparsity(flat, t, what, own)
     for k, variant in enumerate(t.tables(_T_VARIANTS, f"{what}.variant_tensors")):
         variant.ints(0, f"{what}.variant_tensors[{k}].shape")
+    if buffer in model.empty_data and all(d > 0 for d in shape) and (
+            DTYPES.get(TFLITE_DTYPES.get(type_id, ""))):
+        raise _Corrupt(f"{what} ({printable(name, 80)!r}) has shape {list(shape)}, but its "
+                       f"buffer {buffer} holds an empty data vector (the interpreter reads it "
+                       "as a constant of 0 bytes)", t.pos)
     if not constant:
         return
     if any(d < 0 for d in shape):
