@@ -589,3 +589,24 @@ def test_dropping_a_weight_a_legacy_layer_lists_is_refused(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []
     report = modelsize.slim(FIXTURES / "legacy.h5", tmp_path / "o.h5", drop=["optimizer_state"])
     assert report.verified
+
+
+def test_float_type_h5py_cannot_read_is_refused(tmp_path: Path) -> None:
+    """A float32 whose exponent bias is 2**30 (one integer changed by the fuzz target): h5py
+    cannot make it a NumPy dtype, so Keras cannot load it; slim failed with an internal error
+    (ValueError from h5py) before. Refused in one line, copied or rewritten."""
+    src = tmp_path / "odd.weights.h5"
+    odd = h5py.h5t.IEEE_F32LE.copy()
+    odd.set_ebias(1 << 30)
+    with h5py.File(src, "w") as f:
+        h5py.h5d.create(f.id, b"w", odd, h5py.h5s.create_simple((4,)))
+        f.create_dataset("v", data=np.ones(3, np.float32))
+    with h5py.File(src) as f, pytest.raises(ValueError, match="Insufficient precision"):
+        f["w"].dtype  # noqa: B018 - the property raises
+    for args in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(src), "-o", str(tmp_path / "o.weights.h5"), *args)
+        assert_one_line_error(proc, src)
+        assert "w is a floating type of no IEEE layout" in proc.stderr
+        assert not (tmp_path / "o.weights.h5").exists()
+    inv = modelsize.inspect(src).inventory
+    assert {t.name: t.dtype for t in inv.tensors} == {"w": "uint8", "v": "float32"}

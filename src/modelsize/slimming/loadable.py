@@ -12,9 +12,9 @@ output its framework refuses (a dtype NumPy cannot make, a member name Keras fin
 * ``.keras``: Keras 3's rules: member names unique, ``config.json`` a JSON object naming a class,
   ``metadata.json`` (if any) a JSON object, a ``model.weights.h5`` (already read back by
   modelsize's HDF5 reader), and every layer the weights name present in the config.
-* legacy Keras ``.h5`` (``keras.src.legacy.saving.legacy_h5_format``): the ``model_config``
+* Keras ``.h5`` (legacy: ``keras.src.legacy.saving.legacy_h5_format``): the ``model_config``
   attribute (if any) a JSON object naming a class; every layer ``layer_names`` lists a group,
-  and every weight its ``weight_names`` lists a dataset of that group.
+  and every weight its ``weight_names`` lists a dataset of that group; floats of IEEE layout.
 
 Each problem is one line; an empty list means the output loads as far as these rules go.
 """
@@ -236,6 +236,12 @@ def _keras_h5_problems(inv: Inventory) -> list[str]:
             if not (isinstance(doc, dict) and isinstance(doc.get("class_name"), str)):
                 problems.append("the model_config attribute is not a Keras model config (an "
                                 "object with class_name)")
+    odd = next((d.path for d in h5.datasets if d.dtype_class == "float" and d.dtype is None),
+               None)
+    if odd is not None:
+        problems.append(f"{printable(odd.lstrip('/'), 80)} is a floating type of no IEEE "
+                        "layout (h5py maps some to NumPy and refuses others; Keras writes "
+                        "IEEE floats)")
     datasets = {d.path for d in h5.datasets}
     for layer, group, weight in _listed(h5):
         if weight is None:

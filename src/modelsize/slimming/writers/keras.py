@@ -317,7 +317,13 @@ def _check(plan: Plan, src: Any, lay: _Layout) -> None:
         if not isinstance(obj, h5py.Dataset):
             raise UsageError(f"{where}: {printable(name)} is no longer a dataset of the input "
                              "(was it changed while slim ran?)")
-        if obj.dtype.hasobject:
+        try:
+            dtype = obj.dtype
+        except (ValueError, TypeError) as exc:  # a type h5py maps to no NumPy dtype
+            raise CorruptFileError(plan.inventory.path, plan.inventory.format,
+                                   f"{printable(name)}: h5py cannot read its HDF5 type "
+                                   f"({printable(str(exc), 120)})") from exc
+        if dtype.hasobject:
             raise UsageError(f"{where}: {printable(name)} holds variable-length or reference "
                              "HDF5 data, which cannot be copied byte for byte")
         filters = obj.id.get_create_plist().get_nfilters()
@@ -329,7 +335,7 @@ def _check(plan: Plan, src: Any, lay: _Layout) -> None:
                     f"--cast {t.dtype}: Keras keeps {t.dtype} in an opaque HDF5 type that "
                     "modelsize reads as bytes; use --cast float16"
                 )
-            if obj.dtype.byteorder == ">":
+            if dtype.byteorder == ">":
                 raise UsageError(f"{where}: {printable(name)} is big-endian; --cast cannot "
                                  "read it")
 
