@@ -85,6 +85,7 @@ def _emit(buf: bytearray, obj: Field) -> int:
 
 def tiny_model(shape: tuple[int, ...] = (2, 3), data: bytes = bytes(range(24)),
                buffer: int = 1, metadata: bytes = b"1.5.0\0", inputs: tuple[int, ...] = (1,),
+               metadata_buffer: int = 2, version: int = 3,
                ops: tuple[tuple[int, list[int], list[int]], ...] = ()) -> bytes:
     """A model of one subgraph with one float32 constant and one input, and one metadata
     buffer named ``min_runtime_version``; ``ops``: (opcode index, inputs, outputs) of
@@ -97,10 +98,10 @@ def tiny_model(shape: tuple[int, ...] = (2, 3), data: bytes = bytes(range(24)),
     subgraph = [("tables", tensors), ("ints", list(inputs)), ("ints", [1]),
                 ("tables", operators), ("str", "main")]
     model = [
-        ("u32", 3), ("tables", [[("u8", 0), None, None, ("u32", 0)]] if ops else []),
+        ("u32", version), ("tables", [[("u8", 0), None, None, ("u32", 0)]] if ops else []),
         ("tables", [subgraph]), ("str", "hand made"),
         ("tables", [[], [("bytes", data)], [("bytes", metadata)]]), None,
-        ("tables", [[("str", "min_runtime_version"), ("u32", 2)]]),
+        ("tables", [[("str", "min_runtime_version"), ("u32", metadata_buffer)]]),
     ]
     buf = bytearray(struct.pack("<I", 0) + b"TFL3")
     struct.pack_into("<I", buf, 0, _emit(buf, ("table", model)))
@@ -186,10 +187,13 @@ def test_sniffed_by_its_identifier_not_its_name(tmp_path: Path) -> None:
         # TF 2.21's interpreter: "required_bytes <= bytes was not true. Tensor 0 is invalidly
         # specified in schema" (an empty data vector makes its tensor a constant of 0 bytes).
         (tiny_model(data=b""), "buffer 1 holds an empty data vector"),
+        # slim --dedupe: "internal error: KeyError: (2147483647, 'raw')" before.
+        (tiny_model(metadata_buffer=2**31 - 1),
+         "refers to buffer 2147483647, but the model has 3"),
     ],
     ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset",
          "subgraph-input-index", "operator-input-index", "operator-output-index",
-         "operator-code-index", "empty-data-vector"],
+         "operator-code-index", "empty-data-vector", "metadata-buffer-index"],
 )
 def test_lying_models_are_refused(tmp_path: Path, data: bytes, reason: str) -> None:
     with pytest.raises(CorruptFileError, match=reason.replace("[", r"\[").replace("]", r"\]")):

@@ -619,6 +619,20 @@ def test_newer_schema_model_is_refused_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "out.tflite").exists()
 
 
+@pytest.mark.parametrize("version", [1, 768])
+def test_schema_version_the_interpreter_refuses_is_refused(tmp_path: Path, version: int) -> None:
+    """The interpreter reads schema version 3 only ("Model provided is schema version 1 not
+    equal to supported version 3"); slim copied or rewrote such models, exit 0, before (found
+    by the fuzz target)."""
+    path = tmp_path / "old.tflite"
+    path.write_bytes(tiny_model(version=version))
+    for args in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(path), *args, "-o", str(tmp_path / "out.tflite"))
+        assert_one_line_error(proc, path)
+        assert f"schema version {version}: the TFLite interpreter reads version 3" in proc.stderr
+        assert not (tmp_path / "out.tflite").exists()
+
+
 def test_dropping_a_constant_is_refused(models: dict[str, Path], tmp_path: Path) -> None:
     """The converter's int32 shape constants are ``buffers``; operators read them."""
     proc = run_cli("slim", str(models["conv"]), "--drop", "buffers", "-o",

@@ -312,8 +312,15 @@ def _parse(flat: _Flat) -> _Model:
 
     for i, m in enumerate(root.tables(_M_METADATA, "metadata")):
         name = m.string(0, f"metadata[{i}].name") or f"metadata[{i}]"
-        model.metadata.setdefault(m.scalar(1, "I"), name)
+        index = m.scalar(1, "I")
+        if index >= len(buffer_tables):
+            raise _Corrupt(f"metadata[{i}] ({printable(name, 80)!r}) refers to buffer {index}, "
+                           f"but the model has {len(buffer_tables)}", m.pos)
+        model.metadata.setdefault(index, name)
     for index in root.ints(_M_METADATA_BUFFER, "metadata_buffer"):
+        if not 0 <= index < len(buffer_tables):
+            raise _Corrupt(f"metadata_buffer names buffer {index}, but the model has "
+                           f"{len(buffer_tables)}", root.pos)
         model.metadata.setdefault(index, "metadata_buffer")
 
     codes = []

@@ -16,6 +16,8 @@ output its framework refuses (a dtype NumPy cannot make, a member name Keras fin
   attribute (if any) a JSON object naming a class; every layer ``layer_names`` lists a group,
   and every weight its ``weight_names`` lists a dataset of that group; floats of IEEE layout.
 
+* ``.tflite``: schema version 3, the only one the interpreter reads.
+
 Each problem is one line; an empty list means the output loads as far as these rules go.
 """
 
@@ -40,7 +42,7 @@ def problems_loading(inv: Inventory) -> list[str]:
     """Why the framework's loader would refuse ``inv``'s files (empty: it would not)."""
     checks: dict[str, Callable[[Inventory], list[str]]] = {
         "npy": _npy_problems, "npz": _npz_problems, "keras": _keras_problems,
-        "keras-h5": _keras_h5_problems,
+        "keras-h5": _keras_h5_problems, "tflite": _tflite_problems,
     }
     check = checks.get(inv.format)
     return check(inv) if check is not None else []
@@ -300,3 +302,13 @@ def _names(attrs: dict[str, Any], name: str) -> list[str]:
         elif isinstance(value, str):
             out.append(value)
     return out
+
+
+def _tflite_problems(inv: Inventory) -> list[str]:
+    """The interpreter reads schema version 3 only ("Model provided is schema version N not
+    equal to supported version 3")."""
+    version = inv.facts.get("tflite.schema_version")
+    if version is not None and version != "3":
+        return [f"schema version {printable(version, 20)}: the TFLite interpreter reads "
+                "version 3 only"]
+    return []
