@@ -86,13 +86,14 @@ def _emit(buf: bytearray, obj: Field) -> int:
 def tiny_model(shape: tuple[int, ...] = (2, 3), data: bytes = bytes(range(24)),
                buffer: int = 1, metadata: bytes = b"1.5.0\0", inputs: tuple[int, ...] = (1,),
                metadata_buffer: int = 2, version: int = 3,
+               input_shape: tuple[int, ...] = (1, 3),
                ops: tuple[tuple[int, list[int], list[int]], ...] = ()) -> bytes:
     """A model of one subgraph with one float32 constant and one input, and one metadata
     buffer named ``min_runtime_version``; ``ops``: (opcode index, inputs, outputs) of
     operators, with one operator code (ADD)."""
     tensors = [
         [("ints", list(shape)), ("u8", 0), ("u32", buffer), ("str", "dense/kernel")],
-        [("ints", [1, 3]), ("u8", 0), ("u32", 0), ("str", "input")],
+        [("ints", list(input_shape)), ("u8", 0), ("u32", 0), ("str", "input")],
     ]
     operators = [[("u32", code), ("ints", ins), ("ints", outs)] for code, ins, outs in ops]
     subgraph = [("tables", tensors), ("ints", list(inputs)), ("ints", [1]),
@@ -190,10 +191,13 @@ def test_sniffed_by_its_identifier_not_its_name(tmp_path: Path) -> None:
         # slim --dedupe: "internal error: KeyError: (2147483647, 'raw')" before.
         (tiny_model(metadata_buffer=2**31 - 1),
          "refers to buffer 2147483647, but the model has 3"),
+        # The interpreter: "BytesRequired number of elements overflowed".
+        (tiny_model(input_shape=(-2**31, 3)), "whose bytes overflow 64 bits"),
     ],
     ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset",
          "subgraph-input-index", "operator-input-index", "operator-output-index",
-         "operator-code-index", "empty-data-vector", "metadata-buffer-index"],
+         "operator-code-index", "empty-data-vector", "metadata-buffer-index",
+         "activation-shape-overflow"],
 )
 def test_lying_models_are_refused(tmp_path: Path, data: bytes, reason: str) -> None:
     with pytest.raises(CorruptFileError, match=reason.replace("[", r"\[").replace("]", r"\]")):

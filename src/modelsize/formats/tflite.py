@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,8 +417,11 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     sparsity = _sparsity(flat, t, what, own)
     for k, variant in enumerate(t.tables(_T_VARIANTS, f"{what}.variant_tensors")):
         variant.ints(0, f"{what}.variant_tensors[{k}].shape")
-    if buffer in model.empty_data and all(d > 0 for d in shape) and (
-            DTYPES.get(TFLITE_DTYPES.get(type_id, ""))):
+    dt = DTYPES.get(TFLITE_DTYPES.get(type_id, ""))
+    if dt is not None and _overflows(shape, dt.nbytes):
+        raise _Corrupt(f"{what} ({printable(name, 80)!r}) has shape {list(shape)}, whose bytes "
+                       "overflow 64 bits (the interpreter refuses it)", t.pos)
+    if buffer in model.empty_data and all(d > 0 for d in shape) and dt is not None:
         raise _Corrupt(f"{what} ({printable(name, 80)!r}) has shape {list(shape)}, but its "
                        f"buffer {buffer} holds an empty data vector (the interpreter reads it "
                        "as a constant of 0 bytes)", t.pos)
@@ -431,6 +434,17 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     model.tensors.append(Constant(prefix + name, dtype, shape, buffer, quantized,
                                   bool(t.scalar(_T_VARIABLE, "B")), bool(sparsity), *where,
                                   sparsity))
+
+
+def _overflows(shape: tuple[int, ...], nbytes: Callable[[int], int]) -> bool:
+    """Whether the interpreter's ``BytesRequired`` overflows: each dimension taken as a
+    ``size_t`` (a negative one is huge), their product and its bytes past 64 bits."""
+    count = 1
+    for d in shape:
+        count *= d % (1 << 64)
+        if count >= 1 << 64:
+            return True
+    return nbytes(count) >= 1 << 64
 
 
 def _quantization(flat: _Flat, t: _Table, what: str, category: Category) -> str:
