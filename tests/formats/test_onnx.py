@@ -241,8 +241,18 @@ _TENSOR_TYPE = _f(1, VARINT, 1) + _f(2, LEN, _f(1, LEN, _f(1, VARINT, 2)))
 _BAD_TYPE = _key(1, LEN) + _varint(65535) + _TENSOR_TYPE
 
 
+#: ``metadata_props`` whose value's length (9) runs past its entry: found by the fuzz target.
+_BAD_ENTRY = _f(1, LEN, b"k") + _key(2, LEN) + _varint(9) + b"v"
+
+
+def _with_metadata(entry: bytes, number: int = 14) -> bytes:
+    """A valid model with one ``metadata_props`` entry (ModelProto field 14)."""
+    return _output_with_type(_f(1, LEN, _TENSOR_TYPE)) + _f(number, LEN, entry)
+
+
 LIARS = {
     "garbage": lambda tmp: b"\xff" * 40,
+    "metadata_props_value_length": lambda tmp: _with_metadata(_BAD_ENTRY),
     "output_type_length": lambda tmp: _output_with_type(_BAD_TYPE),
     "output_shape_length": lambda tmp: _output_with_type(
         _f(1, LEN, _f(1, VARINT, 1) + _key(2, LEN) + _varint(200) + _f(1, LEN, b""))),
@@ -291,8 +301,12 @@ def test_output_types_parse_as_onnx_parses_them(tmp_path: Path) -> None:
     good = _output_with_type(_f(1, LEN, _TENSOR_TYPE))
     assert onnx.load_from_string(good).graph.output[0].type.tensor_type.elem_type == 1
     assert _read(_write(tmp_path, good, "good.onnx")).file_bytes == len(good)
-    with pytest.raises(Exception, match=r"(?i)wire format|error parsing|protobuf"):
-        onnx.load_from_string(_output_with_type(_BAD_TYPE))
+    for bad in (_output_with_type(_BAD_TYPE), _with_metadata(_BAD_ENTRY)):
+        with pytest.raises(Exception, match=r"(?i)wire format|error parsing|protobuf"):
+            onnx.load_from_string(bad)
+    good = _with_metadata(_f(1, LEN, b"k") + _f(2, LEN, b"v"))
+    assert onnx.load_from_string(good).metadata_props[0].value == "v"
+    assert _read(_write(tmp_path, good, "meta.onnx")).file_bytes == len(good)
 
 
 def test_nested_subgraphs_within_limit(tmp_path: Path) -> None:

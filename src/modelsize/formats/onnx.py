@@ -414,6 +414,8 @@ class _Parser:
                 model.facts["onnx.producer"] = printable(_text(buf, f), 80)
             elif f.number == 3 and f.wire_type == LEN:
                 model.facts["onnx.producer_version"] = printable(_text(buf, f), 40)
+            elif f.number == 14 and f.wire_type == LEN:
+                _check_message(buf, f.data_start, f.end, "StringStringEntryProto")
             elif f.number == 8 and f.wire_type == LEN:
                 opsets.append(self._opset(f))
             elif f.number == MODEL_GRAPH:
@@ -474,6 +476,8 @@ class _Parser:
                     (site.inputs if f.number == 11 else site.outputs).append(name)
             elif f.number in (10, 16):  # doc_string, metadata_props
                 site.debug += f.nbytes
+                if f.number == 16 and f.wire_type == LEN:
+                    _check_message(self.buf, f.data_start, f.end, "StringStringEntryProto")
             elif f.number == 5:
                 _expect(f, LEN, "GraphProto.initializer")
                 name, _ = self.tensor(f.data_start, f.end, scope, None,
@@ -496,6 +500,8 @@ class _Parser:
                 _check_message(self.buf, g.data_start, g.end, "TypeProto")
             elif g.number in (3, 4):
                 debug += g.nbytes
+                if g.number == 4 and g.wire_type == LEN:
+                    _check_message(self.buf, g.data_start, g.end, "StringStringEntryProto")
         return name, debug
 
     def function(self, f: Field) -> None:
@@ -531,6 +537,8 @@ class _Parser:
                 site.domain = _text(self.buf, g)
             elif g.number in (6, 9):  # doc_string, metadata_props
                 site.debug += g.nbytes
+                if g.number == 9 and g.wire_type == LEN:
+                    _check_message(self.buf, g.data_start, g.end, "StringStringEntryProto")
             elif g.number == 5:
                 _expect(g, LEN, "NodeProto.attribute")
                 attributes.append(g)
@@ -799,9 +807,9 @@ class _Parser:
         return key, value
 
 
-#: The messages under a ``TypeProto`` (field number -> message, for the fields that are
-#: messages): protobuf parses them when it loads the model, so one that does not parse makes
-#: the whole file unloadable, though modelsize needs nothing from it.
+#: The messages under a ``TypeProto``, and ``metadata_props`` entries (field number -> message,
+#: for the fields that are messages): protobuf parses them when it loads the model, so one
+#: that does not parse makes the whole file unloadable, though modelsize needs nothing from it.
 _TYPE_MESSAGES: dict[str, dict[int, str]] = {
     "TypeProto": {1: "Tensor", 4: "Sequence", 5: "Map", 7: "Opaque", 8: "Tensor",
                   9: "Sequence"},
@@ -811,6 +819,7 @@ _TYPE_MESSAGES: dict[str, dict[int, str]] = {
     "TensorShapeProto": {1: "Dimension"},
     "Dimension": {},
     "Opaque": {},
+    "StringStringEntryProto": {},
 }
 
 
