@@ -408,6 +408,24 @@ def test_unknown_byteorder_is_refused(saved: Path, tmp_path: Path, value: bytes)
     expect_corrupt(bad, "model/byteorder says")
 
 
+@pytest.mark.parametrize("value", [b"x3\n", b"0\n", b""])
+def test_version_record_torch_cannot_read_is_refused(saved: Path, tmp_path: Path,
+                                                     value: bytes) -> None:
+    bad = tmp_path / "version.pt"
+    rewrite(saved, bad, {"model/version": value})
+    with pytest.raises(RuntimeError, match="version"):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, "model/version says")
+
+
+def test_version_record_of_a_newer_torch_is_read(saved: Path, tmp_path: Path) -> None:
+    newer = tmp_path / "newer.pt"
+    rewrite(saved, newer, {"model/version": b"33\n"})
+    with pytest.raises(RuntimeError, match="maximum supported version"):
+        torch.load(newer, weights_only=True)
+    assert read(newer).format == "pytorch"
+
+
 def test_member_flagged_encrypted_is_refused(saved: Path) -> None:
     data = bytearray(saved.read_bytes())
     at = data.find(b"PK\x01\x02")  # the central directory records, in order

@@ -18,6 +18,7 @@ costs nothing next to parsing the pickle. Storages are tensor data, never read, 
 
 from __future__ import annotations
 
+import re
 import struct
 
 from modelsize.categories import Category
@@ -52,6 +53,10 @@ _RECORDS = frozenset(
     {"version", "byteorder", ".format_version", ".storage_alignment",
      ".data/serialization_id", ".data/version"}
 )
+
+
+#: What ``std::stoull`` reads of a version record: blanks, a sign, digits (the rest ignored).
+_VERSION = re.compile(r"[ \t\n\v\f\r]*[+-]?(\d+)")
 
 
 def _first_member_name(head: bytes) -> str:
@@ -156,6 +161,9 @@ class _ZipRead:
             elif rel == "byteorder":
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 self.byteorder(m)
+            elif rel in ("version", ".data/version"):
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.version(m)
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 charged.append(m)
@@ -177,6 +185,20 @@ class _ZipRead:
             raise self.builder.corrupt(
                 f"{member.name} says '{printable(value.decode('utf-8', 'replace'), 40)}', where "
                 "torch.load accepts 'little' or 'big'", member.data_offset)
+
+    def version(self, member: _zip.Member) -> None:
+        """The archive's version record: a number from 1, as torch reads it (``std::stoull``:
+        "Couldn't parse the version ... as Long Long"). A number past the versions this torch
+        reads is a newer torch's archive, not a corrupt one."""
+        if member.file_size > 64:
+            raise self.builder.corrupt(f"{member.name} is {member.file_size} bytes, where torch "
+                                       "writes a version number", member.data_offset)
+        text = _zip.read_member(self.path, member, self.builder).decode("latin-1")
+        m = _VERSION.match(text)
+        if m is None or int(m.group(1)) == 0:
+            raise self.builder.corrupt(
+                f"{member.name} says '{printable(text, 40)}', where torch.load needs a version "
+                "number from 1", member.data_offset)
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
         """Record the unsafe globals of a side pickle whose tensors are not itemized."""
