@@ -403,15 +403,17 @@ class Harness:
 #: Refusals of a framework that lie beyond a file's structure: what only building or running
 #: the model finds (an operator's arity or shapes, a graph's order or types, an operator no
 #: runtime has, a layer's config), or what a newer framework may read (an ONNX IR version, a
-#: ggml type modelsize reads with a note). Where the input is refused with the same words,
-#: slim kept what it was given: the case is counted "kept as given", not failed.
+#: torch archive version, a ggml type modelsize reads with a note). Where the input is refused
+#: alike, slim kept what it was given: the case is counted "kept as given", not failed.
 BEYOND_THE_FILE: dict[str, re.Pattern[str]] = {
     "onnx": re.compile(r"ShapeInferenceError|is higher than the checker|topologically sorted|"
                        r"No Op registered|Unrecognized type value case|ValidationError: Field|"
                        r"ValidationError: Node|TypeInferenceError|INVALID_GRAPH|"
                        r"NOT_IMPLEMENTED|ValidationError: Graph|Unrecognized attribute|"
                        r"ValidationError: .*(opset|domain|attribute|input|output|type)"),
-    "tf:tflite": re.compile(r"failed to prepare|Didn't find op|Encountered unresolved custom op"),
+    "tf:tflite": re.compile(r"failed to prepare|Didn't find op|Encountered unresolved custom op|"
+                            r"is both input \d+ and output"),
+    "torch": re.compile(r"maximum supported version for reading"),
     "tf:keras": re.compile(r"."),
     "tf:keras-weights": re.compile(r"expects \d+ weight|Layer .* weight|shape mismatch"),
     "gguf": re.compile(r"is not a valid GGMLQuantizationType"),
