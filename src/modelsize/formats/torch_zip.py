@@ -108,6 +108,10 @@ class _ZipRead:
     def run(self) -> Inventory:
         b = self.builder
         items = _zip.members(self.path, b, infos=self.source.zip_infos())
+        odd = next((m for m in items if m.method not in (_zip.STORED, _zip.DEFLATED)), None)
+        if odd is not None:  # torch's miniz reads no other ("unsupported method")
+            raise b.corrupt(f"member {odd.name!r} uses compression method {odd.method}; "
+                            "torch reads stored and deflated members", odd.header_offset)
         self.members = {m.name: m for m in items}
         data_pkl = next((m for m in items if _is_data_pkl(m.name)), None)
         if data_pkl is None:
@@ -164,6 +168,9 @@ class _ZipRead:
             elif rel in ("version", ".data/version"):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 self.version(m)
+            elif rel == ".storage_alignment":
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.alignment(m)
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 charged.append(m)
@@ -199,6 +206,17 @@ class _ZipRead:
             raise self.builder.corrupt(
                 f"{member.name} says '{printable(text, 40)}', where torch.load needs a version "
                 "number from 1", member.data_offset)
+
+    def alignment(self, member: _zip.Member) -> None:
+        """The ``.storage_alignment`` record: ``torch.load`` reads it with ``int()``."""
+        value = _zip.read_member(self.path, member, self.builder) if member.file_size <= 64 \
+            else b""
+        try:
+            int(value)
+        except ValueError:
+            raise self.builder.corrupt(
+                f"{member.name} says '{printable(value.decode('latin-1'), 40)}', where torch.load "
+                "reads an integer", member.data_offset) from None
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
         """Record the unsafe globals of a side pickle whose tensors are not itemized."""
