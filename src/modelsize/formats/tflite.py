@@ -9,7 +9,8 @@ A flatbuffer starts with the offset of its root table and, at bytes 4..8, the fi
     Tensor { shape, type, buffer, name, quantization, is_variable, sparsity, shape_signature }
     Buffer { data: [ubyte], offset: ulong, size: ulong }
 
-A tensor whose ``buffer`` has bytes is a constant; buffer 0 is the empty sentinel, and the
+A tensor whose ``buffer`` has a data vector (an empty one too: the interpreter reads a constant
+of 0 bytes) is a constant; buffer 0 is the empty sentinel, and the
 tensors without bytes (inputs, activations) are counted, not listed. A buffer's bytes are the
 ``data`` vector, or, in a model past 2 GB, ``size`` bytes at file offset ``offset`` after the
 flatbuffer. Accounting:
@@ -231,9 +232,6 @@ class _Model:
     buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: buffer index -> metadata name.
     metadata: dict[int, str] = field(default_factory=dict)
-    #: buffers whose data vector is there but empty (the interpreter reads their tensors as
-    #: constants of no bytes).
-    empty_data: set[int] = field(default_factory=set)
     #: byte ranges outside the flatbuffer (large custom options): graph.
     graph_extra: list[tuple[int, int]] = field(default_factory=list)
     facts: dict[str, str] = field(default_factory=dict)
@@ -302,10 +300,8 @@ def _parse(flat: _Flat) -> _Model:
     for i, b in enumerate(buffer_tables):
         first, count = b.vector(_B_DATA, 1, f"buffers[{i}].data", Category.METADATA)
         offset, nbytes = b.scalar(_B_OFFSET, "Q"), b.scalar(_B_SIZE, "Q")
-        if count:
+        if count or (first and i):  # an empty data vector too: a constant of 0 bytes
             model.buffers[i] = (first, count)
-        elif first:
-            model.empty_data.add(i)
         elif offset > 1 and nbytes:  # a model past 2 GB: the bytes follow the flatbuffer
             flat.need(offset, nbytes, f"buffers[{i}] (offset {offset}, size {nbytes})")
             model.buffers[i] = (offset, nbytes)
@@ -421,10 +417,6 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     if dt is not None and _overflows(shape, dt.nbytes):
         raise _Corrupt(f"{what} ({printable(name, 80)!r}) has shape {list(shape)}, whose bytes "
                        "overflow 64 bits (the interpreter refuses it)", t.pos)
-    if buffer in model.empty_data and all(d > 0 for d in shape) and dt is not None:
-        raise _Corrupt(f"{what} ({printable(name, 80)!r}) has shape {list(shape)}, but its "
-                       f"buffer {buffer} holds an empty data vector (the interpreter reads it "
-                       "as a constant of 0 bytes)", t.pos)
     if not constant:
         return
     if any(d < 0 for d in shape):

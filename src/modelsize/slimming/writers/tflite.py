@@ -323,6 +323,8 @@ class _Rewrite:
             reason = (f"{t.record.dtype} has no float16 dequantization in TFLite"
                       if t.record.dtype != "float32" else blocked.get(
                           (const.subgraph, const.index)))
+            if reason is None and t.record.nbytes == 0:
+                reason = "no elements (nothing to narrow)"
             if reason is not None:
                 t.dtype = t.record.dtype
                 skipped.setdefault(reason, []).append(t.name)
