@@ -13,6 +13,7 @@ import pytest
 import modelsize
 from modelsize import Category
 from modelsize.errors import UsageError
+from tests.conftest import assert_one_line_error, run_cli
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -186,3 +187,24 @@ def test_to_npz_from_torch(tmp_path: Path) -> None:
     got = np.load(tmp_path / "t.npz")
     assert set(got.files) == set(sd)
     assert np.array_equal(got["x.weight"], sd["x.weight"].numpy())
+
+
+def test_bytes_no_tensor_claims_are_not_copied(tmp_path: Path) -> None:
+    """A byte after the last tensor (the fuzz target made one by shortening the header length):
+    the safetensors library refuses the file. Nothing to dedupe copied it as it was (exit 0)
+    before; now refused, and the default slim (which drops those bytes) writes a file the
+    library loads."""
+    from safetensors import SafetensorError, safe_open
+
+    src = tmp_path / "stray.safetensors"
+    safetensors_numpy.save_file({"w": np.arange(6, dtype=np.float32)}, str(src))
+    src.write_bytes(src.read_bytes() + b"\x00")
+    with pytest.raises(SafetensorError, match="not fully covered"):
+        safe_open(str(src), "np")
+    proc = run_cli("slim", str(src), "--dedupe", "-o", str(tmp_path / "o.safetensors"))
+    assert_one_line_error(proc, src)
+    assert "1 bytes of the data area belong to no tensor" in proc.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+    modelsize.slim(src, tmp_path / "fixed.safetensors")
+    with safe_open(str(tmp_path / "fixed.safetensors"), "np") as f:
+        assert np.array_equal(f.get_tensor("w"), np.arange(6, dtype=np.float32))

@@ -17,6 +17,8 @@ output its framework refuses (a dtype NumPy cannot make, a member name Keras fin
   and every weight its ``weight_names`` lists a dataset of that group; floats of IEEE layout.
 
 * ``.tflite``: schema version 3, the only one the interpreter reads.
+* ``.safetensors``: tensors that cover the data area, no byte left over (the library's
+  "incomplete metadata, file not fully covered").
 
 Each problem is one line; an empty list means the output loads as far as these rules go.
 """
@@ -43,6 +45,7 @@ def problems_loading(inv: Inventory) -> list[str]:
     checks: dict[str, Callable[[Inventory], list[str]]] = {
         "npy": _npy_problems, "npz": _npz_problems, "keras": _keras_problems,
         "keras-h5": _keras_h5_problems, "tflite": _tflite_problems,
+        "safetensors": _safetensors_problems, "safetensors-index": _safetensors_problems,
     }
     check = checks.get(inv.format)
     return check(inv) if check is not None else []
@@ -312,3 +315,14 @@ def _tflite_problems(inv: Inventory) -> list[str]:
         return [f"schema version {printable(version, 20)}: the TFLite interpreter reads "
                 "version 3 only"]
     return []
+
+
+def _safetensors_problems(inv: Inventory) -> list[str]:
+    """Data-area bytes no tensor claims: the safetensors library refuses the file."""
+    from modelsize.formats.safetensors import STRAY
+
+    stray = next((r for r in inv.regions if r.label == STRAY), None)
+    if stray is None:
+        return []
+    return [f"{printable(inv.files[stray.file].path.name, 80)}: {stray.nbytes} bytes of the data "
+            "area belong to no tensor (the safetensors library: 'file not fully covered')"]
