@@ -253,6 +253,13 @@ def _with_metadata(entry: bytes, number: int = 14) -> bytes:
 LIARS = {
     "garbage": lambda tmp: b"\xff" * 40,
     "metadata_props_value_length": lambda tmp: _with_metadata(_BAD_ENTRY),
+    # Found by the fuzz target; the checker refuses both ("does not have an ir_version set
+    # properly", "should contain one and only one value field").
+    "ir_version_0": lambda tmp: _f(1, VARINT, 0) + _model(
+        _init(_tensor("w", [2], raw=bytes(8))))[2:],
+    "data_location_unknown": lambda tmp: _model(_init(
+        _tensor("w", [4], external={"location": "w.bin", "offset": "0", "length": "16"})
+        .replace(_f(14, VARINT, 1), _f(14, VARINT, 2)))),
     "output_type_length": lambda tmp: _output_with_type(_BAD_TYPE),
     "output_shape_length": lambda tmp: _output_with_type(
         _f(1, LEN, _f(1, VARINT, 1) + _key(2, LEN) + _varint(200) + _f(1, LEN, b""))),
@@ -307,6 +314,20 @@ def test_output_types_parse_as_onnx_parses_them(tmp_path: Path) -> None:
     good = _with_metadata(_f(1, LEN, b"k") + _f(2, LEN, b"v"))
     assert onnx.load_from_string(good).metadata_props[0].value == "v"
     assert _read(_write(tmp_path, good, "meta.onnx")).file_bytes == len(good)
+
+
+@pytest.mark.parametrize("case", ["ir_version_0", "data_location_unknown"])
+def test_the_onnx_checker_refuses_them_too(tmp_path: Path, case: str) -> None:
+    onnx = pytest.importorskip("onnx")
+    p = _write(tmp_path, LIARS[case](tmp_path))
+    (tmp_path / "w.bin").write_bytes(bytes(16))
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(onnx.load(str(p), load_external_data=False))
+
+
+def test_a_tensor_of_no_elements_holds_no_data(tmp_path: Path) -> None:
+    p = _write(tmp_path, _model(_init(_tensor("w", [0, 3]))))
+    assert [(t.name, t.shape, t.nbytes) for t in _read(p).tensors] == [("w", (0, 3), 0)]
 
 
 def test_nested_subgraphs_within_limit(tmp_path: Path) -> None:

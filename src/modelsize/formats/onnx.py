@@ -408,6 +408,8 @@ class _Parser:
         for f in iter_fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == VARINT:
                 known = True
+                if f.value == 0:  # the checker: "does not have an ir_version set properly"
+                    raise ProtobufError("ir_version 0: ONNX IR versions start at 1", f.start)
                 model.facts["onnx.ir_version"] = str(f.value)
                 structure.ir_version = f.value
             elif f.number == 2 and f.wire_type == LEN:
@@ -718,6 +720,11 @@ class _Parser:
         elif typed:
             self._typed(name, dtype, data_type, shape, category, typed)
         else:
+            if numel(shape):  # the checker: "should contain one and only one value field"
+                raise ProtobufError(
+                    f"tensor {printable(name)!r} ({dtype}{list(shape)}) holds no data"
+                    + (f" (external_data without data_location EXTERNAL, {location})"
+                       if external else ""), start)
             self.model.tensors.append(
                 _Tensor(name, dtype, shape, category, start, 0, has_storage=False)
             )
