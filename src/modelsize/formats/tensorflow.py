@@ -32,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -782,6 +783,9 @@ class _Bundle:
         # Entries naming the same bytes (a deduplicated bundle) view one storage.
         ranges: dict[tuple[int, int, int], str] = {}
         for entry in entries:
+            if not 0 < entry.dtype < 200:  # DataType values and their _REF twins (+100)
+                raise self.corrupt(f"{_name(entry)} has dtype {entry.dtype}, which is not a "
+                                   "TensorFlow DataType")
             if entry.slices:
                 continue  # a partitioned variable's data lives in its slice entries
             if not 0 <= entry.shard < shard_files:
@@ -838,6 +842,30 @@ class _Bundle:
                     f"{'lists' if odd in listed else 'does not list'} the slice "
                     f"{_slice_label(base, odd)}, which the bundle "
                     f"{'does not hold' if odd in listed else 'holds'}")
+            _check_cover(base, full, self.corrupt)
+
+
+def _check_cover(base: str, full: Entry, corrupt: Callable[[str], CorruptFileError]) -> None:
+    """A partitioned variable's slices lie inside its shape and cover it (their volumes add up
+    to its own), as restoring it needs ("Does not have sufficient slices")."""
+    shape = full.shape
+    volume = 0
+    for extents in full.slices:
+        if len(extents) != len(shape):
+            raise corrupt(f"partitioned variable {printable(base)} of shape {list(shape)} lists "
+                          f"a slice of rank {len(extents)}")
+        n = 1
+        for (start, length), dim in zip(extents, shape, strict=True):
+            length = dim if length < 0 else length
+            if start < 0 or start + length > dim or (length == dim and start):
+                raise corrupt(f"partitioned variable {printable(base)} of shape {list(shape)} "
+                              f"lists the slice {_slice_label(base, extents)}, outside it")
+            n *= length
+        volume += n
+    if volume != numel(shape):
+        raise corrupt(f"the slices of partitioned variable {printable(base)} hold {volume} "
+                      f"elements, its shape {list(shape)} {numel(shape)} (TensorFlow cannot "
+                      "restore it)")
 
 
 def _name(entry: Entry) -> str:
