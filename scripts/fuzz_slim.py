@@ -71,6 +71,7 @@ def main() -> int:
             table: dict[str, collections.Counter[str]] = {}
             t0 = time.monotonic()
             failures = 0
+            worst: dict[str, tuple[int, float]] = {}
             for seed in chosen:
                 counts = table.setdefault(seed.name, collections.Counter())
                 for res in harness.run_unmutated(h, seed):
@@ -78,13 +79,18 @@ def main() -> int:
                         where = harness.write_reproducer(res, args.out)
                         print(f"SEED FAILS {res.summary()}\n     -> {where}", flush=True)
                 for res in harness.run_seed(h, seed, per_seed, args.seed, args.start):
+                    peak, secs = worst.get(seed.name, (0, 0.0))
+                    worst[seed.name] = (max(peak, res.peak), max(secs, res.seconds))
                     counts[res.outcome] += 1
                     if res.failed:
                         failures += 1
                         counts["FAILED"] += 1
                         where = harness.write_reproducer(res, args.out)
                         print(f"FAIL {res.summary()}\n     -> {where}", flush=True)
-                print(f"{seed.name}: {dict(counts)} ({time.monotonic() - t0:.0f} s)", flush=True)
+                peak, secs = worst.get(seed.name, (0, 0.0))
+                print(f"{seed.name}: {dict(counts)}; largest peak RSS {peak / 2**20:.0f} MiB, "
+                      f"slowest command {secs:.2f} s ({time.monotonic() - t0:.0f} s)",
+                      flush=True)
             if h.unchecked:
                 print(f"not checked by their framework (no TensorFlow venv): {h.unchecked}")
     print(f"{sum(sum(c.values()) - c['FAILED'] for c in table.values())} cases, "

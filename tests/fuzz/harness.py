@@ -210,6 +210,18 @@ class Result:
     def failed(self) -> bool:
         return bool(self.problems)
 
+    @property
+    def peak(self) -> int:
+        """The largest peak RSS of its commands (bytes)."""
+        return max((r.get("peak", 0) for r in self.runs.values() if isinstance(r, dict)),
+                   default=0)
+
+    @property
+    def seconds(self) -> float:
+        """The longest of its commands (seconds)."""
+        return max((float(r.get("secs", 0)) for r in self.runs.values() if isinstance(r, dict)),
+                   default=0.0)
+
     def summary(self) -> str:
         c = self.case
         return (f"{c.seed}#{c.index} [{' '.join(c.variant.args) or 'default'}] {c.target}: "
@@ -415,7 +427,8 @@ BEYOND_THE_FILE: dict[str, re.Pattern[str]] = {
                             r"is both input \d+ and output"),
     "torch": re.compile(r"maximum supported version for reading"),
     "tf:keras": re.compile(r"."),
-    "tf:keras-weights": re.compile(r"expects \d+ weight|Layer .* weight|shape mismatch"),
+    "tf:keras-weights": re.compile(r"objects could not be loaded|expects \d+ weight|"
+                                   r"Layer .* weight|shape mismatch"),
     "gguf": re.compile(r"is not a valid GGMLQuantizationType"),
 }
 #: What is the file's structure whatever the loader: never "beyond the file".
