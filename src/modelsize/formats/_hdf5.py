@@ -567,6 +567,8 @@ class _Reader:
     def _vlen_attribute(self, name: str, raw: bytes, count: int, dt: bytes) -> Attribute:
         """Variable-length strings live in global heap collections; find their bytes."""
         is_string = bool(dt) and (dt[1] & 0x0F) == 1
+        # Bytes per element of the sequence: 1 for a string, the base type's size otherwise.
+        base = 1 if is_string or len(dt) < 16 else int.from_bytes(dt[12:16], "little")
         step = 4 + self.offset_size + 4
         ranges: list[tuple[int, int]] = []
         texts: list[str] = []
@@ -580,6 +582,10 @@ class _Reader:
                 texts.append("")
                 continue
             where, size = self._heap_object(collection, index)
+            if length * base != size:  # HDF5 allocates length * base before it checks
+                raise HDF5Error(f"attribute {name!r}: variable-length value {i} claims "
+                                f"{length * base} bytes, its global heap object holds {size}",
+                                collection)
             ranges.append((where, size))
             total += size
             if is_string and total <= _DECODE_LIMIT:
