@@ -610,3 +610,32 @@ def test_float_type_h5py_cannot_read_is_refused(tmp_path: Path) -> None:
         assert not (tmp_path / "o.weights.h5").exists()
     inv = modelsize.inspect(src).inventory
     assert {t.name: t.dtype for t in inv.tensors} == {"w": "uint8", "v": "float32"}
+
+
+def test_member_whose_crc_reads_zero_is_refused(tmp_path: Path) -> None:
+    """A central CRC-32 of 0 (torch's "none recorded"): zipfile, so Keras, checks it as it is
+    ("Bad CRC-32"). The loader rules let the BadZipFile escape (exit 1) before (found by the
+    fuzz target); refused in one line where the member would be copied as it is (the weights
+    member is rewritten, with its CRC)."""
+    for member in ("metadata.json", "model.weights.h5"):
+        path = tmp_path / f"{member}.keras"
+        shutil.copy(FIXTURES / "model.keras", path)
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        at = data.index(b"PK\x01\x02")
+        while data[at + 46 : at + 46 + len(member)] != member.encode():
+            at = data.index(b"PK\x01\x02", at + 4)
+        data[at + 16 : at + 20] = bytes(4)  # the central directory's CRC-32
+        path.write_bytes(bytes(data))
+        with zipfile.ZipFile(path) as zf, pytest.raises(zipfile.BadZipFile, match="Bad CRC"):
+            zf.read(member)
+        for args in ([], ["--keep", "*"]):
+            proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.keras"), *args)
+            if member == "model.weights.h5":
+                assert proc.returncode == 0, proc.stderr
+                with zipfile.ZipFile(tmp_path / "o.keras") as zf:
+                    assert zf.testzip() is None
+                (tmp_path / "o.keras").unlink()
+                continue
+            assert_one_line_error(proc, path)
+            assert not (tmp_path / "o.keras").exists()

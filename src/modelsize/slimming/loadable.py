@@ -29,6 +29,7 @@ import io
 import json
 import math
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +70,12 @@ def refuse_unloadable(inv: Inventory, whole: bool = False) -> None:
 
         path = inv.files[0].path
         builder = InventoryBuilder(inv.format, [path])
-        _zip.check_members(path, _zip.members(path, builder), builder)
+        members = _zip.members(path, builder)
+        unrecorded = next((m for m in members if not _zip.crc_recorded(m)), None)
+        if unrecorded is not None:  # torch writes CRC 0 for "none"; zipfile checks it as is
+            raise CorruptFileError(path, inv.format, f"member {printable(unrecorded.name)} "
+                                   "records CRC-32 0 for its bytes: zipfile refuses to read it")
+        _zip.check_members(path, members, builder)
 
 
 # -- NumPy -----------------------------------------------------------------------------------
@@ -196,6 +202,8 @@ def _keras_problems(inv: Inventory, limits: bool = False) -> list[str]:
                 if limits:
                     raise
                 problems.append(f"{member} is larger than modelsize parses")
+            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # a CRC of 0, say
+                problems.append(f"{member}: zipfile refuses it ({printable(str(exc), 120)})")
             except (ValueError, RecursionError) as exc:
                 problems.append(f"{member} is not valid JSON ({printable(str(exc), 120)})")
     config = documents.get("config.json")
