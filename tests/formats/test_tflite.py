@@ -193,11 +193,14 @@ def test_sniffed_by_its_identifier_not_its_name(tmp_path: Path) -> None:
          "refers to buffer 2147483647, but the model has 3"),
         # The interpreter: "BytesRequired number of elements overflowed".
         (tiny_model(input_shape=(-2**31, 3)), "whose bytes overflow 64 bits"),
+        # TFLite's Python API decodes names strictly (UnicodeDecodeError).
+        (tiny_model().replace(b"dense/kernel", b"dense/ker\xfeel"),
+         "tensors[0].name is not UTF-8 text"),
     ],
     ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset",
          "subgraph-input-index", "operator-input-index", "operator-output-index",
          "operator-code-index", "empty-data-vector", "metadata-buffer-index",
-         "activation-shape-overflow"],
+         "activation-shape-overflow", "name-not-utf8"],
 )
 def test_lying_models_are_refused(tmp_path: Path, data: bytes, reason: str) -> None:
     with pytest.raises(CorruptFileError, match=reason.replace("[", r"\[").replace("]", r"\]")):

@@ -192,7 +192,11 @@ class _Table:
             return None
         self.flat.mark(category or self.category, first + count,
                        min(first + count + 1, self.flat.size))  # the NUL terminator
-        return bytes(self.flat.buf[first:first + count]).decode("utf-8", "replace")
+        try:  # flatbuffers strings are UTF-8; TFLite's Python API decodes them strictly
+            return bytes(self.flat.buf[first:first + count]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Corrupt(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                           first) from exc
 
     def tables(self, slot: int, what: str, category: Category | None = None,
                ) -> Iterator[_Table]:
