@@ -443,9 +443,16 @@ def _normal(error: str, case: Case) -> str:
     return error.split("\n")[0][:300]
 
 
+#: A loader that needs more memory than the checker allows (the TFLite interpreter allocating
+#: a 4 GB activation, say) for input and output alike: a large model, not a broken file.
+_LOADER_MEMORY = re.compile(r'the loader process \{"killed": "rss"')
+
+
 def beyond_the_file(loader: str, before: str, after: str, case: Case) -> bool:
     """Whether the framework refuses input and output alike, for a reason that lies beyond
     the file's structure (:data:`BEYOND_THE_FILE`)."""
+    if _LOADER_MEMORY.match(before) and _LOADER_MEMORY.match(after):
+        return True
     pattern = BEYOND_THE_FILE.get(loader)
     return (pattern is not None and bool(pattern.search(after))
             and not _STRUCTURE.search(after)
