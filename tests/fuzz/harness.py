@@ -154,16 +154,31 @@ class Worker:
 
 #: Runs a command as its only child and prints its exit code, seconds and peak RSS: the
 #: wrapper is small, so ``RUSAGE_CHILDREN``'s ``ru_maxrss`` (which an exec'd child starts
-#: from its parent's RSS) is the command's own.
+#: from its parent's RSS) is the command's own. A child past the kill limit (argv[2]) is
+#: killed, so a blow-up measured here never takes the machine's memory.
 _MEASURE = """
-import json, resource, subprocess, sys, time
+import json, resource, subprocess, sys, tempfile, time
+timeout, limit = float(sys.argv[1]), int(sys.argv[2])
 t0 = time.monotonic()
-try:
-    p = subprocess.run(sys.argv[2:], capture_output=True, timeout=float(sys.argv[1]))
-    rc, err = p.returncode, p.stderr.decode("utf-8", "replace")
-except subprocess.TimeoutExpired as exc:
-    rc, err = "timeout", (exc.stderr or b"").decode("utf-8", "replace")
-print(json.dumps({"rc": rc, "secs": round(time.monotonic() - t0, 2), "stderr": err[-2000:],
+rc = None
+with tempfile.TemporaryFile() as err:
+    p = subprocess.Popen(sys.argv[3:], stdout=subprocess.DEVNULL, stderr=err)
+    while p.poll() is None:
+        try:
+            with open(f"/proc/{p.pid}/status") as fh:
+                rss = next((int(x.split()[1]) * 1024 for x in fh if x.startswith("VmRSS:")), 0)
+        except OSError:
+            rss = 0
+        if rss > limit or time.monotonic() - t0 > timeout:
+            rc = "rss" if rss > limit else "timeout"
+            p.kill()
+            p.wait()
+            break
+        time.sleep(0.02)
+    rc = p.returncode if rc is None else rc
+    err.seek(0)
+    text = err.read().decode("utf-8", "replace")
+print(json.dumps({"rc": rc, "secs": round(time.monotonic() - t0, 2), "stderr": text[-2000:],
                   "peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
 """
 
@@ -171,8 +186,9 @@ print(json.dumps({"rc": rc, "secs": round(time.monotonic() - t0, 2), "stderr": e
 def measure_fresh(argv: list[str], timeout: float) -> dict[str, Any]:
     """``python -m modelsize ARGV`` in a fresh process: exit code, seconds, stderr, peak RSS."""
     proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(timeout), sys.executable, "-m", "modelsize", *argv],
-        capture_output=True, text=True, env=worker_env(), timeout=timeout + 60)
+        [sys.executable, "-c", _MEASURE, str(timeout), str(RSS_KILL), sys.executable, "-m",
+         "modelsize", *argv], capture_output=True, text=True, env=worker_env(),
+        timeout=timeout + 60)
     return json.loads(proc.stdout)
 
 
@@ -399,7 +415,9 @@ class Harness:
                 shutil.rmtree(case.output) if case.output.is_dir() else case.output.unlink()
             fresh = measure_fresh(case.argv(verb), self.timeout)
             res.runs[verb] = fresh
-            if fresh["rc"] == "timeout":
+            if fresh["rc"] == "rss":
+                res.problems.append(f"{verb}: killed past {RSS_KILL:,} B of RSS ({what})")
+            elif fresh["rc"] == "timeout":
                 res.problems.append(f"{verb}: no answer in {self.timeout:.0f} s ({what})")
             elif fresh["peak"] >= self.rss_limit:
                 res.problems.append(f"{verb}: peak RSS {fresh['peak']:,} B ({what})")

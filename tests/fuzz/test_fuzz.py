@@ -72,3 +72,19 @@ def test_mutated_inputs_slim_or_fail_in_one_line(
     where = [harness.write_reproducer(r, tmp_path / "failures") for r in failed]
     assert not failed, "\n".join(f"{r.summary()}\n  reproducer: {w}"
                                  for r, w in zip(failed, where, strict=True))
+
+
+def test_the_harness_sees_a_blow_up_and_a_hang(
+        fuzz: tuple[harness.Harness, dict[str, seeds.Seed]], tmp_path: Path) -> None:
+    """The oracle's own check: with a 1 MiB RSS limit every command is over it (measured
+    again in a fresh process), and with a 1 ms timeout the runner is killed and the commands
+    time out in a fresh process too."""
+    _, made = fuzz
+    seed = made["npy"]
+    with harness.Harness(tmp_path / "rss", rss_limit=1 << 20) as h:
+        res = h.run(seed, harness.make_case(seed, 0, None, h.work, seed.variants[0]))
+    assert any("peak RSS" in p and "fresh process" in p for p in res.problems), res.problems
+    with harness.Harness(tmp_path / "hang", timeout=0.001) as h:
+        res = h.run(seed, harness.make_case(seed, 0, None, h.work, seed.variants[0]))
+    assert res.outcome == "runner failed"
+    assert any("no answer in" in p for p in res.problems), res.problems
