@@ -291,3 +291,29 @@ def test_variable_length_attribute_claiming_a_gigabyte_is_refused_in_little_memo
     assert len(run.stderr.splitlines()) == 1
     assert "variable-length value 0 claims 1073741824 bytes" in run.stderr
     assert run.maxrss < 256 << 20, run.maxrss
+
+
+def test_variable_length_type_hdf5_does_not_define_is_refused(tmp_path: Path) -> None:
+    """A variable-length string type whose kind reads 15 (one byte set to 0x7f by the fuzz
+    target): h5py crashed the process (SIGSEGV) when slim copied the attribute. The reader
+    refuses the datatype in one line before h5py opens the file."""
+    import subprocess
+    import sys
+
+    h5py = pytest.importorskip("h5py")
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "odd.weights.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("layers/dense/vars").attrs["name"] = "dense"
+        f.create_dataset("layers/dense/vars/0", data=np.ones(3, np.float32))
+    data = bytearray(path.read_bytes())
+    at = data.index(b"\x19\x01\x01\x00", data.index(b"name\x00"))  # vlen UTF-8 string type
+    data[at + 1] = 0x7F
+    path.write_bytes(bytes(data))
+    code = ("import h5py, sys; f = h5py.File(sys.argv[1]); "
+            "print(f['layers/dense/vars'].attrs['name'])")
+    crashed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True)
+    assert crashed.returncode != 0  # a segfault with h5py 3.16 / HDF5 1.14
+    proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.weights.h5"), "--cast", "float16")
+    assert_one_line_error(proc, path)
+    assert "vlen datatype with bit fields 0x17f, which HDF5 does not define" in proc.stderr

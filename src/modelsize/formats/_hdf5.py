@@ -369,6 +369,14 @@ class _Reader:
         cname = names.get(cls)
         if cname is None:
             raise HDF5Error(f"datatype class {cls} is not an HDF5 class", where)
+        # The bit fields HDF5 reads without checking (h5py crashed on a variable-length type
+        # 15): a string's padding and character set, a variable-length type's kind.
+        pad, cset = (bits & 0x0F, (bits >> 4) & 0x0F) if cls == 3 else (
+            (bits >> 4) & 0x0F, (bits >> 8) & 0x0F)
+        if (cls == 3 and (pad > 2 or cset > 1)) or (
+                cls == 9 and (bits & 0x0F > 1 or (bits & 0x0F == 1 and (pad > 2 or cset > 1)))):
+            raise HDF5Error(f"{cname} datatype with bit fields {bits:#x}, which HDF5 does not "
+                            "define", where)
         if cls == 0 and size in (1, 2, 4, 8):
             signed = bool(bits & 0x08)
             return f"{'' if signed else 'u'}int{size * 8}", cname, size

@@ -56,9 +56,11 @@ def refuse_unloadable(inv: Inventory, whole: bool = False) -> None:
     """Refuse, before anything is written, an input its framework would not load: the output
     could not be verified by the same rules (a limit it needs is refused as the limit).
 
-    ``whole`` (an input copied as it is, whose bytes no writer decodes): the members of an
-    ``.npz`` or ``.keras`` archive are also read through, each checked against its CRC-32 and
-    size, as :mod:`zipfile` checks them when ``np.load`` or Keras reads them."""
+    ``whole`` (an input copied as it is, or read in place by h5py): the members of an ``.npz``
+    (or the weights of a ``.keras``, whose JSON members the reader checks) are also read
+    through, each checked against its CRC-32 and size, as :mod:`zipfile` checks them when
+    ``np.load`` or Keras reads them. Other members of a ``.keras`` (assets) are left alone:
+    a deflate bomb there is copied, never inflated."""
     keras = inv.format == "keras"
     problems = _keras_problems(inv, limits=True) if keras else problems_loading(inv)
     if problems:
@@ -66,11 +68,13 @@ def refuse_unloadable(inv: Inventory, whole: bool = False) -> None:
                                f"{problems[0]}: its framework would not load it")
     if whole and inv.format in ("npz", "keras"):
         from modelsize.formats import _zip
+        from modelsize.formats.keras import WEIGHTS_MEMBER
         from modelsize.inventory import InventoryBuilder
 
         path = inv.files[0].path
         builder = InventoryBuilder(inv.format, [path])
-        members = _zip.members(path, builder)
+        members = [m for m in _zip.members(path, builder)
+                   if inv.format == "npz" or m.name == WEIGHTS_MEMBER]
         unrecorded = next((m for m in members if not _zip.crc_recorded(m)), None)
         if unrecorded is not None:  # torch writes CRC 0 for "none"; zipfile checks it as is
             raise CorruptFileError(path, inv.format, f"member {printable(unrecorded.name)} "

@@ -835,7 +835,9 @@ class KerasWriter:
         """The members in the input's order, copied as they are, the weights member stored;
         the archive's exact size. An input Keras would not load is refused first."""
         _check_format(plan, "keras")
-        refuse_unloadable(plan.inventory)
+        # Every member read through (zipfile checks each one's CRC-32 when Keras loads it; a
+        # stored weights member is otherwise read by h5py in place, unchecked).
+        refuse_unloadable(plan.inventory, whole=True)
         path = plan.inventory.files[0].path
         from modelsize.inventory import InventoryBuilder
 
