@@ -25,7 +25,7 @@ from typing import BinaryIO
 from modelsize import formats, inputs
 from modelsize.errors import CorruptFileError, VerificationError, printable
 from modelsize.inventory import Inventory
-from modelsize.slimming.loadable import problems_loading
+from modelsize.slimming.loadable import problems_loading, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, nothing_to_slim
 from modelsize.slimming.writers.base import Meter, Written, slim_name
@@ -207,8 +207,10 @@ class CopyWriter:
         return slim_name(source)
 
     def prepare(self, plan: Plan, target: Path) -> CopyJob:
-        """Every file to copy, under its output name."""
+        """Every file to copy, under its output name. An input its framework would not load
+        is refused: the copy would not load either."""
         inv = plan.inventory
+        refuse_unloadable(inv, whole=True)
         if not inv.path.is_dir():
             source = inv.files[0].path
             return CopyJob([target.name], target.name, False, inv.file_bytes,
