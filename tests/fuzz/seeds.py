@@ -215,14 +215,16 @@ class _T7:
             self.string(x[1])
             self.obj(x[2])
         elif isinstance(x, tuple) and x[0] == "tensor":
+            # ("tensor", values) or ("tensor", values, size, stride): a 1-d view of the values
             values = x[1]
+            size, stride = (x[2], x[3]) if len(x) == 4 else (len(values), 1)
             self.index += 1
             self.int_(4)
             self.int_(self.index)
             self.string("V 1")
             self.string("torch.FloatTensor")
             self.int_(1)
-            self.out += struct.pack("<qqq", len(values), 1, 1)  # size, stride, offset (1-based)
+            self.out += struct.pack("<qqq", size, stride, 1)  # size, stride, offset (1-based)
             self.index += 1
             self.int_(4)
             self.int_(self.index)

@@ -472,10 +472,14 @@ class _Parser:
             elif f.number in (11, 12, 13):
                 _expect(f, LEN, "GraphProto input/output/value_info")
                 self.model.graph_ranges.append((f.start, f.end))
-                name, debug = self._value_info(f)
+                name, debug, untyped = self._value_info(f)
                 site.debug += debug
                 if f.number != 13:
                     (site.inputs if f.number == 11 else site.outputs).append(name)
+                    if untyped and kind is GraphKind.MAIN:
+                        self.model.facts.setdefault(
+                            UNTYPED_FACT, f"graph {'input' if f.number == 11 else 'output'} "
+                            f"{printable(name, 80)!r}")
             elif f.number in (10, 16):  # doc_string, metadata_props
                 site.debug += f.nbytes
                 if f.number == 16 and f.wire_type == LEN:
@@ -491,20 +495,23 @@ class _Parser:
                 site.initializers.append(name[len(scope):])
         return site
 
-    def _value_info(self, f: Field) -> tuple[str, int]:
-        """The name of a ``ValueInfoProto`` and the bytes of its doc_string and
-        metadata_props; its type is checked to parse."""
-        name, debug = "", 0
+    def _value_info(self, f: Field) -> tuple[str, int, bool]:
+        """The name of a ``ValueInfoProto``, the bytes of its doc_string and metadata_props,
+        and whether its type is a tensor of no element type (0, UNDEFINED, or none: the
+        checker lets it pass, onnxruntime refuses the model: "Invalid tensor data type 0");
+        its type is checked to parse."""
+        name, debug, untyped = "", 0, False
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 name = _text(self.buf, g)
             elif g.number == 2 and g.wire_type == LEN:
                 _check_message(self.buf, g.data_start, g.end, "TypeProto")
+                untyped = _untyped_tensor(self.buf, g.data_start, g.end)
             elif g.number in (3, 4):
                 debug += g.nbytes
                 if g.number == 4 and g.wire_type == LEN:
                     _check_message(self.buf, g.data_start, g.end, "StringStringEntryProto")
-        return name, debug
+        return name, debug, untyped
 
     def function(self, f: Field) -> None:
         name = ""
@@ -840,6 +847,23 @@ def _check_message(buf: Buffer, start: int, end: int, kind: str, depth: int = 0)
         sub = inner.get(f.number)
         if sub is not None and f.wire_type == LEN:
             _check_message(buf, f.data_start, f.end, sub, depth + 1)
+
+
+#: The fact naming the first main-graph input or output whose tensor type has no element type.
+UNTYPED_FACT = "onnx.untyped_interface"
+
+
+def _untyped_tensor(buf: Buffer, start: int, end: int) -> bool:
+    """Whether the ``TypeProto`` in ``buf[start:end]`` is a tensor type (dense or sparse) whose
+    ``elem_type`` is 0 or absent."""
+    for f in iter_fields(buf, start, end):
+        if f.number in (1, 8) and f.wire_type == LEN:
+            elem = 0
+            for g in iter_fields(buf, f.data_start, f.end):
+                if g.number == 1 and g.wire_type == VARINT:
+                    elem = g.value
+            return elem == 0
+    return False
 
 
 def _text(buf: Buffer, f: Field) -> str:

@@ -47,6 +47,7 @@ def problems_loading(inv: Inventory) -> list[str]:
         "npy": _npy_problems, "npz": _npz_problems, "keras": _keras_problems,
         "keras-h5": _keras_h5_problems, "tflite": _tflite_problems,
         "safetensors": _safetensors_problems, "safetensors-index": _safetensors_problems,
+        "onnx": _onnx_problems,
     }
     check = checks.get(inv.format)
     return check(inv) if check is not None else []
@@ -327,6 +328,18 @@ def _tflite_problems(inv: Inventory) -> list[str]:
         return [f"schema version {printable(version, 20)}: the TFLite interpreter reads "
                 "version 3 only"]
     return []
+
+
+def _onnx_problems(inv: Inventory) -> list[str]:
+    """A main-graph input or output typed as a tensor of no element type: the checker passes
+    it, onnxruntime refuses the model ("Invalid tensor data type 0")."""
+    from modelsize.formats.onnx import UNTYPED_FACT
+
+    where = inv.facts.get(UNTYPED_FACT)
+    if where is None:
+        return []
+    return [f"{where} is a tensor of element type 0 (UNDEFINED; onnxruntime: 'Invalid tensor "
+            "data type 0')"]
 
 
 def _safetensors_problems(inv: Inventory) -> list[str]:
