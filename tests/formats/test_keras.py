@@ -317,3 +317,37 @@ def test_variable_length_type_hdf5_does_not_define_is_refused(tmp_path: Path) ->
     proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.weights.h5"), "--cast", "float16")
     assert_one_line_error(proc, path)
     assert "vlen datatype with bit fields 0x17f, which HDF5 does not define" in proc.stderr
+
+
+def test_global_heap_free_space_of_zero_bytes_is_refused(tmp_path: Path) -> None:
+    """The free-space object of a global heap collection (where variable-length attribute
+    strings live) with a size of 0: HDF5 reads that object header again and again when it
+    loads the collection, so h5py, and slim through it, never answered (found by the fuzz
+    target: `scripts/fuzz_slim.py --seed 11`, no answer in 60 s). The reader walks the
+    collection as HDF5 does and refuses it in one line."""
+    import subprocess
+    import sys
+
+    h5py = pytest.importorskip("h5py")
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "heap.weights.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("layers/dense/vars").attrs["name"] = "dense"
+        f.create_dataset("layers/dense/vars/0", data=np.ones(3, np.float32))
+    data = bytearray(path.read_bytes())
+    gcol = data.index(b"GCOL")
+    pos = gcol + 16  # the collection header: magic, version, 3 reserved, size (8 bytes)
+    while struct.unpack_from("<H", data, pos)[0] != 0:  # objects up to the free space
+        pos += 16 + ((struct.unpack_from("<Q", data, pos + 8)[0] + 7) & ~7)
+    struct.pack_into("<Q", data, pos + 8, 0)
+    path.write_bytes(bytes(data))
+    code = ("import h5py, sys; f = h5py.File(sys.argv[1]); "
+            "print(f['layers/dense/vars'].attrs['name'])")
+    with pytest.raises(subprocess.TimeoutExpired):  # h5py 3.16 / HDF5 1.14 never returns
+        subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=5)
+    for verb in (["inspect", str(path)],
+                 ["slim", str(path), "-o", str(tmp_path / "o.weights.h5")]):
+        proc = run_cli(*verb)
+        assert_one_line_error(proc, path)
+        assert "global heap free space of 0 bytes" in proc.stderr
+    assert not (tmp_path / "o.weights.h5").exists()

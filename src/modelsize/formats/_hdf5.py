@@ -611,19 +611,33 @@ class _Reader:
         size = self.uint(head, 8, self.length_size, "global heap size")
         self.check(collection, size, "global heap collection")
         data = self.read(collection, size, "global heap collection")
+        # Walked whole, as HDF5 walks a collection when it loads it (H5HG__cache_heap_
+        # deserialize): an object advances by its header and aligned size, the free-space
+        # object (index 0) by its size alone; a tail too short for a header is free space.
+        found: tuple[int, int] | None = None
         pos = 8 + self.length_size
-        while pos + 8 + self.length_size <= size:
+        header = 8 + self.length_size
+        while pos < size:
+            if pos + header > size:
+                break
             obj = self.uint(data, pos, 2, "heap object index")
             length = self.uint(data, pos + 8, self.length_size, "heap object size")
-            start = pos + 8 + self.length_size
+            start = pos + header
             if obj == 0:
-                break
+                if length == 0:  # HDF5 would read the same header again, forever (h5py hung)
+                    raise HDF5Error("global heap free space of 0 bytes before the end of its "
+                                    "collection (HDF5 never finishes reading it)",
+                                    collection + pos)
+                pos += length
+                continue
             if start + length > size:
                 raise HDF5Error("global heap object runs past its collection", collection + pos)
-            if obj == index:
-                return collection + start, length
+            if obj == index and found is None:
+                found = (collection + start, length)
             pos = start + ((length + 7) & ~7)
-        raise HDF5Error(f"global heap object {index} not found", collection)
+        if found is None:
+            raise HDF5Error(f"global heap object {index} not found", collection)
+        return found
 
     # -- groups ------------------------------------------------------------------------
     def symbol_table_links(self, data: bytes) -> list[tuple[str, int]]:
