@@ -734,3 +734,30 @@ def test_drop_metadata_is_for_tflite_only(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "TFLite" in proc.stderr
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_fully_connected_with_one_input_is_refused(models: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """A FULLY_CONNECTED whose inputs list names its activation alone (the fuzz target moved a
+    vtable entry onto another vector): the interpreter dies of SIGSEGV in ``allocate_tensors``,
+    on the input and on what slim wrote of it, "Verified" (`scripts/fuzz_slim.py --seed 11`).
+    The reader refuses an operator with fewer inputs than its kernel reads, in one line."""
+    root, _ = fb.read(models["dense"].read_bytes(), SCHEMA)
+    codes = [max(c.get("deprecated_builtin_code", 0), c.get("builtin_code", 0))
+             for c in root["operator_codes"]]
+    op = next(op for op in root["subgraphs"][0]["operators"]
+              if codes[op.get("opcode_index", 0)] == 9)
+    op.set_ints("inputs", op.ints("inputs")[:1])
+    path = tmp_path / "fc1.tflite"
+    path.write_bytes(b"".join(p for p in fb.Builder(SCHEMA).build(root).stream()
+                              if isinstance(p, bytes)))
+    code = ("import sys, tensorflow as tf; "
+            "tf.lite.Interpreter(model_path=sys.argv[1]).allocate_tensors()")
+    with pytest.raises(AssertionError):  # the interpreter crashes (or refuses) on it
+        run_in_tf(code, str(path))
+    for verb in (["inspect", str(path)],
+                 ["slim", str(path), "--cast", "float16", "-o", str(tmp_path / "o.tflite")]):
+        proc = run_cli(*verb)
+        assert_one_line_error(proc, path)
+        assert "is a FULLY_CONNECTED with 1 input(s); its kernel reads 2" in proc.stderr
+    assert not (tmp_path / "o.tflite").exists()

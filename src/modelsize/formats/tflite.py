@@ -348,7 +348,7 @@ def _parse(flat: _Flat) -> _Model:
         refs = [(f"subgraphs[{s}].{w}", sg.ints(slot, f"subgraphs[{s}].{w}"))
                 for w, slot in (("inputs", _SG_INPUTS), ("outputs", _SG_OUTPUTS))]
         for k, op in enumerate(sg.tables(_SG_OPERATORS, f"subgraphs[{s}].operators")):
-            refs += _operator(flat, op, f"subgraphs[{s}].operators[{k}]", model, len(codes))
+            refs += _operator(flat, op, f"subgraphs[{s}].operators[{k}]", model, codes)
             n_ops += 1
         count = 0
         for k, t in enumerate(sg.tables(_SG_TENSORS, f"subgraphs[{s}].tensors")):
@@ -379,15 +379,30 @@ def _check_indices(refs: list[tuple[str, list[int]]], count: int, s: int, pos: i
                            pos)
 
 
+#: Inputs the kernels of these builtin operators (and the XNNPACK delegate that TFLite applies
+#: by default) read by position without checking the operator's count: a FULLY_CONNECTED with
+#: one input crashed the interpreter in ``allocate_tensors`` (SIGSEGV). Builtin code -> its
+#: name and the least inputs it needs (a weight or a second operand); -1 entries count.
+_LEAST_INPUTS: dict[str, tuple[str, int]] = {
+    "0": ("ADD", 2), "3": ("CONV_2D", 2), "4": ("DEPTHWISE_CONV_2D", 2),
+    "9": ("FULLY_CONNECTED", 2), "18": ("MUL", 2), "41": ("SUB", 2), "42": ("DIV", 2),
+}
+
+
 def _operator(flat: _Flat, op: _Table, what: str, model: _Model,
-              n_codes: int) -> list[tuple[str, list[int]]]:
+              codes: list[str]) -> list[tuple[str, list[int]]]:
     """Mark an operator's bytes; return its tensor index lists (checked by the caller)."""
     code = op.scalar(_OP_OPCODE, "I")
-    if code >= n_codes:
-        raise _Corrupt(f"{what} uses operator code {code}, but the model has {n_codes}", op.pos)
+    if code >= len(codes):
+        raise _Corrupt(f"{what} uses operator code {code}, but the model has {len(codes)}",
+                       op.pos)
     refs = [(f"{what}.{name}", op.ints(slot, f"{what} tensor list"))
             for name, slot in (("inputs", _OP_INPUTS), ("outputs", _OP_OUTPUTS),
                                ("intermediates", _OP_INTERMEDIATES))]
+    least = _LEAST_INPUTS.get(codes[code])
+    if least is not None and len(refs[0][1]) < least[1]:
+        raise _Corrupt(f"{what} is a {least[0]} with {len(refs[0][1])} input(s); its kernel "
+                       f"reads {least[1]} (the TFLite interpreter crashes on it)", op.pos)
     op.vector(_OP_MUTATING, 1, f"{what} tensor list")
     op.vector(_OP_CUSTOM, 1, f"{what}.custom_options")
     for slot in (_OP_OPTIONS, _OP_OPTIONS2):
