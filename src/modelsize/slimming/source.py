@@ -390,6 +390,15 @@ class Sources:
         """The storage record called ``key``."""
         return self.storage_map()[key]
 
+    def __eq__(self, other: object) -> bool:
+        """The same sources: the same inventory's, decoded the same way."""
+        if not isinstance(other, Sources):
+            return NotImplemented
+        return self.inventory is other.inventory and self.decoder == other.decoder
+
+    def __hash__(self) -> int:
+        return hash((id(self.inventory), self.decoder))
+
     def forget(self) -> None:
         """Drop the map of storages (made again if asked for)."""
         self._by_key = None

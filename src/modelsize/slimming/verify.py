@@ -22,6 +22,7 @@ from pathlib import Path
 from modelsize import formats
 from modelsize.errors import CorruptFileError, VerificationError, printable
 from modelsize.inventory import (
+    FileInfo,
     Inventory,
     LazyInventory,
     NotSimpleError,
@@ -202,13 +203,18 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     extra: list[str] = []
     planned = plan.described(order)
     raw = set(DTYPE_CODES)
+    seen = bytearray(len(plan))  # each stored tensor of the plan must be found once
 
     def expect(k: int, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         found = next(planned, None)
         if found is None:
             extra.append(name)
             return
-        i, rec, want_name, want_dtype, _ = found
+        i, rec, want_name, want_dtype, alias = found
+        if seen[i] or alias is not None:
+            problems.append(f"{want_name} is written twice, or as an alias")
+            return
+        seen[i] = 1
         if name != want_name:
             problems.append(f"{want_name} is missing (found {name} in its place)")
             return
@@ -223,9 +229,11 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     account_file(builder)
     if len(builder.st_offset) != builder.count:
         raise NotSimpleError("a tensor without its own storage")
-    if builder.count < len(order):
-        problems += [f"{plan.row(order[k]).name} is missing"
-                     for k in range(builder.count, min(len(order), builder.count + 3))]
+    if len(order) != plan.stored_count or builder.count < len(order):
+        # Every stored tensor of the plan, not only those the layout placed.
+        aliases = plan.alias_indices()
+        problems += [f"{plan.row(i).name} is missing" for i in range(len(plan))
+                     if not seen[i] and i not in aliases][:3]
     if extra:
         problems.append(f"{extra[0]} was not planned" + (
             f" (and {len(extra) - 1} more tensors)" if len(extra) > 1 else ""))
@@ -275,26 +283,46 @@ def _crcs_in_order(builder: TotalsBuilder, path: Path) -> Iterator[tuple[int, in
 
 
 def copy_read_back(inv: Inventory, staged: Path) -> tuple[Inventory, bool] | None:
-    """For a byte copy of one safetensors file: the copy's header read back by the reader and
-    compared, tensor by tensor in order, with the input's (name, dtype, shape); returns the
-    copy's inventory (the input's totals: the same bytes, read by the same reader, its records
-    read on demand) and whether they all agree. ``None`` where this does not apply (the copy
-    is then read back in full)."""
-    from modelsize.formats.safetensors import parse_header
-    from modelsize.inventory import InventoryBuilder
+    """For a byte copy of one safetensors file: whether the copy reads back with the input's
+    tensors, and the copy's inventory (the input's totals: the same bytes read by the same
+    reader; its records read on demand). ``None`` where this does not apply (the copy is then
+    read back in full).
+
+    The copy's header (its length and JSON) is compared byte for byte with the input's, read
+    through the input's open descriptor: the header is all the reader reads to list a
+    safetensors file's tensors (names, dtypes, shapes, offsets), so equal headers read back as
+    the inventory the reader made of the input, without parsing a million entries again.
+    """
+    from modelsize.inputs import reading
 
     if inv.format != "safetensors" or len(inv.files) != 1 or staged.is_dir():
         return None
-    builder = InventoryBuilder(inv.format, [staged])
-    header = parse_header(builder)
-    tensors = inv.tensors
-    # Column by column, each compared in C: the names, then the dtypes, then the shapes.
-    same = (len(header.names) == len(tensors)
-            and header.names == [t.name for t in tensors]
-            and header.dtypes == [t.dtype for t in tensors]
-            and header.shapes == [t.shape for t in tensors])
-    del header
-    out = LazyInventory(inv.format, tuple(builder.files), dict(inv.bytes_by_category),
+    source = inv.files[0].path
+    with reading(source) as fd_in:
+        fd_out = os.open(staged, os.O_RDONLY)
+        try:
+            same = _same_header(fd_in, fd_out)
+            size = os.fstat(fd_out).st_size
+        finally:
+            os.close(fd_out)
+    out = LazyInventory(inv.format, (FileInfo(staged, size),), dict(inv.bytes_by_category),
                         unsafe_globals=inv.unsafe_globals, notes=inv.notes,
                         facts={**inv.facts, "path": str(staged)})
-    return out, same
+    return out, same and size == inv.file_bytes
+
+
+def _same_header(fd_a: int, fd_b: int) -> bool:
+    """Whether two safetensors files open as ``fd_a`` and ``fd_b`` have the same header
+    bytes (length prefix and JSON), compared a piece at a time."""
+    head_a, head_b = os.pread(fd_a, 8, 0), os.pread(fd_b, 8, 0)
+    if len(head_a) < 8 or head_a != head_b:
+        return False
+    end = 8 + int.from_bytes(head_a, "little")
+    pos = 8
+    while pos < end:
+        n = min(_WINDOW, end - pos)
+        a, b = os.pread(fd_a, n, pos), os.pread(fd_b, n, pos)
+        if len(a) != n or a != b:
+            return False
+        pos += n
+    return True
