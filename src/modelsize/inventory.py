@@ -920,8 +920,7 @@ class TotalsBuilder(InventoryBuilder):
                     totals[Category.DUPLICATES] += nbytes[i]
             for region in self._regions:
                 totals[region.category] += region.nbytes
-            for region in self._gaps_between(default):
-                totals[region.category] += region.nbytes
+            totals[default] += self._gap_bytes()
         file_bytes = sum(f.nbytes for f in self.files)
         if sum(totals.values()) != file_bytes:
             raise AccountingError(
@@ -931,33 +930,32 @@ class TotalsBuilder(InventoryBuilder):
                              unsafe_globals=tuple(self._unsafe),
                              notes=tuple(dict.fromkeys(self.notes)), facts=dict(self.facts))
 
-    def _gaps_between(self, default: Category) -> list[Region]:
-        """The gaps :meth:`InventoryBuilder._gaps` finds, the storages walked in order."""
-        gaps: list[Region] = []
-        for file in range(len(self.files)):
-            regions = sorted((r.offset, r.offset + r.nbytes) for r in self._regions
-                             if r.file == file)
-            k, pos = 0, 0
-            offsets, sizes, files = self.st_offset, self.st_nbytes, self.st_file
-            spans = ((o, o + n) for f, o, n in zip(files, offsets, sizes, strict=True)
-                     if f == file and n)
-            nxt = next(spans, None)
-            while k < len(regions) or nxt is not None:
-                if nxt is None or (k < len(regions) and regions[k][0] <= nxt[0]):
-                    start, stop = regions[k]
+    def _gap_bytes(self) -> int:
+        """Bytes of the files no region or storage describes (what
+        :meth:`InventoryBuilder._gaps` makes regions of). Storages lie in order and apart
+        (:meth:`add_storage` checks), so only the few regions are looked for among them; an
+        overlap is left to the full read to name."""
+        offsets, sizes = self.st_offset, self.st_nbytes
+        covered = sum(sizes)
+        one_file = not any(self.st_file)
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for r in self._regions:
+            if r.nbytes:
+                spans.setdefault(r.file, []).append((r.offset, r.offset + r.nbytes))
+                covered += r.nbytes
+        for file, regions in spans.items():
+            regions.sort()
+            for (_, stop), (start, _) in itertools.pairwise(regions):
+                if start < stop:
+                    raise NotSimpleError(f"bytes {start}..{stop} are declared twice")
+            for start, stop in regions:
+                k = max(0, bisect.bisect_right(offsets, start) - 1) if one_file else 0
+                while k < len(offsets) and (offsets[k] < stop or not one_file):
+                    if (self.st_file[k] == file and sizes[k]
+                            and offsets[k] < stop and offsets[k] + sizes[k] > start):
+                        raise NotSimpleError(f"bytes {start}..{stop} are declared twice")
                     k += 1
-                else:
-                    start, stop = nxt
-                    nxt = next(spans, None)
-                if start < pos:
-                    raise NotSimpleError(f"bytes {start}..{pos} are declared twice")
-                if start > pos:
-                    gaps.append(_region(file, pos, start - pos, default, "structure"))
-                pos = stop
-            size = self.files[file].nbytes
-            if size > pos:
-                gaps.append(_region(file, pos, size - pos, default, "structure"))
-        return gaps
+        return sum(f.nbytes for f in self.files) - covered
 
     def _duplicates(self, crcs: Sequence[int]) -> list[int]:
         """Indices of the storages whose bytes equal an earlier storage's (as

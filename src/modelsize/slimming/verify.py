@@ -201,26 +201,35 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
 
     problems: list[str] = []
     extra: list[str] = []
+    # The layout must place each stored tensor of the plan once, and no alias.
+    seen = bytearray(len(plan))
+    for i in order:
+        seen[i] = 2 if seen[i] else 1
+    aliases = plan.alias_indices()
+    if (len(order) != plan.stored_count or seen.count(1) != len(order)
+            or any(seen[i] for i in aliases)):
+        problems += [f"{plan.row(i).name} is missing" for i in range(len(plan))
+                     if not seen[i] and i not in aliases][:3]
+        problems += [f"{plan.row(i).name} is written twice, or as an alias"
+                     for i in range(len(plan)) if seen[i] > 1 or (seen[i] and i in aliases)][:3]
+    del seen
     planned = plan.described(order)
     raw = set(DTYPE_CODES)
-    seen = bytearray(len(plan))  # each stored tensor of the plan must be found once
 
     def expect(k: int, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         found = next(planned, None)
         if found is None:
             extra.append(name)
             return
-        i, rec, want_name, want_dtype, alias = found
-        if seen[i] or alias is not None:
-            problems.append(f"{want_name} is written twice, or as an alias")
-            return
-        seen[i] = 1
+        _, rec, want_name, want_dtype, _ = found
         if name != want_name:
             problems.append(f"{want_name} is missing (found {name} in its place)")
             return
+        if dtype == want_dtype and shape == rec.shape:
+            return
         want_shape = rec.shape
         if want_dtype not in raw:  # kept as raw bytes (see stored_form)
-            want_dtype, want_shape = stored_form(plan.row(i))
+            want_dtype, want_shape = stored_form(plan.row(found[0]))
         if dtype != want_dtype or shape != want_shape:
             problems.append(f"{want_name} reads back as {dtype}{list(shape)}, planned "
                             f"{want_dtype}{list(want_shape)}")
@@ -229,11 +238,9 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     account_file(builder)
     if len(builder.st_offset) != builder.count:
         raise NotSimpleError("a tensor without its own storage")
-    if len(order) != plan.stored_count or builder.count < len(order):
-        # Every stored tensor of the plan, not only those the layout placed.
-        aliases = plan.alias_indices()
-        problems += [f"{plan.row(i).name} is missing" for i in range(len(plan))
-                     if not seen[i] and i not in aliases][:3]
+    if builder.count < len(order):
+        problems += [f"{plan.row(order[k]).name} is missing"
+                     for k in range(builder.count, min(len(order), builder.count + 3))]
     if extra:
         problems.append(f"{extra[0]} was not planned" + (
             f" (and {len(extra) - 1} more tensors)" if len(extra) > 1 else ""))

@@ -215,7 +215,7 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
     sources = plan.sources()
     by_key = sources.storage_map() if sources is not None else None
     crc32 = zlib.crc32
-    put = written.put
+    crcs, sizes = written.crcs, written.nbytes
     write = fh.write
     total = pending = 0
     window = memoryview(b"")
@@ -252,7 +252,8 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
                     pending = 0
             piece = window[offset - w_start : offset - w_start + n]
             write(piece)
-            put(i, crc32(piece), n)
+            crcs[i] = crc32(piece)
+            sizes[i] = n
             total += n
             pending += n
             prev_end = offset + n
