@@ -277,3 +277,31 @@ def test_streamed_verification_catches_a_missing_tensor(tmp_path: Path,
     _checkpoint(path)
     with pytest.raises(VerificationError, match="is missing"):
         modelsize.slim(path, tmp_path / "o.safetensors", to="safetensors")
+
+
+def test_a_limit_met_reading_the_output_back_names_out(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a 1M-tensor torch output back hit the pickle parser's memory limit, and the
+    refusal named the hidden staging file: it names OUT (and the limit's variable)."""
+    from modelsize.errors import LimitError
+    from modelsize.slimming import verify
+
+    real = verify.formats.read
+
+    def limited(path: Any) -> Any:
+        if ".modelsize-partial" in str(path) or "/proc/self/fd" in str(path):
+            raise LimitError(path, "parsing data.pkl needs more than 8 bytes of memory "
+                             "(the limit is 8 bytes; set MODELSIZE_MAX_MEMORY_BYTES to raise "
+                             "it)", "MODELSIZE_MAX_MEMORY_BYTES")
+        return real(path)
+
+    monkeypatch.setattr(verify.formats, "read", limited)
+    path = tmp_path / "m.safetensors"
+    _checkpoint(path)
+    out = tmp_path / "o.pt"
+    with pytest.raises(LimitError) as info:
+        modelsize.slim(path, out, to="pytorch")
+    message = str(info.value)
+    assert message.startswith(f"{out}: reading the output back to verify it: parsing data.pkl")
+    assert "MODELSIZE_MAX_MEMORY_BYTES" in message and "partial" not in message
+    assert info.value.path == out and not out.exists()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats, inputs
-from modelsize.errors import MissingDependencyError, UsageError, printable
+from modelsize.errors import LimitError, MissingDependencyError, UsageError, printable
 from modelsize.inventory import FileInfo, Inventory, LazyInventory, TensorRecord
 from modelsize.slimming import writers
 from modelsize.slimming.output import Output, write_verified
@@ -160,9 +160,18 @@ def slim(
         written[0] = job.write(o, meter)
 
     own_check = getattr(job, "verify", None)  # a copy checks its files' CRC-32 itself
-    out_inv = write_verified(
-        output, write,
-        own_check or (lambda staged: verify(plan, job, written[0], staged)), main=job.main)
+
+    def check(staged: Path) -> Inventory:
+        try:
+            out: Inventory = (own_check(staged) if own_check is not None
+                              else verify(plan, job, written[0], staged))
+        except LimitError as exc:
+            # Named as OUT, never as its hidden staging path.
+            raise LimitError(target, f"reading the output back to verify it: {exc.reason}",
+                             exc.env) from None
+        return out
+
+    out_inv = write_verified(output, write, check, main=job.main)
     base = target if job.directory else target.parent
     files = tuple((base / name, (base / name).stat().st_size) for name in job.files)
     predicted = job.predicted_bytes
