@@ -520,31 +520,38 @@ class InventoryBuilder:
         tensors = self._tensors
         storages = self._storages
         # Storage key -> the index of its only view when that view is contiguous (most
-        # storages: no _View is made for them), else the list of its views.
-        by_storage: dict[str, int | list[_View]] = {}
-        for i, t in enumerate(tensors):
-            key = t.storage
-            if key is None:
-                continue
-            seen = by_storage.get(key)
-            if seen is None:
-                if key not in storages:
-                    raise self.corrupt(f"tensor {t.name!r} refers to missing storage {key!r}")
-                by_storage[key] = i if t.strides is None else [self._view(i)]
-                continue
-            if isinstance(seen, int):
-                seen = by_storage[key] = [self._view(seen)]
-            seen.append(self._view(i))
-        self._check_reached(by_storage)
+        # storages: no _View is made for them), else the list of its views. ``None`` when the
+        # only view of storage i is tensor i, contiguous (a safetensors file: its million
+        # storages are then neither mapped nor looked up by key).
+        by_storage: dict[str, int | list[_View]] | None = None
+        if not (len(tensors) == len(storages) and all(
+                t.strides is None and t.storage == key
+                for t, key in zip(tensors, storages, strict=True))):
+            by_storage = {}
+            for i, t in enumerate(tensors):
+                key = t.storage
+                if key is None:
+                    continue
+                seen = by_storage.get(key)
+                if seen is None:
+                    if key not in storages:
+                        raise self.corrupt(
+                            f"tensor {t.name!r} refers to missing storage {key!r}")
+                    by_storage[key] = i if t.strides is None else [self._view(i)]
+                    continue
+                if isinstance(seen, int):
+                    seen = by_storage[key] = [self._view(seen)]
+                seen.append(self._view(i))
+            self._check_reached(by_storage)
 
         rank = {c: i for i, c in enumerate(PRECEDENCE)}
         approximated: list[str] = []
         unused = Category.UNUSED_STORAGE
         # Storages of one size and category share their (immutable) Charges.
         shared: dict[Category, dict[int, Charges]] = {c: {} for c in Category}
-        for key, st in storages.items():
+        for index, (key, st) in enumerate(storages.items()):
             nbytes = st.nbytes
-            found = by_storage.get(key)
+            found = index if by_storage is None else by_storage.get(key)
             charges: Mapping[Category, int]
             if type(found) is int:  # one contiguous view
                 t = tensors[found]
@@ -735,7 +742,8 @@ class InventoryBuilder:
                 gaps.append(_region(file, pos, size - pos, default, "structure"))
         return gaps
 
-    def _find_duplicates(self, by_storage: Mapping[str, int | list[_View]]) -> dict[str, str]:
+    def _find_duplicates(self, by_storage: Mapping[str, int | list[_View]] | None
+                         ) -> dict[str, str]:
         """Map storage key -> key of an earlier storage holding identical bytes.
 
         Candidates must agree on dtype, shape of their first view, size and recorded CRC-32
@@ -758,8 +766,8 @@ class InventoryBuilder:
         crc = self._crc
         tensors = self._tensors
         itemsizes: dict[str, int] = {}
-        for key, st in storages.items():
-            found = by_storage.get(key)
+        for index, (key, st) in enumerate(storages.items()):
+            found = index if by_storage is None else by_storage.get(key)
             if found is None or st.nbytes == 0:
                 continue
             first = tensors[found if isinstance(found, int) else found[0].record_index]

@@ -339,8 +339,9 @@ class Plan:
 
     @property
     def stored(self) -> list[PlannedTensor]:
-        """The tensors with bytes of their own (not aliases)."""
-        return [t for t in self.rows() if t.alias_of is None]
+        """The tensors with bytes of their own (not aliases): objects of :attr:`tensors`, which
+        a writer may change."""
+        return [t for t in self.tensors if t.alias_of is None]
 
     @property
     def stored_count(self) -> int:
