@@ -25,7 +25,14 @@ downloaded), batch 2, a 256-token prompt, 32 new tokens:
   dtype bytes`` per token, or ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes``
   for the DeepSeek MLA architectures, times context and batch; its activation constants
   (4.8 GiB Llama, 5.6 GiB Qwen, 5.5 GiB other dense, 8 GiB MoE, measured on vLLM) are shown
-  apart, as they describe vLLM's warm-up, not ``generate()``.
+  apart, as they describe vLLM's warm-up, not ``generate()``;
+* **vLLM plan**: the paged KV cache vLLM 0.33.0 reserves for the same requests, from its own
+  rules (``modelsize.estimation.engine_vllm``: ``v1/kv_cache_interface.py`` pages of 16
+  tokens, ``v1/core/kv_cache_planning.py`` groups, in float32 like the measured run):
+  ``batch x bytes_per_block x blocks per request of prompt + new tokens``. A sliding layer
+  reserves ``min(window - 1 + 2 x max_num_batched_tokens, context)`` tokens plus a block,
+  a Mamba layer one state; "n/a" where vLLM's rules for the layer type are not modelled.
+  It is the cache's share only (vLLM's weights and activations are another program).
 
 Every error is ``(tool - measured) / measured``. Formulas that need a config field the
 architecture does not have (Mamba has no KV heads) are "n/a".
@@ -130,6 +137,19 @@ def planner_kv(cfg: Any, arch: str, context: int, batch: int, dtype_bytes: int) 
     return per_token * dtype_bytes * context * batch
 
 
+def vllm_kv(cfg: Any, context: int, batch: int) -> int | None:
+    """The KV cache vLLM 0.33.0 reserves for ``batch`` requests of ``context`` tokens."""
+    from modelsize.errors import UsageError
+    from modelsize.estimation import engine_vllm as ev
+
+    try:
+        specs = ev.layer_specs(cfg, "float32", ev.VllmSettings(ev.Gpu("H100", 80 * GIB)))
+    except (UsageError, AttributeError, KeyError):
+        return None
+    plan = ev.plan_kv(specs, 0, context, 8192)
+    return batch * plan["bytes_per_block"] * plan["blocks_per_request"]
+
+
 def planner_activation_gib(arch: str, moe: bool) -> float:
     """llm-d-planner's ``estimate_vllm_activation_memory`` (tiers 1 and 2)."""
     profiles = {"LlamaForCausalLM": 4.8, "Qwen2ForCausalLM": 5.6, "Qwen3ForCausalLM": 5.6}
@@ -187,6 +207,7 @@ def accuracy() -> tuple[list[str], list[str]]:
         context = PROMPT + NEW
         hf = hf_mem_kv(cfg, context, BATCH, 4)
         pl = planner_kv(cfg, arch, context, BATCH, 4)
+        vl = vllm_kv(cfg, context, BATCH)
         moe = any(hasattr(cfg, k) for k in ("num_local_experts", "n_routed_experts",
                                             "num_experts"))
         gen = est.generation
@@ -198,7 +219,7 @@ def accuracy() -> tuple[list[str], list[str]]:
             f"{_pct(None if pl is None else weights + pl, real)} | "
             f"{est.categories[MemoryCategory.KV_CACHE]:,} / {gen.final_cache_bytes:,} | "
             f"{'n/a' if hf is None else f'{hf:,}'} | {'n/a' if pl is None else f'{pl:,}'} | "
-            f"{est.phase.name} | {seconds:.1f} |")
+            f"{'n/a' if vl is None else f'{vl:,}'} | {est.phase.name} | {seconds:.1f} |")
         notes.append(f"{name}: modelsize's cache by layer kind "
                      + "; ".join(f"{g.kind.value} x{g.layers}: {g.bytes_per_token:,} B/token"
                                  + (f", {g.bytes_per_sequence:,} B/sequence"
@@ -283,9 +304,9 @@ def main() -> None:
         "tool's total (weights + its KV formula; accelerate: weights only).",
         "",
         "| config | measured B | modelsize B | modelsize | accelerate | hf-mem | llm-d-planner "
-        "| modelsize cache at peak / at end B | hf-mem KV B | llm-d-planner KV B | peak in "
-        "| modelsize s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| modelsize cache at peak / at end B | hf-mem KV B | llm-d-planner KV B "
+        "| vLLM 0.33 plan KV B | peak in | modelsize s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *acc,
         "",
         *(f"- {n}" for n in notes),

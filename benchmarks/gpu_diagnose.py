@@ -2,9 +2,13 @@
 
 For the rows of ``gpu_generate.py`` and ``gpu_train.py`` whose estimate misses, this runs the
 real program once more under ``torch.cuda.memory._record_memory_history`` and writes, per row,
-the allocator's events in order (block size, action, the innermost frames of the Python stack
-that asked) and the blocks alive at the peak, grouped by their stack: what the estimate must
-account for, one allocation at a time. Needs a GPU:
+the allocator's events in order (``[action, size, the innermost frames of the Python stack
+that asked, address]``; an alloc event carries the *requested* size, not the block's, so
+``replayed_peak`` is the peak of requested bytes: ``max_memory_allocated`` counts blocks, see
+modelsize.estimation.cuda_allocator) and the blocks alive at the peak, grouped by their stack.
+Rows run one after another in this process, so each starts with what the earlier ones left
+(workspaces, cached segments); gpu_generate.py and gpu_train.py record every row in a fresh
+process (their ``--history``). Needs a GPU:
 
     PYTHONPATH=src:benchmarks python benchmarks/gpu_diagnose.py [ROW ...]
 
@@ -68,16 +72,16 @@ def record(program: Any) -> dict[str, Any]:
             where = _frames(e)
             live[addr] = (size, where)
             cur += size
-            compact.append(["a", size, where[:160]])
+            compact.append(["a", size, where[:160], addr])
             if cur > high:
                 high, at_peak = cur, dict(live)
-        elif action == "free_completed":
+        elif action == "free_requested":  # the statistics drop here, not at free_completed
             size_where = live.pop(addr, None)
             if size_where is not None:
                 cur -= size_where[0]
-                compact.append(["f", size_where[0], size_where[1]])
+                compact.append(["f", size_where[0], size_where[1], addr])
         elif action in ("segment_alloc", "segment_free"):
-            compact.append(["s" if action == "segment_alloc" else "S", size, ""])
+            compact.append(["s" if action == "segment_alloc" else "S", size, "", addr])
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, where in at_peak.values():
         groups[where][0] += size

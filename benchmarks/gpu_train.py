@@ -4,17 +4,21 @@
 Run from the repository root on a machine with one CUDA GPU (no network: models are built in
 code from configs, random weights):
 
-    PYTHONPATH=src python benchmarks/gpu_train.py               # about a minute on an H100
-    PYTHONPATH=src python benchmarks/gpu_train.py --device cpu --tiny   # the code path, on CPU
+    PYTHONPATH=src:benchmarks python benchmarks/gpu_train.py      # about a minute on an H100
+    PYTHONPATH=src:benchmarks python benchmarks/gpu_train.py --device cpu --tiny   # CPU path
 
 Each row is one program: a forward under ``no_grad`` (``infer``), or two training steps
 (forward, ``default_loss``, backward, ``AdamW.step()`` with the implementation PyTorch picks
-on the device, ``zero_grad(set_to_none=True)``), optionally under bf16 autocast. The real run
-starts with the model and its inputs resident on the device, the caching allocator emptied
-and its peak statistics reset; the estimate is of the same program with ``device="cuda"``
-(``DeviceEstimate.allocated_bytes``: the traced tensor peak, rounded as the caching allocator
-rounds its blocks, plus the cuBLAS workspace). On CPU the real side is the CPU allocator's
-peak from the profiler's memory events, against the ``device="cpu"`` estimate.
+on the device, ``zero_grad(set_to_none=True)``), optionally under bf16 autocast. Each real run
+is a fresh process (``--measure``): the model moved to the device, its inputs too, the caching
+allocator emptied and its peak statistics reset, then the program; nothing an earlier row
+left (cuBLAS workspaces of the main and the autograd thread, cached segments) counts. The
+estimate, of the same program with ``device="cuda"`` on a meta copy of the model
+(``DeviceEstimate.allocated_bytes``: the trace replayed through the caching allocator's rules,
+with the cuBLAS workspaces), runs meanwhile in this process. With ``--history`` (the default
+on CUDA) each run also records the allocator's events, addresses included, and its segments
+before the run (benchmarks/_cuda_history.py), all rows in ``gpu_train_history.json.gz``. On
+CPU the real side is the CPU allocator's peak from the profiler's memory events.
 
 Writes ``gpu_train.json`` and ``gpu_train.md`` to ``$OUT`` (default ``./gpu_out``).
 """
@@ -24,9 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -108,8 +114,9 @@ def _to(inputs: Any, device: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def run_real(model: nn.Module, inputs: Any, mode: str, amp: torch.dtype | None,
-             device: str) -> int:
-    """The real peak of the program on ``device`` (CUDA: ``max_memory_allocated``)."""
+             device: str, record: dict[str, Any] | None = None) -> int:
+    """The real peak of the program on ``device`` (CUDA: ``max_memory_allocated``); on CUDA,
+    ``record`` (when given) receives the allocator's record of the run."""
     args, kwargs = _to(inputs, device)
 
     def call() -> Any:
@@ -140,7 +147,13 @@ def run_real(model: nn.Module, inputs: Any, mode: str, amp: torch.dtype | None,
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        program()
+        if record is not None:
+            import _cuda_history
+
+            record["allocated_before"] = torch.cuda.memory_allocated()
+            record.update(_cuda_history.record(program))
+        else:
+            program()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated())
     from torch.profiler import ProfilerActivity, profile
@@ -158,40 +171,85 @@ def run_real(model: nn.Module, inputs: Any, mode: str, amp: torch.dtype | None,
     return before + high
 
 
-def run(device: str, tiny: bool, out_dir: Path) -> list[dict[str, Any]]:
+def measure_in_child(name: str, history: bool) -> None:
+    """``--measure``: one row's real run on the GPU, its numbers printed (JSON)."""
+    transformers.logging.set_verbosity_error()
+    make_model, make_inputs, mode, amp = ROWS[name]
+    torch.manual_seed(0)
+    model = make_model(False).to("cuda")
+    inputs = make_inputs(False)
+    record: dict[str, Any] | None = {} if history else None
+    peak = run_real(model, inputs, mode, amp, "cuda", record)
+    stats = torch.cuda.memory_stats()
+    print(json.dumps({"max_memory_allocated": peak,
+                      "max_memory_reserved": torch.cuda.max_memory_reserved(),
+                      "requested_peak": int(stats.get("requested_bytes.all.peak", 0)),
+                      "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+                      "history": record}))
+
+
+def spawn_measure(name: str, history: bool) -> subprocess.Popen[str]:
+    """The real run of one row in a fresh process (see :func:`measure_in_child`)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", name]
+    return subprocess.Popen(cmd + (["--history"] if history else []), stdout=subprocess.PIPE,
+                            text=True)
+
+
+def run(device: str, tiny: bool, out_dir: Path, history: bool = False,
+        only: set[str] | None = None) -> list[dict[str, Any]]:
     """Every row, printed as it goes."""
     transformers.logging.set_verbosity_error()
     rows: list[dict[str, Any]] = []
+    records: dict[str, Any] = {}
     started = time.perf_counter()
     for name, (make_model, make_inputs, mode, amp) in ROWS.items():
+        if only and name not in only:
+            continue
         torch.manual_seed(0)
-        model = make_model(tiny)
         inputs = make_inputs(tiny)
         t0 = time.perf_counter()
-        est = estimate(model, inputs, mode=mode, amp=amp, device=device)
+        child = spawn_measure(name, history) if device == "cuda" else None
+        with torch.device("meta"):
+            meta = make_model(tiny)
+        est = estimate(meta, inputs, mode=mode, amp=amp, device=device)
         est_s = time.perf_counter() - t0
-        model = model.to(device)
-        t0 = time.perf_counter()
-        actual = run_real(model, inputs, mode, amp, device)
+        m: dict[str, Any]
+        if child is not None:
+            out, _ = child.communicate()
+            if child.returncode:
+                raise RuntimeError(f"the measuring process of {name!r} failed")
+            m = json.loads(out.strip().splitlines()[-1])
+            if m.get("history") is not None:
+                records[name] = m.pop("history")
+        else:
+            torch.manual_seed(0)
+            model = make_model(tiny)
+            m = {"max_memory_allocated": run_real(model, inputs, mode, amp, device)}
+        actual = int(m["max_memory_allocated"])
         real_s = time.perf_counter() - t0
         dev = est.device_estimate
         predicted = dev.allocated_bytes
         row = {"row": name, "mode": mode, "amp": str(amp).removeprefix("torch."),
                "measured": actual, "estimated": predicted,
-               "error_pct": round(100.0 * (predicted - actual) / actual, 3),
+               "error_pct": round(100.0 * (predicted - actual) / actual, 4),
+               "error_bytes": predicted - actual,
                "estimated_tensor_peak": est.peak_bytes,
                "terms": {t.name: t.nbytes for t in dev.terms},
                "categories": {str(getattr(c, "value", c)): n for c, n in est.categories.items()},
                "phase": f"{est.phase.name} of step {est.phase.step}",
+               "measured_requested_peak": m.get("requested_peak"),
+               "max_memory_reserved": m.get("max_memory_reserved"),
+               "num_alloc_retries": m.get("num_alloc_retries"),
                "estimate_seconds": round(est_s, 2), "run_seconds": round(real_s, 2)}
         rows.append(row)
         print(f"[{time.perf_counter() - started:6.1f}s] {name}: measured {actual:,} "
-              f"estimated {predicted:,} ({row['error_pct']:+.3f}%), tensors "
-              f"{est.peak_bytes:,} in {row['phase']}; estimate {est_s:.1f}s", flush=True)
+              f"estimated {predicted:,} ({row['error_pct']:+.4f}%, {predicted - actual:+,} "
+              f"B), tensors {est.peak_bytes:,} in {row['phase']}; estimate {est_s:.1f}s",
+              flush=True)
         _write(rows, device, tiny, out_dir)
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    if records:
+        with gzip.open(out_dir / "gpu_train_history.json.gz", "wt") as f:
+            json.dump({"environment": _environment(device), "rows": records}, f)
     return rows
 
 
@@ -213,7 +271,7 @@ def _write(rows: list[dict[str, Any]], device: str, tiny: bool, out_dir: Path) -
     lines = [f"Environment: {json.dumps(env)}", "",
              "| program | measured | estimated | error | traced tensor peak | peak in |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['row']} | {r['measured']:,} | {r['estimated']:,} | {r['error_pct']:+.3f}% "
+    lines += [f"| {r['row']} | {r['measured']:,} | {r['estimated']:,} | {r['error_pct']:+.4f}% "
               f"| {r['estimated_tensor_peak']:,} | {r['phase']} |" for r in rows]
     (out_dir / "gpu_train.md").write_text("\n".join(lines) + "\n")
 
@@ -223,14 +281,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (a quick check)")
+    parser.add_argument("--no-history", action="store_true",
+                        help="do not record the allocator's events (CUDA)")
+    parser.add_argument("--rows", nargs="*", metavar="ROW", help="only these rows")
+    parser.add_argument("--measure", metavar="ROW", help=argparse.SUPPRESS)
+    parser.add_argument("--history", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure:
+        measure_in_child(args.measure, args.history)
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu --tiny", file=sys.stderr)
         return 2
     out_dir = Path(os.environ.get("OUT") or "gpu_out")
-    rows = run(args.device, args.tiny, out_dir)
+    rows = run(args.device, args.tiny, out_dir, history=args.device == "cuda"
+               and not args.no_history, only=set(args.rows) if args.rows else None)
     worst = max(abs(r["error_pct"]) for r in rows)
-    print(f"wrote {out_dir / 'gpu_train.json'}; worst error {worst:.3f}%")
+    print(f"wrote {out_dir / 'gpu_train.json'}; worst error {worst:.4f}%")
     return 0
 
 

@@ -188,3 +188,14 @@ def test_keras_optimizer_slots_follow_the_config() -> None:
     assert facts("MyOptimizer") == {"optimizer": "MyOptimizer"}
     assert optimizer_facts({"config": {}}) == {}
     assert optimizer_facts([1, 2]) == {}
+
+
+def test_a_folder_of_model_files_names_them(tmp_path: Path) -> None:
+    """``inspect .`` in a folder holding a checkpoint that is no model folder says which model
+    files it holds (it said "holds no model file")."""
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(2)}, tmp_path / "train.pt")
+    (tmp_path / "notes.txt").write_text("x")
+    proc = run_cli("inspect", ".", cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "holds 1 model file (train.pt): give one" in proc.stderr

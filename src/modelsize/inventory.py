@@ -936,7 +936,8 @@ class TotalsBuilder(InventoryBuilder):
                 f"categories add up to {sum(totals.values())} bytes, files hold {file_bytes}")
         return LazyInventory(self.format, tuple(self.files), totals,
                              unsafe_globals=tuple(self._unsafe),
-                             notes=tuple(dict.fromkeys(self.notes)), facts=dict(self.facts))
+                             notes=tuple(dict.fromkeys(self.notes)), facts=dict(self.facts),
+                             declared_regions=tuple(self._regions))
 
     def _gap_bytes(self) -> int:
         """Bytes of the files no region or storage describes (what
@@ -1021,19 +1022,28 @@ class LazyInventory(Inventory):
     """An :class:`Inventory` whose totals are known and whose records are read when first
     asked for: a slim's output of a million tensors, whose report needs its bytes by category
     and seldom its records. ``load()`` reads them (the file as committed); they must add up
-    to the same totals, or the file changed since (:class:`AccountingError`)."""
+    to the same totals, or the file changed since (:class:`AccountingError`).
+
+    ``declared_regions`` are the regions its reader declared (a few: headers, stray bytes),
+    without the gaps a full read adds between them: what the loader's rules look up by label
+    (:mod:`modelsize.slimming.loadable`) without reading the records.
+    """
+
+    declared_regions: tuple[Region, ...]
 
     def __init__(self, format: str, files: tuple[FileInfo, ...],
                  bytes_by_category: dict[Category, int], *,
                  unsafe_globals: tuple[str, ...] = (), notes: tuple[str, ...] = (),
                  facts: dict[str, str] | None = None,
-                 load: Callable[[], Inventory] | None = None) -> None:
+                 load: Callable[[], Inventory] | None = None,
+                 declared_regions: tuple[Region, ...] = ()) -> None:
         for name, value in (("format", format), ("files", files),
                             ("unsafe_globals", unsafe_globals), ("notes", notes),
                             ("facts", {} if facts is None else facts),
                             ("bytes_by_category", bytes_by_category),
                             ("file_bytes", sum(f.nbytes for f in files)),
-                            ("load", load), ("_loaded", None)):
+                            ("load", load), ("_loaded", None),
+                            ("declared_regions", declared_regions)):
             object.__setattr__(self, name, value)
 
     def relabel(self, files: tuple[FileInfo, ...], path: Path,
@@ -1043,7 +1053,7 @@ class LazyInventory(Inventory):
         facts["path"] = str(path)
         return LazyInventory(self.format, files, dict(self.bytes_by_category),
                              unsafe_globals=self.unsafe_globals, notes=self.notes, facts=facts,
-                             load=load)
+                             load=load, declared_regions=self.declared_regions)
 
     def full(self) -> Inventory:
         """The inventory with its records, read on first use."""

@@ -92,9 +92,11 @@ class Stats:
 class RangeSource:
     """Random access to a remote file through range requests, with a bounded block cache."""
 
-    def __init__(self, url: str, stats: Stats | None = None) -> None:
+    def __init__(self, url: str, stats: Stats | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.url = url
         self.stats = stats or Stats(url)
+        self.headers = dict(headers or {})
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._fs: Any = None
         self._lock = threading.Lock()
@@ -123,8 +125,8 @@ class RangeSource:
     def _http(self, start: int, stop: int) -> tuple[bytes, int]:
         """Bytes ``[start, stop)`` and the file's total size, in one range request."""
         req = urllib.request.Request(self.url, headers={
-            "Range": f"bytes={start}-{stop - 1}", "User-Agent": f"modelsize/{__version__}",
-            "Accept-Encoding": "identity"})
+            **self.headers, "Range": f"bytes={start}-{stop - 1}",
+            "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"})
         try:
             with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
                 with self._lock:
@@ -141,6 +143,8 @@ class RangeSource:
                 self.stats.requests += 1
             if exc.code == 416 and start == 0:
                 return b"", 0  # an empty file
+            if exc.code in (401, 403) and self.url.startswith(hf_endpoint() + "/"):
+                raise RemoteError(token_needed(self.url, exc.code)) from None
             raise RemoteError(f"{printable(self.url)}: HTTP {exc.code} {exc.reason}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
@@ -311,9 +315,9 @@ def _is_payload(name: str) -> bool:
 
 # -- sparse mirrors ---------------------------------------------------------------------------
 
-def mirror(url: str, dest: Path, stats: Stats) -> None:
+def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None) -> None:
     """Write the header regions of ``url`` into the sparse file ``dest`` of the same size."""
-    src = RangeSource(url, stats)
+    src = RangeSource(url, stats, headers)
     with open(dest, "wb") as fh:
         fh.truncate(src.size)
         for offset, data in _regions(src):
@@ -530,3 +534,172 @@ def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
             READ_DATA.reset(token)
         inventory.facts[URL_FACT] = url
         yield inventory, remote.stats, str(remote.local)
+
+
+# -- a Hub repository as a model: config.json and the weights' headers -----------------------
+#
+# ``modelsize estimate hf://ORG/REPO[@REVISION]`` needs the config and, of the weights, only
+# what their headers say (names, dtypes, shapes). The files are listed through the Hub's API
+# at the revision, config.json and the safetensors index are fetched whole (they are small),
+# and each weights file is mirrored sparsely (:func:`mirror`): its header regions at their
+# offsets, holes elsewhere. A snapshot already in the Hugging Face cache is used in place.
+
+#: Weight files a model folder holds, most preferred first (safetensors, then PyTorch bins).
+_WEIGHT_PATTERNS = ((".safetensors", "model.safetensors.index.json"),
+                    (".bin", "pytorch_model.bin.index.json"))
+
+
+def token_needed(url: str, code: int) -> str:
+    """The one line for a 401/403 from the Hub: what to do about it."""
+    if os.environ.get("HF_TOKEN"):
+        return (f"{printable(url)}: HTTP {code}: the Hub refuses the token in HF_TOKEN for this "
+                "repository (gated or private: accept its terms, or use a token that can read "
+                "it)")
+    return (f"{printable(url)}: HTTP {code}: this repository needs a Hugging Face token: set "
+            "HF_TOKEN (a gated or private repository)")
+
+
+def hub_headers() -> dict[str, str]:
+    """``Authorization`` from ``$HF_TOKEN`` when it is set (as huggingface_hub sends it)."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def hub_get(url: str, stats: Stats, limit: int = MAX_REGION) -> bytes:
+    """GET ``url`` whole (a listing, config.json, an index) with the Hub's headers, counted in
+    ``stats``; a 401/403 says a token is needed, in one line."""
+    req = urllib.request.Request(url, headers={**hub_headers(),
+                                               "User-Agent": f"modelsize/{__version__}"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            data = resp.read(limit + 1)
+    except urllib.error.HTTPError as exc:
+        stats.requests += 1
+        if exc.code in (401, 403):
+            raise RemoteError(token_needed(url, exc.code)) from None
+        if exc.code == 404:
+            raise RemoteError(f"{printable(url)}: HTTP 404: no such repository, revision or "
+                              "file on the Hub (a private repository answers 404 without a "
+                              "token: set HF_TOKEN)") from None
+        raise RemoteError(f"{printable(url)}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
+    stats.requests += 1
+    stats.fetched += len(data)
+    if len(data) > limit:
+        raise RemoteError(f"{printable(url)}: more than {limit} bytes")
+    return data
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    """``ORG/REPO`` at ``revision`` (``main`` unless ``@REVISION`` is given)."""
+
+    repo: str
+    revision: str = "main"
+
+    @classmethod
+    def parse(cls, spec: str) -> HubRepo:
+        """``hf://ORG/REPO[@REVISION]`` or ``ORG/REPO[@REVISION]``."""
+        rest = spec[len("hf://"):] if spec.lower().startswith("hf://") else spec
+        rest = rest.strip("/")
+        repo, _, revision = rest.partition("@")
+        parts = repo.split("/")
+        if len(parts) != 2 or not all(parts):
+            raise RemoteError(f"{printable(spec)}: expected hf://ORG/REPO or "
+                              "hf://ORG/REPO@REVISION (a model repository, not a file in it)")
+        return cls(repo, revision or "main")
+
+    @property
+    def url(self) -> str:
+        """``hf://ORG/REPO@REVISION`` (the revision left out when it is main)."""
+        return f"hf://{self.repo}" + (f"@{self.revision}" if self.revision != "main" else "")
+
+    def resolve_url(self, name: str) -> str:
+        """The Hub's download URL of file ``name`` at the revision."""
+        return (f"{hf_endpoint()}/{self.repo}/resolve/"
+                f"{urllib.parse.quote(self.revision, safe='')}/{urllib.parse.quote(name)}")
+
+    def listing_url(self) -> str:
+        """The Hub's API URL listing the repository's files at the revision."""
+        return (f"{hf_endpoint()}/api/models/{self.repo}/revision/"
+                f"{urllib.parse.quote(self.revision, safe='')}")
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it: ``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def cached_snapshot(hub: HubRepo) -> Path | None:
+    """The repository's snapshot folder in the Hugging Face cache when it holds config.json
+    and every weights file (the index's shards, or a weights file), else None."""
+    root = hf_cache_dir() / ("models--" + hub.repo.replace("/", "--"))
+    commit = hub.revision
+    ref = root / "refs" / hub.revision
+    if ref.is_file():
+        try:
+            commit = ref.read_text().strip()
+        except OSError:
+            return None
+    folder = root / "snapshots" / commit
+    if not (folder / "config.json").is_file():
+        return None
+    for suffix, index in _WEIGHT_PATTERNS:
+        if (folder / index).is_file():
+            try:
+                shards = set(json.loads((folder / index).read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return None
+            return folder if all((folder / s).is_file() for s in shards) else None
+        if any(p.name.endswith(suffix) and p.is_file() for p in folder.iterdir()):
+            return folder
+    return None
+
+
+def hub_model_files(hub: HubRepo, stats: Stats) -> list[str]:
+    """config.json and the weights files (with their index) at the top of the repository."""
+    raw = hub_get(hub.listing_url(), stats, limit=16 * 2**20)
+    try:
+        names = [s["rfilename"] for s in json.loads(raw).get("siblings", [])]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise RemoteError(f"{hub.url}: the Hub's listing is not JSON with siblings") from None
+    top = {n for n in names if isinstance(n, str) and "/" not in n}
+    if "config.json" not in top:
+        raise RemoteError(f"{hub.url}: the repository has no config.json at its top (a GGUF "
+                          "repository: download the .gguf file and give its path)")
+    for suffix, index in _WEIGHT_PATTERNS:
+        weights = sorted(n for n in top if n.endswith(suffix)
+                         and (suffix != ".bin" or n.startswith("pytorch_model")))
+        if weights:
+            return ["config.json", *([index] if index in top else []), *weights]
+    raise RemoteError(f"{hub.url}: no weights file (*.safetensors, pytorch_model*.bin) at the "
+                      "top of the repository")
+
+
+def hub_snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
+    """Fill ``dest`` with the repository's config.json, its index and a sparse mirror of each
+    weights file (header regions only; the index's shards only); return the file names."""
+    headers = hub_headers()
+    files = hub_model_files(hub, stats)
+    wanted = list(files)
+    index = next((f for f in files if f.endswith(".index.json")), None)
+    for name in files[:2 if index else 1]:
+        (dest / name).write_bytes(hub_get(hub.resolve_url(name), stats))
+    if index is not None:
+        try:
+            shards = set(json.loads((dest / index).read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise RemoteError(f"{hub.url}: {index} is not an index with a weight_map") from None
+        wanted = ["config.json", index, *sorted(s for s in shards if "/" not in s)]
+    for name in wanted:
+        if name == "config.json" or name.endswith(".index.json"):
+            continue
+        mirror(hub.resolve_url(name), dest / name, stats, headers)
+    return wanted

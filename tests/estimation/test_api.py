@@ -125,7 +125,7 @@ def test_cuda_terms_add_up_and_are_marked_unvalidated() -> None:
         "cublas_workspace"]
     assert dev.total_bytes == dev.allocated_bytes + terms["cuda_context"]
     assert terms["allocator_rounding"] >= 0
-    assert any("not validated" in n for n in est.notes)
+    assert any("other GPUs and versions are not" in n for n in est.notes)
 
 
 def test_bad_arguments_are_usage_errors() -> None:

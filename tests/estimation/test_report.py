@@ -23,7 +23,7 @@ def test_report_lists_every_category_and_the_peak() -> None:
             continue
         assert cat.value in text and f"{n:,}" in text
     assert "--batch 1" in text and "-50%" in text
-    assert "CUDA device estimate (not validated" in text
+    assert "CUDA device estimate (PyTorch 2.11's kernels" in text
     assert "cublas_workspace" in text and "cuda_context" in text
 
 

@@ -262,3 +262,58 @@ def test_deflated_member_with_a_wrong_crc(tmp_path: Path) -> None:
     with pytest.raises(CorruptFileError, match="CRC"):
         read(p)
     assert_one_line_error(run_cli("inspect", str(p)), p)
+
+
+def test_variable_length_attribute_claiming_a_gigabyte_is_refused_in_little_memory(
+        tmp_path: Path) -> None:
+    """A variable-length string of ``layer_names`` whose length says 2**30 where its global heap
+    object holds 5 bytes (one integer changed by the fuzz target): HDF5 allocates the claimed
+    length before it checks, so slim (through h5py) peaked at 1.1 GB; the reader now compares
+    the two first and refuses the file in one line."""
+    h5py = pytest.importorskip("h5py")
+    np = pytest.importorskip("numpy")
+    from tests.formats.hostile_sizes import measure
+
+    path = tmp_path / "legacy.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["layer_names"] = ["dense"]  # one variable-length string
+        f.create_dataset("dense/kernel:0", data=np.ones((2, 2), np.float32))
+    data = bytearray(path.read_bytes())
+    heap = data.index(b"GCOL")
+    # The inline value: length (4 bytes), the heap collection's address (8), the index (4).
+    at = data.index(struct.pack("<IQ", 5, heap))
+    struct.pack_into("<I", data, at, 1 << 30)
+    path.write_bytes(bytes(data))
+    with h5py.File(path) as f, pytest.raises(OSError, match="heap object size"):
+        f.attrs["layer_names"]  # the read raises
+    run = measure(["slim", str(path), "-o", str(tmp_path / "o.h5"), "--cast", "float16"], 120)
+    assert run.returncode == 2, run.stderr
+    assert len(run.stderr.splitlines()) == 1
+    assert "variable-length value 0 claims 1073741824 bytes" in run.stderr
+    assert run.maxrss < 256 << 20, run.maxrss
+
+
+def test_variable_length_type_hdf5_does_not_define_is_refused(tmp_path: Path) -> None:
+    """A variable-length string type whose kind reads 15 (one byte set to 0x7f by the fuzz
+    target): h5py crashed the process (SIGSEGV) when slim copied the attribute. The reader
+    refuses the datatype in one line before h5py opens the file."""
+    import subprocess
+    import sys
+
+    h5py = pytest.importorskip("h5py")
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "odd.weights.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("layers/dense/vars").attrs["name"] = "dense"
+        f.create_dataset("layers/dense/vars/0", data=np.ones(3, np.float32))
+    data = bytearray(path.read_bytes())
+    at = data.index(b"\x19\x01\x01\x00", data.index(b"name\x00"))  # vlen UTF-8 string type
+    data[at + 1] = 0x7F
+    path.write_bytes(bytes(data))
+    code = ("import h5py, sys; f = h5py.File(sys.argv[1]); "
+            "print(f['layers/dense/vars'].attrs['name'])")
+    crashed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True)
+    assert crashed.returncode != 0  # a segfault with h5py 3.16 / HDF5 1.14
+    proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.weights.h5"), "--cast", "float16")
+    assert_one_line_error(proc, path)
+    assert "vlen datatype with bit fields 0x17f, which HDF5 does not define" in proc.stderr

@@ -228,8 +228,41 @@ def _external_model(tmp_path: Path, entries: dict[str, str], data: bytes = bytes
     return _model(_init(_tensor("w", [4], external=entries)))
 
 
+def _output_with_type(type_proto: bytes) -> bytes:
+    """A model whose graph output ``y`` has the given ``TypeProto`` bytes."""
+    node = _f(1, LEN, _f(1, LEN, b"w") + _f(2, LEN, b"y") + _f(4, LEN, b"Relu"))
+    return _model(node, _init(_tensor("w", [2], raw=bytes(8))),
+                  _f(12, LEN, _f(1, LEN, b"y") + _f(2, LEN, type_proto)))
+
+
+#: ``TypeProto.tensor_type`` (elem_type float, shape [2]) whose length says 65535: found by the
+#: fuzz target (protobuf refuses the file: "Wire format was corrupt"; slim wrote it on).
+_TENSOR_TYPE = _f(1, VARINT, 1) + _f(2, LEN, _f(1, LEN, _f(1, VARINT, 2)))
+_BAD_TYPE = _key(1, LEN) + _varint(65535) + _TENSOR_TYPE
+
+
+#: ``metadata_props`` whose value's length (9) runs past its entry: found by the fuzz target.
+_BAD_ENTRY = _f(1, LEN, b"k") + _key(2, LEN) + _varint(9) + b"v"
+
+
+def _with_metadata(entry: bytes, number: int = 14) -> bytes:
+    """A valid model with one ``metadata_props`` entry (ModelProto field 14)."""
+    return _output_with_type(_f(1, LEN, _TENSOR_TYPE)) + _f(number, LEN, entry)
+
+
 LIARS = {
     "garbage": lambda tmp: b"\xff" * 40,
+    "metadata_props_value_length": lambda tmp: _with_metadata(_BAD_ENTRY),
+    # Found by the fuzz target; the checker refuses both ("does not have an ir_version set
+    # properly", "should contain one and only one value field").
+    "ir_version_0": lambda tmp: _f(1, VARINT, 0) + _model(
+        _init(_tensor("w", [2], raw=bytes(8))))[2:],
+    "data_location_unknown": lambda tmp: _model(_init(
+        _tensor("w", [4], external={"location": "w.bin", "offset": "0", "length": "16"})
+        .replace(_f(14, VARINT, 1), _f(14, VARINT, 2)))),
+    "output_type_length": lambda tmp: _output_with_type(_BAD_TYPE),
+    "output_shape_length": lambda tmp: _output_with_type(
+        _f(1, LEN, _f(1, VARINT, 1) + _key(2, LEN) + _varint(200) + _f(1, LEN, b""))),
     "group_wire_type": lambda tmp: _f(1, VARINT, 8) + _key(7, 3) + b"\x00",
     "length_past_eof": lambda tmp: _f(1, VARINT, 8) + _key(7, LEN) + _varint(10**9) + b"abc",
     "varint_too_long": lambda tmp: _f(1, VARINT, 8) + _key(5, VARINT) + b"\xff" * 11,
@@ -268,6 +301,33 @@ def test_lying_files_are_corrupt(tmp_path: Path, case: str) -> None:
         _read(p)
     assert info.value.format == "onnx"
     assert "Traceback" not in str(info.value)
+
+
+def test_output_types_parse_as_onnx_parses_them(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    good = _output_with_type(_f(1, LEN, _TENSOR_TYPE))
+    assert onnx.load_from_string(good).graph.output[0].type.tensor_type.elem_type == 1
+    assert _read(_write(tmp_path, good, "good.onnx")).file_bytes == len(good)
+    for bad in (_output_with_type(_BAD_TYPE), _with_metadata(_BAD_ENTRY)):
+        with pytest.raises(Exception, match=r"(?i)wire format|error parsing|protobuf"):
+            onnx.load_from_string(bad)
+    good = _with_metadata(_f(1, LEN, b"k") + _f(2, LEN, b"v"))
+    assert onnx.load_from_string(good).metadata_props[0].value == "v"
+    assert _read(_write(tmp_path, good, "meta.onnx")).file_bytes == len(good)
+
+
+@pytest.mark.parametrize("case", ["ir_version_0", "data_location_unknown"])
+def test_the_onnx_checker_refuses_them_too(tmp_path: Path, case: str) -> None:
+    onnx = pytest.importorskip("onnx")
+    p = _write(tmp_path, LIARS[case](tmp_path))
+    (tmp_path / "w.bin").write_bytes(bytes(16))
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(onnx.load(str(p), load_external_data=False))
+
+
+def test_a_tensor_of_no_elements_holds_no_data(tmp_path: Path) -> None:
+    p = _write(tmp_path, _model(_init(_tensor("w", [0, 3]))))
+    assert [(t.name, t.shape, t.nbytes) for t in _read(p).tensors] == [("w", (0, 3), 0)]
 
 
 def test_nested_subgraphs_within_limit(tmp_path: Path) -> None:

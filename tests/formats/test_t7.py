@@ -255,6 +255,10 @@ def _liars() -> dict[str, bytes]:
         "too_deep": _nested_tables(20_000),
         "function_length_past_eof": W.function(None, b"", b"")[:-4] + w.i(2**30),
         "no_class_name": w.i(4) + w.i(1) + w.i(3) + b"V 1" + w.i(0),
+        # Found by the fuzz target: File.lua takes "V \x80" for a class name (its version is
+        # not a number), which no Torch class has; torchfile fails too; slim wrote it on.
+        "version_not_a_number": w.torch(1, "torch.FloatStorage", w.longs(0)).replace(
+            b"V 1", b"V \x80"),
     }
 
 

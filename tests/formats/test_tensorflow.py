@@ -261,6 +261,19 @@ def _entry(dtype: int, shape: list[int], offset: int, size: int, shard: int = 0)
             + _field(4, offset) + _field(5, size))
 
 
+#: The slice key of ``w[0:4, 0:2]``: OrderedCode of the name, the rank, start and length.
+_SLICE_KEY = b"\x00w\x00\x01\x01\x02\x80\x84\x80\x82"
+
+
+def _partitioned(shape: list[int], *slices: list[tuple[int, int]]) -> bytes:
+    """The full entry of a partitioned variable listing ``slices`` (extents per dimension)."""
+    dims = b"".join(_field(2, _field(1, d)) for d in shape)
+    listed = b"".join(
+        _field(7, b"".join(_field(1, _field(1, a) + _field(2, n)) for a, n in extents))
+        for extents in slices)
+    return _field(1, 1) + _field(2, dims) + listed
+
+
 def _bundle(tmp_path: Path, entries: list[tuple[bytes, bytes]], data: bytes,
             shards: int = 1) -> Path:
     header = _field(1, shards) + _field(3, _field(1, 1))
@@ -291,6 +304,23 @@ LIARS: dict[str, tuple[list[tuple[bytes, bytes]], bytes, int, str]] = {
     "bad_object_graph": ([(b"_CHECKPOINTABLE_OBJECT_GRAPH", _entry(7, [], 0, 8))],
                          b"\x03\x00\x00\x00\x00\xff\xff\xff", 1, "object graph"),
     "bad_entry_proto": ([(b"w", b"\x0a\xff\x01")], bytes(8), 1, "declares"),
+    # Found by the fuzz target: a full entry listing a slice the bundle does not hold (TF's
+    # reader then hands out the stored slice's raw key: UnicodeDecodeError), and slim wrote it.
+    "slice_not_stored": ([(_SLICE_KEY, _entry(1, [4, 2], 0, 32)),
+                          (b"w", _partitioned([4, 2], [(0, 4), (0, 1)]))], bytes(32), 1,
+                         r"w lists the slice w\[0:4,0:1\], which the bundle does not hold"),
+    "slices_not_covering": ([(_SLICE_KEY, _entry(1, [4, 2], 0, 32)),
+                             (b"w", _partitioned([4, 3], [(0, 4), (0, 2)]))], bytes(32), 1,
+                            r"partitioned variable w hold 8 elements, its shape \[4, 3\] 12"),
+    "slice_outside": ([(_SLICE_KEY, _entry(1, [4, 2], 0, 32)),
+                       (b"w", _partitioned([2, 4], [(0, 4), (0, 2)]))], bytes(32), 1,
+                      r"w of shape \[2, 4\] lists the slice w\[0:4,0:2\], outside it"),
+    "dtype_invalid": ([(b"w", _entry(0, [2], 0, 8))], bytes(8), 1,
+                      "w has dtype 0, which is not a TensorFlow DataType"),
+    "slice_not_listed": ([(_SLICE_KEY, _entry(1, [4, 2], 0, 32)),
+                          (_SLICE_KEY[:-4] + b"\x84\x84\x80\x82", _entry(1, [4, 2], 32, 32)),
+                          (b"w", _partitioned([8, 2], [(0, 4), (0, 2)]))], bytes(64), 1,
+                         r"w does not list the slice w\[4:8,0:2\], which the bundle holds"),
 }
 
 

@@ -84,18 +84,25 @@ def _emit(buf: bytearray, obj: Field) -> int:
 
 
 def tiny_model(shape: tuple[int, ...] = (2, 3), data: bytes = bytes(range(24)),
-               buffer: int = 1, metadata: bytes = b"1.5.0\0") -> bytes:
+               buffer: int = 1, metadata: bytes = b"1.5.0\0", inputs: tuple[int, ...] = (1,),
+               metadata_buffer: int = 2, version: int = 3,
+               input_shape: tuple[int, ...] = (1, 3),
+               ops: tuple[tuple[int, list[int], list[int]], ...] = ()) -> bytes:
     """A model of one subgraph with one float32 constant and one input, and one metadata
-    buffer named ``min_runtime_version``."""
+    buffer named ``min_runtime_version``; ``ops``: (opcode index, inputs, outputs) of
+    operators, with one operator code (ADD)."""
     tensors = [
         [("ints", list(shape)), ("u8", 0), ("u32", buffer), ("str", "dense/kernel")],
-        [("ints", [1, 3]), ("u8", 0), ("u32", 0), ("str", "input")],
+        [("ints", list(input_shape)), ("u8", 0), ("u32", 0), ("str", "input")],
     ]
-    subgraph = [("tables", tensors), ("ints", [1]), ("ints", [1]), ("tables", []), ("str", "main")]
+    operators = [[("u32", code), ("ints", ins), ("ints", outs)] for code, ins, outs in ops]
+    subgraph = [("tables", tensors), ("ints", list(inputs)), ("ints", [1]),
+                ("tables", operators), ("str", "main")]
     model = [
-        ("u32", 3), ("tables", []), ("tables", [subgraph]), ("str", "hand made"),
+        ("u32", version), ("tables", [[("u8", 0), None, None, ("u32", 0)]] if ops else []),
+        ("tables", [subgraph]), ("str", "hand made"),
         ("tables", [[], [("bytes", data)], [("bytes", metadata)]]), None,
-        ("tables", [[("str", "min_runtime_version"), ("u32", 2)]]),
+        ("tables", [[("str", "min_runtime_version"), ("u32", metadata_buffer)]]),
     ]
     buf = bytearray(struct.pack("<I", 0) + b"TFL3")
     struct.pack_into("<I", buf, 0, _emit(buf, ("table", model)))
@@ -171,12 +178,38 @@ def test_sniffed_by_its_identifier_not_its_name(tmp_path: Path) -> None:
         (tiny_model(buffer=7), "refers to buffer 7, but the model has 3"),
         (tiny_model(shape=(-1, 3)), "has shape [-1, 3]"),
         (struct.pack("<I", 1 << 30) + b"TFL3" + bytes(8), "root offset claims bytes"),
+        # Found by the fuzz target: the interpreter refuses these ("Invalid tensor index"),
+        # and slim wrote them on as "Verified".
+        (tiny_model(inputs=(5,)), "subgraphs[0].inputs names tensor 5, but subgraph 0 has 2"),
+        (tiny_model(ops=((0, [0, 2147483647], [1]),)),
+         "operators[0].inputs names tensor 2147483647, but subgraph 0 has 2"),
+        (tiny_model(ops=((0, [0, 1], [12]),)), "operators[0].outputs names tensor 12"),
+        (tiny_model(ops=((3, [0, 1], [1]),)), "uses operator code 3, but the model has 1"),
+        # TF 2.21's interpreter: "required_bytes <= bytes was not true. Tensor 0 is invalidly
+        # specified in schema": an empty data vector makes its tensor a constant of 0 bytes.
+        (tiny_model(data=b""), "needs 24 bytes but its buffer 1 holds 0"),
+        # slim --dedupe: "internal error: KeyError: (2147483647, 'raw')" before.
+        (tiny_model(metadata_buffer=2**31 - 1),
+         "refers to buffer 2147483647, but the model has 3"),
+        # The interpreter: "BytesRequired number of elements overflowed".
+        (tiny_model(input_shape=(-2**31, 3)), "whose bytes overflow 64 bits"),
+        # TFLite's Python API decodes names strictly (UnicodeDecodeError).
+        (tiny_model().replace(b"dense/kernel", b"dense/ker\xfeel"),
+         "tensors[0].name is not UTF-8 text"),
     ],
-    ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset"],
+    ids=["shape-larger-than-buffer", "buffer-index", "negative-dim", "root-offset",
+         "subgraph-input-index", "operator-input-index", "operator-output-index",
+         "operator-code-index", "empty-data-vector", "metadata-buffer-index",
+         "activation-shape-overflow", "name-not-utf8"],
 )
 def test_lying_models_are_refused(tmp_path: Path, data: bytes, reason: str) -> None:
     with pytest.raises(CorruptFileError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         _read(_write(tmp_path, data))
+
+
+def test_operators_naming_their_tensors_and_optional_inputs_are_read(tmp_path: Path) -> None:
+    inv = _read(_write(tmp_path, tiny_model(ops=((0, [0, -1], [1]),))))
+    assert inv.facts["tflite.operators"] == "1 (1 kinds)"
 
 
 def test_lying_vector_length_is_refused_without_allocating(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import struct
 import warnings
 import zipfile
 from pathlib import Path
@@ -394,6 +395,83 @@ def test_tensor_larger_than_its_storage(saved: Path, tmp_path: Path) -> None:
     bad = tmp_path / "lying.pt"
     rewrite(saved, bad, {"model/data.pkl": pkl.replace(shape, b"K\x09K\x03\x86")})
     expect_corrupt(bad, "reaches byte 108 of storage 'model/data/0', which holds 24")
+
+
+# Found by the fuzz target (tests/fuzz): torch.load refuses these, and slim wrote them on.
+
+
+@pytest.mark.parametrize("value", [b"litt\x7fe", b"", b"middle"])
+def test_unknown_byteorder_is_refused(saved: Path, tmp_path: Path, value: bytes) -> None:
+    bad = tmp_path / "byteorder.pt"
+    rewrite(saved, bad, {"model/byteorder": value})
+    with pytest.raises(ValueError, match="Unknown endianness type"):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, "model/byteorder says")
+
+
+@pytest.mark.parametrize("value", [b"x3\n", b"0\n", b""])
+def test_version_record_torch_cannot_read_is_refused(saved: Path, tmp_path: Path,
+                                                     value: bytes) -> None:
+    bad = tmp_path / "version.pt"
+    rewrite(saved, bad, {"model/version": value})
+    with pytest.raises(RuntimeError, match="version"):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, "model/version says")
+
+
+def test_version_record_of_a_newer_torch_is_read(saved: Path, tmp_path: Path) -> None:
+    newer = tmp_path / "newer.pt"
+    rewrite(saved, newer, {"model/version": b"33\n"})
+    with pytest.raises(RuntimeError, match="maximum supported version"):
+        torch.load(newer, weights_only=True)
+    assert read(newer).format == "pytorch"
+
+
+def _central(data: bytearray, name: bytes) -> int:
+    """Where the central directory record of member ``name`` starts."""
+    at = data.find(b"PK\x01\x02")  # the records, in order
+    while data[at + 46 : at + 46 + len(name)] != name:
+        at = data.find(b"PK\x01\x02", at + 4)
+    return at
+
+
+def test_member_flagged_encrypted_is_refused(saved: Path) -> None:
+    data = bytearray(saved.read_bytes())
+    data[_central(data, b"model/data/0") + 8] |= 0x01  # general-purpose flags: encrypted
+    saved.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="unsupported encryption"):
+        torch.load(saved, weights_only=True)
+    expect_corrupt(saved, "member 'model/data/0' is marked encrypted")
+
+
+def test_storage_alignment_torch_cannot_read_is_refused(saved: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "alignment.pt"
+    rewrite(saved, bad, {"model/.storage_alignment": b"6\x7f"})
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, "model/.storage_alignment says")
+
+
+def test_storage_of_a_method_torch_cannot_read_is_refused(saved: Path) -> None:
+    data = bytearray(saved.read_bytes())
+    data[_central(data, b"model/data/0") + 10] = 1  # the method: 1 (shrunk) instead of 0
+    saved.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="unsupported method"):
+        torch.load(saved, weights_only=True)
+    expect_corrupt(saved, "member 'model/data/0' uses compression method 1")
+
+
+def test_central_record_running_past_the_directory_is_refused(saved: Path) -> None:
+    """The last record's name length made 65535: zipfile reads the short name and goes on,
+    torch's miniz refuses the archive."""
+    data = bytearray(saved.read_bytes())
+    with zipfile.ZipFile(saved) as zf:
+        last = zf.infolist()[-1].filename.encode()
+    struct.pack_into("<H", data, _central(data, last) + 28, 0xFFFF)
+    saved.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="invalid header or archive is corrupted"):
+        torch.load(saved, weights_only=True)
+    expect_corrupt(saved, "declares a 65535-byte name")
 
 
 def test_zip_without_data_pkl_is_not_pytorch(tmp_path: Path) -> None:

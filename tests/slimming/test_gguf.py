@@ -375,3 +375,30 @@ def test_ggml_c_loader_reads_the_output(tmp_path: Path) -> None:
     test_two_names_at_one_offset_get_their_own_bytes(tmp_path)  # writes shared.gguf, out.gguf
     assert load(tmp_path / "shared.gguf") is None
     assert load(tmp_path / "out.gguf") is not None
+
+
+def test_tensor_of_an_unknown_type_is_not_rewritten(tmp_path: Path) -> None:
+    """A tensor whose ggml type is unknown (735: one integer changed by the fuzz target) is read
+    with a note, its size taken up to the next tensor (here the end of the file, 18 bytes):
+    padded to the alignment in a rewrite it would read back larger, and verification failed
+    with an internal error (exit 1) before. Refused in one line."""
+    src = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(src, arch="llama")
+    w.add_tensor("a.weight", np.ones((4, 8), dtype=np.float32))
+    w.add_tensor("b.weight", np.ones(9, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(src.read_bytes())
+    at = data.index(b"b.weight") + len(b"b.weight") + 4 + 8  # past n_dims and its one dim
+    assert struct.unpack_from("<I", data, at)[0] == int(Q.F16)
+    struct.pack_into("<I", data, at, 735)
+    del data[-(32 - 18):]  # the last tensor's padding: its 18 bytes end the file
+    src.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="735"):
+        gguf.GGUFReader(src)
+    proc = run_cli("slim", str(src), "--cast", "float16", "-o", str(tmp_path / "o.gguf"))
+    assert_one_line_error(proc, src)
+    assert "b.weight has ggml type 735, unknown to modelsize, and 18 bytes" in proc.stderr
+    assert not (tmp_path / "o.gguf").exists()

@@ -539,3 +539,116 @@ def test_other_formats_are_not_written_as_keras(tmp_path: Path) -> None:
     plan = plan_slim(modelsize.formats.read(FIXTURES / "model.keras"), SlimOptions())
     with pytest.raises(UsageError, match="keras-h5 writer cannot write keras input"):
         KerasH5Writer().prepare(plan, tmp_path / "x.h5")
+
+
+# -- legacy .h5 Keras would not load (found by the fuzz target: slim wrote them, "Verified") ----
+
+
+def _legacy_copy(tmp_path: Path) -> Path:
+    path = tmp_path / "legacy.h5"
+    shutil.copy(FIXTURES / "legacy.h5", path)
+    path.chmod(0o644)
+    return path
+
+
+def test_legacy_h5_whose_model_config_is_not_json_is_refused(tmp_path: Path) -> None:
+    """A bit flipped in the ``model_config`` attribute: Keras's ``load_model`` fails on its
+    JSON; slim copied it (exit 0) before."""
+    path = _legacy_copy(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b'{"class_name": "Sequential"')
+    data[at + 1] ^= 0x40  # '"' -> 'b': no longer a property name
+    path.write_bytes(bytes(data))
+    for args in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.h5"), *args)
+        assert_one_line_error(proc, path)
+        assert "model_config attribute is not valid JSON" in proc.stderr
+        assert not (tmp_path / "o.h5").exists()
+
+
+def test_legacy_h5_missing_a_weight_its_layer_lists_is_refused(tmp_path: Path) -> None:
+    """A dataset renamed (by h5py) under the name its layer's ``weight_names`` lists: Keras's
+    loader looks it up by that name (KeyError)."""
+    path = _legacy_copy(tmp_path)
+    with h5py.File(path, "r+") as f:
+        group = f["model_weights/batch_normalization/batch_normalization"]
+        group.move("beta:0", "ean:0")
+    proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.h5"))
+    assert_one_line_error(proc, path)
+    assert "lists the weight batch_normalization/beta:0, which is not a dataset" in proc.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_dropping_a_weight_a_legacy_layer_lists_is_refused(tmp_path: Path) -> None:
+    """``--drop buffers`` of a legacy .h5 wrote a file whose BatchNormalization lists moving
+    statistics it no longer has: Keras's loader cannot read it. Refused, saying how to keep
+    them; the optimizer state still goes."""
+    with pytest.raises(UsageError, match=r"layer batch_normalization lists .*moving_mean:0 "
+                       r"\(buffers\): keep it"):
+        modelsize.slim(FIXTURES / "legacy.h5", tmp_path / "o.h5", drop=["buffers"])
+    assert list(tmp_path.iterdir()) == []
+    report = modelsize.slim(FIXTURES / "legacy.h5", tmp_path / "o.h5", drop=["optimizer_state"])
+    assert report.verified
+
+
+def test_float_type_h5py_cannot_read_is_refused(tmp_path: Path) -> None:
+    """A float32 whose exponent bias is 2**30 (one integer changed by the fuzz target): h5py
+    cannot make it a NumPy dtype, so Keras cannot load it; slim failed with an internal error
+    (ValueError from h5py) before. Refused in one line, copied or rewritten."""
+    src = tmp_path / "odd.weights.h5"
+    odd = h5py.h5t.IEEE_F32LE.copy()
+    odd.set_ebias(1 << 30)
+    with h5py.File(src, "w") as f:
+        h5py.h5d.create(f.id, b"w", odd, h5py.h5s.create_simple((4,)))
+        f.create_dataset("v", data=np.ones(3, np.float32))
+    with h5py.File(src) as f, pytest.raises(ValueError, match="Insufficient precision"):
+        f["w"].dtype  # noqa: B018 - the property raises
+    for args in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(src), "-o", str(tmp_path / "o.weights.h5"), *args)
+        assert_one_line_error(proc, src)
+        assert "w is a floating type of no IEEE layout" in proc.stderr
+        assert not (tmp_path / "o.weights.h5").exists()
+    inv = modelsize.inspect(src).inventory
+    assert {t.name: t.dtype for t in inv.tensors} == {"w": "uint8", "v": "float32"}
+
+
+def test_member_whose_crc_reads_zero_is_refused(tmp_path: Path) -> None:
+    """A central CRC-32 of 0 (torch's "none recorded"): zipfile, so Keras, checks it as it is
+    ("Bad CRC-32"). The loader rules let the BadZipFile escape (exit 1) before (found by the
+    fuzz target); refused in one line."""
+    for member in ("metadata.json", "model.weights.h5"):
+        path = tmp_path / f"{member}.keras"
+        shutil.copy(FIXTURES / "model.keras", path)
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        at = data.index(b"PK\x01\x02")
+        while data[at + 46 : at + 46 + len(member)] != member.encode():
+            at = data.index(b"PK\x01\x02", at + 4)
+        data[at + 16 : at + 20] = bytes(4)  # the central directory's CRC-32
+        path.write_bytes(bytes(data))
+        with zipfile.ZipFile(path) as zf, pytest.raises(zipfile.BadZipFile, match="Bad CRC"):
+            zf.read(member)
+        for args in ([], ["--keep", "*"]):
+            proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.keras"), *args)
+            assert_one_line_error(proc, path)
+            assert not (tmp_path / "o.keras").exists()
+
+
+def test_weights_member_failing_its_crc_is_refused(tmp_path: Path) -> None:
+    """A byte of the stored ``model.weights.h5`` changed after writing: zipfile (so Keras)
+    refuses the member ("Bad CRC-32"); slim read it in place through h5py and wrote it on
+    before (found by the fuzz target)."""
+    path = tmp_path / "damaged.keras"
+    shutil.copy(FIXTURES / "model.keras", path)
+    path.chmod(0o644)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("model.weights.h5")
+    data = bytearray(path.read_bytes())
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size - 8] ^= 1
+    path.write_bytes(bytes(data))
+    with zipfile.ZipFile(path) as zf, pytest.raises(zipfile.BadZipFile, match="Bad CRC"):
+        zf.read("model.weights.h5")
+    proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.keras"))
+    assert_one_line_error(proc, path)
+    assert "model.weights.h5' is corrupted" in proc.stderr
+    assert not (tmp_path / "o.keras").exists()

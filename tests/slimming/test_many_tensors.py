@@ -236,3 +236,24 @@ def test_inspect_json_top_is_the_largest_ties_in_file_order(tmp_path: Path, top:
     assert [t["name"] for t in doc["tensors"]] == expected[:top]
     assert [t["nbytes"] for t in doc["tensors"]] == [
         4 * sizes[int(name[1:])] for name in expected[:top]]
+
+
+def test_streamed_verification_refuses_bytes_no_tensor_claims(
+        many: Many, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes after the last tensor's (the safetensors library: 'file not fully covered') fail
+    the streamed verification by the loader's rules, read from the output's totals: the
+    records of a verified output are never read (they were not kept: reading them failed)."""
+    from modelsize.slimming.writers import base
+
+    real_write = base.write_tensors
+
+    def trailing(fh: Any, plan: Any, order: Any, meter: Any, written: Any) -> int:
+        n = real_write(fh, plan, order, meter, written)
+        fh.write(bytes(8))
+        return n
+
+    monkeypatch.setattr("modelsize.slimming.writers.safetensors.write_tensors", trailing)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(modelsize.errors.VerificationError, match="belong to no tensor"):
+        modelsize.slim(many[0], out, to="safetensors")
+    assert not out.exists()

@@ -13,6 +13,7 @@ import pytest
 import modelsize
 from modelsize import Category
 from modelsize.errors import UsageError
+from tests.conftest import assert_one_line_error, run_cli
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -103,6 +104,31 @@ def test_sharded_directory_keeps_its_shards(tmp_path: Path) -> None:
     assert (out / "tokenizer.json").read_text() == "{}"
 
 
+def test_sharded_dedupe_keeps_the_alias_out_of_the_index(tmp_path: Path) -> None:
+    """A duplicate in another shard is stored once; the index names only stored tensors (it
+    named the alias too, and the output's own verification refused it: exit 2 naming the
+    staging folder; found by the fuzz target's seed check)."""
+    tensors = _sharded(tmp_path / "m")
+    second = tmp_path / "m" / "model-00002-of-00002.safetensors"
+    safetensors_numpy.save_file({"b.weight": tensors["b.weight"],
+                                 "tied.weight": tensors["a.weight"].copy()}, str(second))
+    index_path = tmp_path / "m" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["tied.weight"] = second.name
+    index_path.write_text(json.dumps(index))
+    report = modelsize.slim(tmp_path / "m", tmp_path / "o", dedupe=True)
+    assert report.verified
+    index = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"a.weight", "a.grad", "b.weight"}
+    from safetensors import safe_open
+
+    for name, shard in index["weight_map"].items():
+        with safe_open(str(tmp_path / "o" / shard), "np") as f:
+            assert np.array_equal(f.get_tensor(name), tensors[name])
+    with safe_open(str(tmp_path / "o" / "model-00001-of-00002.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["modelsize.aliases"]) == {"tied.weight": "a.weight"}
+
+
 def test_sharded_to_one_file(tmp_path: Path) -> None:
     tensors = _sharded(tmp_path / "m")
     modelsize.slim(tmp_path / "m" / "model.safetensors.index.json", tmp_path / "one.safetensors",
@@ -161,3 +187,24 @@ def test_to_npz_from_torch(tmp_path: Path) -> None:
     got = np.load(tmp_path / "t.npz")
     assert set(got.files) == set(sd)
     assert np.array_equal(got["x.weight"], sd["x.weight"].numpy())
+
+
+def test_bytes_no_tensor_claims_are_not_copied(tmp_path: Path) -> None:
+    """A byte after the last tensor (the fuzz target made one by shortening the header length):
+    the safetensors library refuses the file. Nothing to dedupe copied it as it was (exit 0)
+    before; now refused, and the default slim (which drops those bytes) writes a file the
+    library loads."""
+    from safetensors import SafetensorError, safe_open
+
+    src = tmp_path / "stray.safetensors"
+    safetensors_numpy.save_file({"w": np.arange(6, dtype=np.float32)}, str(src))
+    src.write_bytes(src.read_bytes() + b"\x00")
+    with pytest.raises(SafetensorError, match="not fully covered"):
+        safe_open(str(src), "np")
+    proc = run_cli("slim", str(src), "--dedupe", "-o", str(tmp_path / "o.safetensors"))
+    assert_one_line_error(proc, src)
+    assert "1 bytes of the data area belong to no tensor" in proc.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+    modelsize.slim(src, tmp_path / "fixed.safetensors")
+    with safe_open(str(tmp_path / "fixed.safetensors"), "np") as f:
+        assert np.array_equal(f.get_tensor("w"), np.arange(6, dtype=np.float32))

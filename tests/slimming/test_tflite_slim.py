@@ -619,6 +619,35 @@ def test_newer_schema_model_is_refused_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "out.tflite").exists()
 
 
+@pytest.mark.parametrize("version", [1, 768])
+def test_schema_version_the_interpreter_refuses_is_refused(tmp_path: Path, version: int) -> None:
+    """The interpreter reads schema version 3 only ("Model provided is schema version 1 not
+    equal to supported version 3"); slim copied or rewrote such models, exit 0, before (found
+    by the fuzz target)."""
+    path = tmp_path / "old.tflite"
+    path.write_bytes(tiny_model(version=version))
+    for args in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(path), *args, "-o", str(tmp_path / "out.tflite"))
+        assert_one_line_error(proc, path)
+        assert f"schema version {version}: the TFLite interpreter reads version 3" in proc.stderr
+        assert not (tmp_path / "out.tflite").exists()
+
+
+def test_cast_of_a_constant_without_elements(tmp_path: Path) -> None:
+    """A [0, 3] constant over a 24-byte buffer: its output buffer is an empty data vector, which
+    the interpreter (and modelsize's reader) take for a constant of 0 bytes; it stays float32.
+    Verification missed it before ("dense/kernel is missing", exit 1: found by the fuzz
+    target)."""
+    path = tmp_path / "empty.tflite"
+    path.write_bytes(tiny_model(shape=(0, 3), data=bytes(24)))
+    report = modelsize.slim(path, tmp_path / "o.tflite", cast="float16")
+    assert report.verified
+    assert any("no elements" in n for n in report.notes)
+    got = {t.name: (t.dtype, t.shape) for t in modelsize.inspect(tmp_path / "o.tflite")
+           .inventory.tensors}
+    assert got == {"dense/kernel": ("float32", (0, 3))}
+
+
 def test_dropping_a_constant_is_refused(models: dict[str, Path], tmp_path: Path) -> None:
     """The converter's int32 shape constants are ``buffers``; operators read them."""
     proc = run_cli("slim", str(models["conv"]), "--drop", "buffers", "-o",

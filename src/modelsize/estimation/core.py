@@ -260,10 +260,13 @@ def summarize(trace: Trace, program: Program, name: str,
                  PhaseSpan("setup", 0, 0, 0, 0))
     uses_matmul = any(any(k in str(op) for k in _MATMUL) for op in set(mode.ops))
     dev = device_estimate(program.device, peak, mode.peak_scratch, mode.allocations,
-                          mode.scratch_at, mode.tick, uses_matmul)
+                          mode.scratch_at, mode.tick, uses_matmul, first_calls=mode.first_calls,
+                          scratch_parts=mode.scratch_parts)
     notes = list(mode.scratch.notes) if mode.scratch is not None else []
     if program.device == "cuda":
-        notes.append("cuda: traced with the CPU kernels' shapes; device terms are not validated")
+        from modelsize.estimation.cuda_kernels import cuda_notes
+
+        notes.extend(cuda_notes(mode.ops))
         if mode.host_rng_copies:
             from modelsize.estimation.rng import host_note
 

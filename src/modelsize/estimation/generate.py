@@ -759,9 +759,13 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
         stack.enter_context(mode)
         stack.enter_context(values)
         if device.type == "cuda":
-            from modelsize.estimation.sdpa_cuda import GenerationKernels
+            from modelsize.estimation.cuda_kernels import CudaKernelChoices
 
-            stack.enter_context(GenerationKernels())
+            stack.enter_context(CudaKernelChoices())
+            if program.amp is not None:
+                from modelsize.estimation.cuda_autocast import cuda_policy
+
+                stack.enter_context(cuda_policy())
             offload = _Offload(mode)
             watch.host = offload.host
             stack.enter_context(offload.patched())

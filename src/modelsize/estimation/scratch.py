@@ -85,6 +85,12 @@ class KernelCost:
 
     scratch: int = 0
     output_nbytes: tuple[int | None, ...] = ()
+    order: tuple[int, ...] = ()
+    """The order in which the kernel allocates its outputs (indices into them), when it is
+    not the order they are returned in."""
+    parts: tuple[int, ...] = ()
+    """The separate allocations ``scratch`` is made of, in the order the kernel makes them
+    (freed in reverse), where it makes more than one."""
 
 
 Key = int | str  # a positional argument's index, or a keyword argument's name
@@ -139,6 +145,12 @@ class ScratchModels:
     not otherwise modelled), or None."""
     onednn_matmul: frozenset[torch.dtype] = frozenset()
     """The dtypes whose CPU matmuls run through oneDNN on this machine (:func:`onednn_matmul`)."""
+    costs: dict[Any, Callable[[Sequence[Any]], KernelCost | None]] = field(default_factory=dict)
+    """Analytic models that also correct outputs (CUDA kernels: their workspaces, the
+    outputs a meta kernel sizes differently)."""
+    libraries: dict[Any, Callable[[Sequence[Any]], str | None]] = field(default_factory=dict)
+    """The library whose handle a call uses (``"cublas"``, ``"cublaslt"``), which allocates
+    its workspace on the first call of each thread (:mod:`modelsize.estimation.device`)."""
     _tensor_params: dict[Any, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
     def wrapped(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:
@@ -176,6 +188,7 @@ class ScratchModels:
     def covers(self, func: Any) -> bool:
         """Whether some call of ``func`` may have scratch here (asked once per op)."""
         return (func in self.analytic or func in self.probed or func in self.outputs
+                or func in self.costs or func in self.libraries
                 or (self.promotion is not None and _promotes(func)))
 
     def cost(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
@@ -185,6 +198,9 @@ class ScratchModels:
         An op both analytic and probed is modelled analytically, unless its probe has a
         ``when`` that holds for the call (a matmul on the oneDNN path; elsewhere BLAS).
         """
+        model = self.costs.get(func)
+        if model is not None:
+            return model(args)
         probe = self.probed.get(func)
         if probe is not None and probe.when is not None and not probe.when(args, kwargs):
             probe = None
@@ -864,6 +880,11 @@ def table(device_type: str) -> ScratchModels:
     """The scratch models for kernels of ``device_type``."""
     aten = torch.ops.aten
     models = ScratchModels(device_type)
+    if device_type == "cuda":
+        from modelsize.estimation.cuda_kernels import cuda_models
+
+        cuda_models(models)
+        return models
     if device_type != "cpu":
         return models
     models.wrap_numbers = True

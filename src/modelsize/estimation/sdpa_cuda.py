@@ -1,50 +1,48 @@
-"""The memory of ``scaled_dot_product_attention`` on a CUDA GPU, for a generation traced on CPU.
+"""The memory of ``scaled_dot_product_attention`` on a CUDA GPU, for a trace that runs on CPU.
 
-A CUDA estimate traces CPU kernels (fake CUDA tensors abort a CPU-only build), and the CPU
-picks its own attention kernel (``_scaled_dot_product_flash_attention_for_cpu``, whose buffers
-are per thread). Under ``no_grad`` (generation), every ``F.scaled_dot_product_attention`` call
-is replaced here by the allocations of the kernel PyTorch would pick on the GPU, following
-``select_sdp_backend`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (the order
-flash, memory-efficient, math; an sm80+ GPU such as the H100):
+A CUDA estimate traces CPU kernels (fake CUDA tensors abort a CPU-only PyTorch build), and the
+CPU picks its own attention kernel (``_scaled_dot_product_flash_attention_for_cpu``, whose
+buffers are per thread). Every ``F.scaled_dot_product_attention`` call is replaced here by the
+allocations of the kernel PyTorch 2.11 picks on an H100 (sm90), following ``sdpa`` in
+``aten/src/ATen/native/transformers/attention.cpp`` and ``select_sdp_backend`` in
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``:
 
+* the front door turns a boolean mask into an additive one of the query's dtype
+  (``convert_boolean_attn_mask``: ``where(mask, scalar_tensor(0), scalar_tensor(-inf))``, so
+  two 0-dim tensors of the query's dtype live while the mask is made), for every backend;
+* **cuDNN** (``_scaled_dot_product_cudnn_attention``) comes first on sm90/sm100 with cuDNN
+  newer than 9.15 (``check_prefer_cudnn_attention``), for float16/bfloat16 q, k and v, head
+  dims that are multiples of 8 and at most 256, more than one key, grouped heads allowed, and
+  any mask (read as given: no copy, no padding). It allocates the philox seed and offset (8
+  bytes each), the output, the float32 log-sum-exp only when a gradient is needed, and a
+  workspace for the call (:func:`modelsize.estimation.cuda_kernels.cudnn_workspace`);
 * **flash** (``_scaled_dot_product_flash_attention``) when q, k and v are float16/bfloat16,
   there is no mask, their head dims are equal and at most 256, and ``is_causal`` comes with
-  as many queries as keys. Grouped-query attention is native (``enable_gqa``: the keys and
-  values are read, not repeated). It allocates the output (batch x queries x heads x dim, the
-  input dtype, returned transposed) and the log-sum-exp (batch x heads x queries, float32,
-  dropped by the Python call); head dims that are no multiple of 8 are padded (copies of q, k
-  and v). For decoding (one query), FlashAttention-2's split-KV path adds float32
-  accumulators of ``num_splits x batch x heads x queries x (dim rounded to 32)``, with
-  ``num_splits`` from its ``num_splits_heuristic`` on 132 SMs (an H100 SXM);
-* **memory-efficient** (``_scaled_dot_product_efficient_attention``) with a mask, or in float32,
-  when the head dims are multiples of 8 (4 in float32): the front door first turns a boolean
-  mask into an additive one of the query's dtype (``convert_boolean_attn_mask``: one
-  ``where(mask, 0, -inf)``, as PyTorch 2.6+ writes it; older versions also held a boolean
-  ``logical_not`` of the mask meanwhile), then pads its last dim to a multiple of 16
-  (``preprocess_mask``); the kernel allocates the output, an
-  empty log-sum-exp under ``no_grad``, and a float32 output accumulator when the value dim
-  exceeds 128 (no single-iteration kernel);
-* **math** otherwise: ``_scaled_dot_product_attention_math``, which keeps float16/bfloat16
-  inputs in float32 copies (``allowFP16BF16ReductionMathSDP`` is off by default) and
-  materialises the scores, traced op by op.
+  as many queries as keys. Grouped-query attention is native. It allocates the output and
+  the log-sum-exp (batch x heads x queries, float32); head dims that are no multiple of 8 are
+  padded (copies of q, k and v). For decoding (one query), FlashAttention-2's split-KV path
+  adds float32 accumulators of ``num_splits x batch x heads x queries x (dim rounded to
+  32)``, with ``num_splits`` from its ``num_splits_heuristic`` on 132 SMs;
+* **memory-efficient** (``_scaled_dot_product_efficient_attention``) with a mask, or in
+  float32, when the head dims are multiples of 8 (4 in float32) and the heads are not
+  grouped (no native GQA: grouped heads take the math path): it pads the additive mask's
+  last dim to a multiple of 16 (``preprocess_mask``) and allocates the output, the
+  log-sum-exp (empty unless a gradient is needed), and a float32 output accumulator when the
+  value dim exceeds 128;
+* **math** otherwise: ``_scaled_dot_product_attention_math``, traced op by op.
 
-cuDNN attention, which PyTorch builds with cuDNN newer than 9.15 try first on sm90/sm100,
-allocates the same output and statistics (its workspace is not modelled). Not modelled either:
-the philox seed and offset tensors (a few bytes), kernels' internal workspaces outside
-PyTorch's allocator. With gradients enabled the training path of
-:mod:`modelsize.estimation.cuda_kernels` applies.
+Under the CUDA autocast policy (:mod:`modelsize.estimation.cuda_autocast`)
+``scaled_dot_product_attention`` casts its floating-point arguments to the autocast dtype
+first. Not modelled: kernels' internal workspaces outside PyTorch's allocator.
 """
 
 from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from modelsize.estimation.cuda_kernels import CudaKernelChoices
 
 _ATEN = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,6 +53,7 @@ SMS = 132
 class Backend(str, Enum):
     """The SDPA kernels of a CUDA build."""
 
+    CUDNN = "cudnn"
     FLASH = "flash"
     EFFICIENT = "efficient"
     MATH = "math"
@@ -65,8 +64,9 @@ class Backend(str, Enum):
 
 def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
-           enable_gqa: bool) -> Backend:
-    """The backend ``select_sdp_backend`` picks for these arguments on an sm80+ GPU."""
+           enable_gqa: bool, cudnn_first: bool = True) -> Backend:
+    """The backend ``select_sdp_backend`` picks for these arguments on an sm90 GPU
+    (``cudnn_first=False``: the order of GPUs and builds that do not prefer cuDNN)."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return Backend.MATH
     dq, dk, dv = query.shape[-1], key.shape[-1], value.shape[-1]
@@ -78,11 +78,15 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if 0 in (query.shape[-2], key.shape[-2]):
         return Backend.MATH
     half = query.dtype in _HALF
+    if (cudnn_first and half and dq == dk and dq % 8 == 0 and dv % 8 == 0 and dq <= 256
+            and dv <= 256 and key.shape[-2] != 1
+            and not (query.shape[-2] == 1 and dropout_p > 0.0)):
+        return Backend.CUDNN
     if (half and attn_mask is None and dq == dk == dv and dq <= 256
             and (not is_causal or query.shape[-2] == key.shape[-2])):
         return Backend.FLASH
     align = 8 if half else 4
-    if (query.dtype in (*_HALF, torch.float32) and dq == dk and dq % align == 0
+    if (query.dtype in (*_HALF, torch.float32) and hq == hk and dq == dk and dq % align == 0
             and dv % align == 0):
         return Backend.EFFICIENT
     return Backend.MATH
@@ -139,24 +143,24 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out[..., :d].transpose(1, 2)
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``convert_boolean_attn_mask``: ``where(mask, 0, -inf)`` in the query's dtype."""
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``convert_boolean_attn_mask``: ``where(mask, 0, -inf)`` in the query's dtype, made from
+    two 0-dim tensors of that dtype (a float mask is used as it is)."""
     if mask.dtype != torch.bool:
         return mask
-    return torch.empty_like(mask, dtype=dtype, memory_format=torch.contiguous_format)
-
-
-def _mask_for_efficient(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    mask = _additive(mask, dtype)
-    last = mask.shape[-1]
-    if last % 16:  # preprocess_mask: pad_bias to the kernel's 16-element alignment
-        mask = F.pad(mask, (0, 16 - last % 16))[..., :last]
-    return mask
+    zero = torch.empty((), dtype=dtype)
+    minus_inf = torch.empty((), dtype=dtype)
+    out = torch.empty_like(mask, dtype=dtype, memory_format=torch.contiguous_format)
+    del zero, minus_inf
+    return out
 
 
 def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None) -> torch.Tensor:
-    mask = _mask_for_efficient(attn_mask, query.dtype) if attn_mask is not None else None
+    mask = attn_mask
+    if mask is not None and mask.shape[-1] % 16:  # preprocess_mask: 16-element alignment
+        last = mask.shape[-1]
+        mask = F.pad(mask, (0, 16 - last % 16))[..., :last]
     b, hq, lq, _ = query.shape
     dv = value.shape[-1]
     out = torch.empty((b, lq, hq, dv), dtype=query.dtype)
@@ -167,15 +171,14 @@ def _efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
-          scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    if attn_mask is not None:
-        attn_mask = _additive(attn_mask, query.dtype)
-    out = _ATEN._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
-        enable_gqa=enable_gqa)
-    return out[0]
+def _autocast(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Autocast's ``lower_precision_fp`` casts of ``scaled_dot_product_attention``'s
+    arguments, when the (emulated) autocast of the trace is on."""
+    if not torch.is_autocast_enabled("cpu"):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype("cpu")
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype
+            and t.dtype != torch.float64 else t for t in tensors]
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -183,19 +186,26 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the allocations of the CUDA kernel it picks."""
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)  # type: ignore[assignment]
+    assert query is not None and key is not None and value is not None
+    if attn_mask is not None:
+        attn_mask = additive(attn_mask, query.dtype)
     backend = choose(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if backend is Backend.CUDNN:
+        return _ATEN._scaled_dot_product_cudnn_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, False, scale=scale)[0]
     if backend is Backend.FLASH:
+        if grad:
+            return _ATEN._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
         return _flash(query, key, value, dropout_p)
     if backend is Backend.EFFICIENT:
+        if grad:
+            return _ATEN._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
         return _efficient(query, key, value, attn_mask)
-    return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-class GenerationKernels(CudaKernelChoices):
-    """:class:`CudaKernelChoices`, with attention under ``no_grad`` as :func:`attention`."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func is F.scaled_dot_product_attention and not torch.is_grad_enabled():
-            return attention(*args, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
+    out = _ATEN._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+        enable_gqa=enable_gqa)
+    return out[0]

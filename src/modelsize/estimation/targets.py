@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import EstimateError, UsageError, printable
 from modelsize.estimation.result import Estimate, FitResult, Source, Suggestion
+from modelsize.formats.base import real_path
 
 if TYPE_CHECKING:
     from modelsize.estimation.core import Settings
+    from modelsize.estimation.model_source import HubFetch, WeightsPlan
     from modelsize.estimation.parallel import Parallel
 
 
@@ -47,6 +49,12 @@ class Target:
     """The class was chosen by modelsize (a config.json without ``architectures``)."""
     kind: str = ""
     """``tokens``, ``image``, ``audio`` for built-in and config models; ``""`` for factories."""
+    weights: WeightsPlan | None = None
+    """MODEL was weights (a model folder, a GGUF file, a Hub repository): the dtype loading
+    gives them, where it came from, and tensors held as stored
+    (:mod:`modelsize.estimation.model_source`)."""
+    fetched: HubFetch | None = None
+    """MODEL was a Hub repository: what reading it fetched."""
 
 
 def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None) -> Target:
@@ -55,9 +63,16 @@ def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None
     import torch
 
     from modelsize.estimation import zoo
+    from modelsize.estimation.model_source import kind_of
 
     path = Path(spec)
     entry: zoo.ZooModel | None = zoo.MODELS.get(spec.lower())
+    kind = kind_of(spec) if entry is None else None
+    if kind is not None:
+        if inputs:
+            raise UsageError("--input sets the input shapes of a module:factory model; "
+                             f"{printable(spec)} makes its own (--batch, --seq)")
+        return _weights_target(spec, kind, dtype)
     is_config = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
     if entry is None and is_config:
         entry = zoo.from_config_json(path)
@@ -91,7 +106,76 @@ def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None
         raise UsageError(f"{printable(spec)}: expected a Hugging Face config.json or its folder")
     known = ", ".join(zoo.names())
     raise UsageError(f"unknown model {printable(spec)!r}: expected a built-in name ({known}), "
-                     "a config.json, or package.module:factory")
+                     "a config.json, a model folder (config.json and weights), a .gguf file, "
+                     "hf://ORG/REPO, or package.module:factory")
+
+
+def _weights_target(spec: str, kind: Any, dtype: str | None) -> Target:
+    """A model folder, a GGUF file or a Hub repository: the model built from its config as
+    ``from_pretrained`` would build it (:mod:`modelsize.estimation.model_source`)."""
+    from modelsize.estimation import model_source as ms
+    from modelsize.estimation import zoo
+
+    if kind is ms.SourceKind.HUB:
+        with ms.hub_folder(spec) as (folder, fetched, url):
+            name = url.removeprefix("hf://").split("@")[0].split("/")[-1]
+            target = _folder_target(folder, dtype, kind, url, name)
+        return replace(target, fetched=fetched)
+    if kind is ms.SourceKind.GGUF:
+        gguf = ms.read_gguf(Path(spec))
+        entry = zoo.from_config_dict(gguf.config, Path(spec).stem, spec)
+        main = dtype or "float16"
+        why = "--dtype" if dtype else ("modelsize's default for GGUF: float16, llama.cpp's "
+                                       "default KV cache type (--dtype to change)")
+        model = ms.build_pretrained(entry, main)
+        plan = ms.gguf_plan(model, gguf, main, why)
+        return _built(entry, model, main, Source.GIVEN if dtype else Source.CLI_DEFAULT, plan,
+                      f"{entry.model_class} from the GGUF file {spec} (general.architecture "
+                      f"{gguf.architecture})")
+    folder = Path(spec)
+    return _folder_target(folder, dtype, kind, str(folder), real_path(folder).name)
+
+
+def _folder_target(folder: Path, dtype: str | None, kind: Any, origin: str,
+                   name: str) -> Target:
+    from modelsize.estimation import model_source as ms
+    from modelsize.estimation import zoo
+
+    raw = ms._config(folder)
+    ckpt = ms.read_checkpoint(folder)
+    entry = zoo.from_config_dict(raw, name, origin)
+    if dtype:
+        main, why, source = dtype, "--dtype", Source.GIVEN
+    else:
+        main, why = ms.pretrained_dtype(raw, ckpt)
+        source = Source.CONFIG if why.startswith("config.json") else Source.MODEL
+    model = ms.build_pretrained(entry, main)
+    plan = ms.plan_folder(model, raw, ckpt, main, why, kind)
+    files = ", ".join(ckpt.files) if len(ckpt.files) <= 2 else (
+        f"{len(ckpt.files)} {Path(ckpt.files[0]).suffix.lstrip('.')} files")
+    return _built(entry, model, main, source, plan,
+                  f"{entry.model_class} from {origin} ({files})")
+
+
+def _built(entry: Any, model: Any, dtype: str, source: Source, plan: WeightsPlan,
+           description: str) -> Target:
+    import torch
+
+    from modelsize.estimation import zoo
+
+    weights_dtype = getattr(torch, dtype)
+    accepted = _accepted_kwargs(model)
+
+    def make(batch: int, seq: int, train: bool) -> Any:
+        inputs = zoo.make_inputs(entry, batch, seq, train, weights_dtype)
+        if isinstance(inputs, dict) and accepted is not None:
+            inputs = {k: v for k, v in inputs.items() if k in accepted}
+        return inputs
+
+    return Target(entry.name, description, model, make, entry.batch, entry.seq,
+                  entry.repeated_block or _repeated_block(model), dtype == "float32", dtype,
+                  source, entry.model_class or type(model).__name__, entry.inferred,
+                  str(entry.kind), weights=plan)
 
 
 def _accepted_kwargs(model: Any) -> set[str] | None:
@@ -308,12 +392,36 @@ def trace_target(target: Target, batch: int, seq: int, options: Options,
     from modelsize.estimation import estimate
 
     train = options.mode == "train"
+    check_stored_weights(target, "train" if train else "", parallel is not None)
     inputs = target.make_inputs(batch, seq, train)
     est = estimate(target.model, inputs, **options.settings().kwargs(), name=target.name,
                    progress=progress, parallel=parallel)
+    if target.weights is not None:
+        from modelsize.estimation.model_source import with_weights
+
+        est = with_weights(est, target.weights)
     if options.sources:
         est = replace(est, setup=replace(est.setup, sources=dict(options.sources)))
     return est
+
+
+def check_stored_weights(target: Target, what: str = "", parallel: bool = False,
+                         verify: bool = False) -> None:
+    """Refuse what quantized or GGUF weights held as stored cannot answer: a training step,
+    a parallel layout, or a ``--verify`` run (which would run the float model)."""
+    plan = target.weights
+    if plan is None or not plan.stored:
+        return
+    kind = "GGUF" if plan.quant_method == "gguf" else "quantized"
+    if what == "train":
+        raise UsageError(f"{printable(target.name)}: {kind} weights are held as stored, not "
+                         "trained: estimate --infer or --generate")
+    if parallel:
+        raise UsageError(f"{printable(target.name)}: {kind} weights on several GPUs are not "
+                         "estimated; estimate one device")
+    if verify:
+        raise UsageError(f"{printable(target.name)}: --verify runs the float model, whose "
+                         f"parameters are not the {kind} tensors this estimate counts")
 
 
 def verify_target(target: Target, est: Estimate, batch: int, seq: int, options: Options,
@@ -321,6 +429,7 @@ def verify_target(target: Target, est: Estimate, batch: int, seq: int, options: 
     """``est`` with the program run for real on CPU (at a smaller batch if it must be)."""
     from modelsize.estimation.core import verification
 
+    check_stored_weights(target, verify=True)
     train = options.mode == "train"
     done = verification(target.model, target.make_inputs(batch, seq, train), options.settings(),
                         batch=batch, resize=lambda n: target.make_inputs(n, seq, train),

@@ -291,6 +291,10 @@ def run_trace(
             from modelsize.estimation.cuda_kernels import CudaKernelChoices
 
             stack.enter_context(CudaKernelChoices())
+            if program.amp is not None:
+                from modelsize.estimation.cuda_autocast import cuda_policy
+
+                stack.enter_context(cuda_policy())
         call = caller(model, args, kwargs, program.amp)
         if train:
             for leaf in unique_params:
@@ -372,7 +376,8 @@ def caller(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
            amp: torch.dtype | None) -> Callable[[], Any]:
     """``model(*args, **kwargs)`` as a thunk, under CPU autocast to ``amp`` when given."""
     def call() -> Any:
-        # The trace runs CPU kernels whatever the target device, so CPU autocast it is.
+        # The trace runs CPU kernels whatever the target device, so CPU autocast it is (with
+        # CUDA's op lists in a trace for CUDA: cuda_autocast.cuda_policy).
         ctx = (torch.autocast("cpu", dtype=amp) if amp is not None
                else contextlib.nullcontext())
         with ctx:

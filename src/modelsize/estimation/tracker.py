@@ -77,6 +77,9 @@ class Allocation:
     is_state: bool = False
     saved: bool = False
     recomputed: bool = False
+    host: bool = False
+    """Host memory in a trace for CUDA (the CPU step counters of a foreach optimizer): not
+    on the device, counted as 0 bytes."""
 
     def live_at(self, tick: int) -> bool:
         """Whether this storage held memory right after the op at ``tick`` allocated."""
@@ -150,6 +153,12 @@ class CountingFakeMode(FakeTensorMode):
         self.timeline: list[int] = []
         self.ops: list[Any] = []
         self.scratch_at: dict[int, int] = {}
+        #: the separate allocations that make up ``scratch_at[tick]``, where a kernel makes
+        #: more than one (a CUDA reduction's buffer and semaphores), in order
+        self.scratch_parts: dict[int, tuple[int, ...]] = {}
+        #: (library, on the backward thread) -> the tick of its first call: where a real run
+        #: creates that thread's handle and its workspace (``ScratchModels.libraries``)
+        self.first_calls: dict[tuple[str, bool], int] = {}
         self.host_rng_copies = 0  # RNG states a trace for CUDA left uncounted (rng.py)
         self.real_values: Any = None  # the trace's RealValues, for rules that read index values
         self.progress: Callable[[int], None] | None = None
@@ -158,6 +167,11 @@ class CountingFakeMode(FakeTensorMode):
         self.counting = True
         self.depth = 0
         self._ops: dict[Any, tuple[bool, Any, bool]] = {}
+        # In a trace for CUDA, ``torch.tensor(x)`` in an optimizer step makes a CPU tensor
+        # (the step counters of torch.optim's for-loop and foreach paths): not GPU memory.
+        self._host_ops = (frozenset({torch.ops.aten.lift_fresh.default,
+                                     torch.ops.aten.lift_fresh_copy.default})
+                          if self.device_type == "cuda" else frozenset())
         self._node: tuple[int, str] | None = None
         self._node_mark = 0
 
@@ -350,8 +364,10 @@ class CountingFakeMode(FakeTensorMode):
             return out
         kwargs = kwargs or {}
         scratch = self.scratch
+        pieces: tuple[int, ...] = ()
         extra = scratch.wrapped(func, args, kwargs, out) if scratch and scratch.wrap_numbers else 0
         counted = False
+        made: list[Allocation] = []
         for whole in _tensors(out):
             if not isinstance(whole, FakeTensor):
                 continue
@@ -363,14 +379,30 @@ class CountingFakeMode(FakeTensorMode):
                 st = t.untyped_storage()
                 rec = self.live.get(st._cdata)
                 if rec is None:
-                    self.track(t, self.origin)
-                elif rec.nbytes != st.nbytes():  # resize_ and friends
+                    rec = self.track(t, self.origin)
+                    made.append(rec)
+                    if func in self._host_ops and self.origin is Origin.OPTIMIZER:
+                        rec.host = True  # a CPU step counter of a foreach optimizer
+                        self.live_bytes -= rec.nbytes
+                        rec.nbytes = 0
+                elif not rec.host and rec.nbytes != st.nbytes():  # resize_ and friends
                     self.live_bytes += st.nbytes() - rec.nbytes
                     rec.nbytes = st.nbytes()
         if scratch is not None and scratch_op:
+            library = scratch.libraries.get(func)
+            if library is not None:
+                name = library(args)
+                if name:
+                    self.first_calls.setdefault((name, self.origin is Origin.BACKWARD),
+                                                self.tick)
             cost = scratch.cost(func, args, kwargs, out)
             if cost is not None:
                 extra += cost.scratch
+                pieces = cost.parts
+                if cost.order and len(made) == len(cost.order):
+                    n = len(made)  # the outputs' records are the last ones: reordered
+                    if all(a is b for a, b in zip(self.allocations[-n:], made, strict=True)):
+                        self.allocations[-n:] = [made[i] for i in cost.order]
                 for t, real in zip(_tensors(out), cost.output_nbytes, strict=False):
                     rec = self.allocation_of(t)
                     if real is not None and rec is not None and rec.created == self.tick:
@@ -383,6 +415,8 @@ class CountingFakeMode(FakeTensorMode):
             self.ops.append(func)
         if extra:
             self.scratch_at[self.tick] = extra
+            if pieces:
+                self.scratch_parts[self.tick] = pieces
         if self.progress is not None and not self.tick & 1023:
             self.progress(self.tick)
         high = self.live_bytes + extra

@@ -261,8 +261,16 @@ def from_config_json(path: str | Path) -> ZooModel:
         raw = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{p}: not a readable JSON config ({exc})") from exc
+    return from_config_dict(raw, p.parent.name or p.name, str(p))
+
+
+def from_config_dict(raw: Any, name: str, origin: str) -> ZooModel:
+    """A :class:`ZooModel` named ``name`` for a config.json's contents, read from
+    ``origin`` (a path or URL, for messages and the description)."""
+    p = origin
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise UsageError(f"{p}: a Hugging Face config.json needs a 'model_type' key")
+    raw = dict(raw)
     tf = _transformers()
     dtype = config_dtype(raw)
     model_type = raw.pop("model_type")
@@ -309,7 +317,7 @@ def from_config_json(path: str | Path) -> ZooModel:
         seq = min(int(getattr(config, "max_position_embeddings", 0) or 512), 2048)
     how = f" (inferred, the {what}: the config names no architectures)" if inferred else ""
     return ZooModel(
-        name=p.parent.name or p.name,
+        name=name,
         description=f"{model_class}{how} from {p}",
         kind=kind,
         build=build_model,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import struct
 import zipfile
 import zlib
@@ -103,9 +104,7 @@ class Registry:
             real_path(source.path)  # a link that loops or dangles says so
             raise PathNotFoundError(source.path)
         if source.kind == "dir":
-            raise UnknownFormatError(
-                source.path, "directory holds no model file modelsize can read"
-            )
+            raise UnknownFormatError(source.path, _no_model_in(source.path, self.entries))
         if source.size == 0:
             raise UnknownFormatError(source.path, "file is empty")
         known = sorted({x for e in self.entries for x in e.load().extensions})
@@ -114,6 +113,24 @@ class Registry:
             f"unrecognised format (magic bytes {source.head[:8]!r}); "
             f"modelsize reads {', '.join(known)}",
         )
+
+
+def _no_model_in(folder: Path, entries: Sequence[Entry]) -> str:
+    """Why a folder is not a model, naming the model files in it (a folder is one model only
+    when an index, a config or the format says so; its files can be inspected one by one)."""
+    known = {x for e in entries for x in e.load().extensions}
+    found: list[str] = []
+    try:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name)[:10_000]:
+            if entry.is_file() and any(entry.name.endswith(x) for x in known):
+                found.append(entry.name)
+    except OSError:
+        pass
+    if not found:
+        return "directory holds no model file modelsize can read"
+    shown = ", ".join(printable(n, 60) for n in found[:4]) + (", ..." if len(found) > 4 else "")
+    return (f"a folder is one model only when an index, a config or its format says so; it "
+            f"holds {len(found)} model file{'s' if len(found) > 1 else ''} ({shown}): give one")
 
 
 def _is_zip(s: Source) -> bool:

@@ -18,6 +18,7 @@ derived from the blob's size, so a hostile file cannot hang or exhaust memory.
 from __future__ import annotations
 
 import mmap
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -48,6 +49,16 @@ _FILTERS, _ATTRIBUTE, _CONTINUATION, _SYMBOL_TABLE, _ATTRIBUTE_INFO = 0x0B, 0x0C
 
 FILTER_NAMES = {1: "gzip", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset",
                 32001: "blosc", 32004: "lz4", 32015: "zstd", 307: "bzip2"}
+
+
+#: (size, bit offset, precision, exponent location, exponent size, mantissa location, mantissa
+#: size, exponent bias) of the floating types numpy (and Keras) read -> their dtype.
+_FLOAT_LAYOUTS = {
+    (2, 0, 16, 10, 5, 0, 10, 15): "float16",
+    (2, 0, 16, 7, 8, 0, 7, 127): "bfloat16",
+    (4, 0, 32, 23, 8, 0, 23, 127): "float32",
+    (8, 0, 64, 52, 11, 0, 52, 1023): "float64",
+}
 
 
 class HDF5Error(ValueError):
@@ -358,15 +369,25 @@ class _Reader:
         cname = names.get(cls)
         if cname is None:
             raise HDF5Error(f"datatype class {cls} is not an HDF5 class", where)
+        # The bit fields HDF5 reads without checking (h5py crashed on a variable-length type
+        # 15): a string's padding and character set, a variable-length type's kind.
+        pad, cset = (bits & 0x0F, (bits >> 4) & 0x0F) if cls == 3 else (
+            (bits >> 4) & 0x0F, (bits >> 8) & 0x0F)
+        if (cls == 3 and (pad > 2 or cset > 1)) or (
+                cls == 9 and (bits & 0x0F > 1 or (bits & 0x0F == 1 and (pad > 2 or cset > 1)))):
+            raise HDF5Error(f"{cname} datatype with bit fields {bits:#x}, which HDF5 does not "
+                            "define", where)
         if cls == 0 and size in (1, 2, 4, 8):
             signed = bool(bits & 0x08)
             return f"{'' if signed else 'u'}int{size * 8}", cname, size
-        if cls == 1:
-            if size == 2:
-                mantissa = data[15] if len(data) > 15 else 10
-                return ("bfloat16" if mantissa == 7 else "float16"), cname, size
-            if size in (4, 8):
-                return f"float{size * 8}", cname, size
+        if cls == 1 and len(data) >= 20:
+            # Bit offset, precision, exponent and mantissa places and the exponent bias: only
+            # the IEEE layouts (and bfloat16) are the dtypes their size suggests; another float
+            # is bytes of its own kind (h5py maps some to NumPy, refuses others).
+            layout = (size, *struct.unpack_from("<HHBBBBI", data, 8))
+            dtype = _FLOAT_LAYOUTS.get(layout)
+            if dtype is not None:
+                return dtype, cname, size
         if cls == 8 and size == 1:
             return "bool", cname, size  # how h5py stores numpy bools
         if cls == 6 and size in (8, 16):
@@ -554,6 +575,8 @@ class _Reader:
     def _vlen_attribute(self, name: str, raw: bytes, count: int, dt: bytes) -> Attribute:
         """Variable-length strings live in global heap collections; find their bytes."""
         is_string = bool(dt) and (dt[1] & 0x0F) == 1
+        # Bytes per element of the sequence: 1 for a string, the base type's size otherwise.
+        base = 1 if is_string or len(dt) < 16 else int.from_bytes(dt[12:16], "little")
         step = 4 + self.offset_size + 4
         ranges: list[tuple[int, int]] = []
         texts: list[str] = []
@@ -567,6 +590,10 @@ class _Reader:
                 texts.append("")
                 continue
             where, size = self._heap_object(collection, index)
+            if length * base != size:  # HDF5 allocates length * base before it checks
+                raise HDF5Error(f"attribute {name!r}: variable-length value {i} claims "
+                                f"{length * base} bytes, its global heap object holds {size}",
+                                collection)
             ranges.append((where, size))
             total += size
             if is_string and total <= _DECODE_LIMIT:

@@ -1,9 +1,10 @@
 """Zip archives read from their central directory, without trusting or extracting anything.
 
 Shared by every zip-based format (PyTorch, NumPy ``.npz``, Keras ``.keras``). Member data is
-located through each local header, checked against the file size, and read raw: encryption
-or data-descriptor flags that would make :mod:`zipfile` refuse a member do not hide its
-contents from us (loaders such as torch's ignore them too).
+located through each local header, checked against the file size, and read raw (a
+data-descriptor flag does not hide a member's contents). A member flagged encrypted, strongly
+encrypted or patched is refused: torch's miniz ("unsupported encryption") and Python's
+:mod:`zipfile` (so ``np.load`` and Keras) refuse to read it.
 
 Every member modelsize reads (:func:`read_member`) or charges to ``graph`` or ``metadata``
 without reading it (:func:`check_members`) is checked against the CRC-32 of the central
@@ -33,9 +34,16 @@ if TYPE_CHECKING:
     from modelsize.formats._pickle import Data
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
+#: The end of central directory record: signature, disk numbers, entries on this disk and in
+#: all, the directory's size and offset, the comment's length.
+_EOCD = struct.Struct("<4sHHHHIIH")
 #: The local header's name and extra field lengths (its last fields, at byte 26).
 _NAME_EXTRA = struct.Struct("<HH")
 _LOCAL_MAGIC = b"PK\x03\x04"
+#: General-purpose flag bits no framework's zip reader reads past: encrypted (0), compressed
+#: patched data (5), strong encryption (6), masked local headers (13).
+_UNREADABLE_FLAGS = {0x1: "encrypted", 0x20: "compressed patched data",
+                     0x40: "strongly encrypted", 0x2000: "with masked local headers"}
 STORED = zipfile.ZIP_STORED
 DEFLATED = zipfile.ZIP_DEFLATED
 #: Deflate cannot expand data more than ~1032:1; a member claiming more is lying.
@@ -93,8 +101,15 @@ def members(
     # One pread per header (no seek): each is a small read at a far offset.
     with open(path, "rb", buffering=0) as fh:
         fd = fh.fileno()
+        _check_directory(fd, size, len(infos), builder, file)
         for info in infos:
             header = info.header_offset
+            flagged = [w for bit, w in _UNREADABLE_FLAGS.items() if info.flag_bits & bit]
+            if flagged:
+                raise builder.corrupt(
+                    f"member {info.filename!r} is marked {flagged[0]} (flags "
+                    f"{info.flag_bits:#06x}): its framework's zip reader refuses it", header, file,
+                )
             if not 0 <= header <= size - local_size:
                 raise builder.corrupt(
                     f"member {info.filename!r} header at {header} is outside "
@@ -131,6 +146,44 @@ def members(
                        info.CRC)
             )
     return out
+
+
+def _check_directory(fd: int, size: int, count: int, builder: InventoryBuilder,
+                     file: int) -> None:
+    """Each central directory record, its name, extra field and comment included, lies inside
+    the directory: torch's miniz refuses the archive otherwise ("invalid header or archive is
+    corrupted"), where :mod:`zipfile` reads a short name and goes on."""
+    room = min(size, _EOCD.size + 0xFFFF + 20)
+    tail = os.pread(fd, room, size - room)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        return  # zipfile found the directory another way: nothing to add
+    end = size - room + at
+    cd_size = _EOCD.unpack_from(tail, at)[5]
+    locator = tail.rfind(b"PK\x06\x07", 0, at)
+    if locator >= 0 and at - locator == 20:  # zip64: the directory ends at its end record
+        end = int.from_bytes(tail[locator + 8 : locator + 16], "little")
+        record = os.pread(fd, 56, end) if 0 <= end <= size - 56 else b""
+        if record[:4] != b"PK\x06\x06":
+            return
+        cd_size = int.from_bytes(record[40:48], "little")
+    if not 0 <= cd_size <= end:
+        return
+    raw = os.pread(fd, cd_size, end - cd_size)
+    p = 0
+    for i in range(count):
+        if p + 46 > len(raw) or raw[p : p + 4] != b"PK\x01\x02":
+            raise builder.corrupt(f"central directory record {i} is not where the one before "
+                                  "it ends (torch's zip reader refuses the archive)",
+                                  end - cd_size + p, file)
+        n, x, c = struct.unpack_from("<HHH", raw, p + 28)
+        if p + 46 + n + x + c > len(raw):
+            name = raw[p + 46 : p + 46 + min(n, 80)]
+            raise builder.corrupt(
+                f"central directory record of {name!r} declares a {n}-byte name, a {x}-byte "
+                f"extra field and a {c}-byte comment, past the directory's end (torch's zip "
+                "reader refuses the archive)", end - cd_size + p, file)
+        p += 46 + n + x + c
 
 
 def _check_local_name(fd: int, info: zipfile.ZipInfo, at: int, length: int,

@@ -408,12 +408,16 @@ class _Parser:
         for f in iter_fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == VARINT:
                 known = True
+                if f.value == 0:  # the checker: "does not have an ir_version set properly"
+                    raise ProtobufError("ir_version 0: ONNX IR versions start at 1", f.start)
                 model.facts["onnx.ir_version"] = str(f.value)
                 structure.ir_version = f.value
             elif f.number == 2 and f.wire_type == LEN:
                 model.facts["onnx.producer"] = printable(_text(buf, f), 80)
             elif f.number == 3 and f.wire_type == LEN:
                 model.facts["onnx.producer_version"] = printable(_text(buf, f), 40)
+            elif f.number == 14 and f.wire_type == LEN:
+                _check_message(buf, f.data_start, f.end, "StringStringEntryProto")
             elif f.number == 8 and f.wire_type == LEN:
                 opsets.append(self._opset(f))
             elif f.number == MODEL_GRAPH:
@@ -468,12 +472,18 @@ class _Parser:
             elif f.number in (11, 12, 13):
                 _expect(f, LEN, "GraphProto input/output/value_info")
                 self.model.graph_ranges.append((f.start, f.end))
-                name, debug = self._value_info(f)
+                name, debug, untyped = self._value_info(f)
                 site.debug += debug
                 if f.number != 13:
                     (site.inputs if f.number == 11 else site.outputs).append(name)
+                    if untyped and kind is GraphKind.MAIN:
+                        self.model.facts.setdefault(
+                            UNTYPED_FACT, f"graph {'input' if f.number == 11 else 'output'} "
+                            f"{printable(name, 80)!r}")
             elif f.number in (10, 16):  # doc_string, metadata_props
                 site.debug += f.nbytes
+                if f.number == 16 and f.wire_type == LEN:
+                    _check_message(self.buf, f.data_start, f.end, "StringStringEntryProto")
             elif f.number == 5:
                 _expect(f, LEN, "GraphProto.initializer")
                 name, _ = self.tensor(f.data_start, f.end, scope, None,
@@ -485,16 +495,23 @@ class _Parser:
                 site.initializers.append(name[len(scope):])
         return site
 
-    def _value_info(self, f: Field) -> tuple[str, int]:
-        """The name of a ``ValueInfoProto`` and the bytes of its doc_string and
-        metadata_props."""
-        name, debug = "", 0
+    def _value_info(self, f: Field) -> tuple[str, int, bool]:
+        """The name of a ``ValueInfoProto``, the bytes of its doc_string and metadata_props,
+        and whether its type is a tensor of no element type (0, UNDEFINED, or none: the
+        checker lets it pass, onnxruntime refuses the model: "Invalid tensor data type 0");
+        its type is checked to parse."""
+        name, debug, untyped = "", 0, False
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 name = _text(self.buf, g)
+            elif g.number == 2 and g.wire_type == LEN:
+                _check_message(self.buf, g.data_start, g.end, "TypeProto")
+                untyped = _untyped_tensor(self.buf, g.data_start, g.end)
             elif g.number in (3, 4):
                 debug += g.nbytes
-        return name, debug
+                if g.number == 4 and g.wire_type == LEN:
+                    _check_message(self.buf, g.data_start, g.end, "StringStringEntryProto")
+        return name, debug, untyped
 
     def function(self, f: Field) -> None:
         name = ""
@@ -529,6 +546,8 @@ class _Parser:
                 site.domain = _text(self.buf, g)
             elif g.number in (6, 9):  # doc_string, metadata_props
                 site.debug += g.nbytes
+                if g.number == 9 and g.wire_type == LEN:
+                    _check_message(self.buf, g.data_start, g.end, "StringStringEntryProto")
             elif g.number == 5:
                 _expect(g, LEN, "NodeProto.attribute")
                 attributes.append(g)
@@ -708,6 +727,11 @@ class _Parser:
         elif typed:
             self._typed(name, dtype, data_type, shape, category, typed)
         else:
+            if numel(shape):  # the checker: "should contain one and only one value field"
+                raise ProtobufError(
+                    f"tensor {printable(name)!r} ({dtype}{list(shape)}) holds no data"
+                    + (f" (external_data without data_location EXTERNAL, {location})"
+                       if external else ""), start)
             self.model.tensors.append(
                 _Tensor(name, dtype, shape, category, start, 0, has_storage=False)
             )
@@ -795,6 +819,51 @@ class _Parser:
             elif g.number == 2 and g.wire_type == LEN:
                 value = _text(self.buf, g)
         return key, value
+
+
+#: The messages under a ``TypeProto``, and ``metadata_props`` entries (field number -> message,
+#: for the fields that are messages): protobuf parses them when it loads the model, so one
+#: that does not parse makes the whole file unloadable, though modelsize needs nothing from it.
+_TYPE_MESSAGES: dict[str, dict[int, str]] = {
+    "TypeProto": {1: "Tensor", 4: "Sequence", 5: "Map", 7: "Opaque", 8: "Tensor",
+                  9: "Sequence"},
+    "Tensor": {2: "TensorShapeProto"},
+    "Sequence": {1: "TypeProto"},
+    "Map": {2: "TypeProto"},
+    "TensorShapeProto": {1: "Dimension"},
+    "Dimension": {},
+    "Opaque": {},
+    "StringStringEntryProto": {},
+}
+
+
+def _check_message(buf: Buffer, start: int, end: int, kind: str, depth: int = 0) -> None:
+    """Raise :class:`ProtobufError` unless ``buf[start:end]`` parses as the message ``kind``
+    of :data:`_TYPE_MESSAGES` (with every message inside it)."""
+    if depth > MAX_GRAPH_DEPTH:
+        raise ProtobufError(f"types nested deeper than {MAX_GRAPH_DEPTH}", start)
+    inner = _TYPE_MESSAGES[kind]
+    for f in iter_fields(buf, start, end):
+        sub = inner.get(f.number)
+        if sub is not None and f.wire_type == LEN:
+            _check_message(buf, f.data_start, f.end, sub, depth + 1)
+
+
+#: The fact naming the first main-graph input or output whose tensor type has no element type.
+UNTYPED_FACT = "onnx.untyped_interface"
+
+
+def _untyped_tensor(buf: Buffer, start: int, end: int) -> bool:
+    """Whether the ``TypeProto`` in ``buf[start:end]`` is a tensor type (dense or sparse) whose
+    ``elem_type`` is 0 or absent."""
+    for f in iter_fields(buf, start, end):
+        if f.number in (1, 8) and f.wire_type == LEN:
+            elem = 0
+            for g in iter_fields(buf, f.data_start, f.end):
+                if g.number == 1 and g.wire_type == VARINT:
+                    elem = g.value
+            return elem == 0
+    return False
 
 
 def _text(buf: Buffer, f: Field) -> str:

@@ -478,6 +478,10 @@ def account_file(builder: InventoryBuilder, file: int = 0, prefix: str = "") -> 
     return header
 
 
+#: The label of data-area bytes no tensor claims (the safetensors library refuses the file).
+STRAY = "bytes no tensor claims"
+
+
 def _account_stray(builder: InventoryBuilder, header: Header, file: int) -> None:
     """Data-area bytes no tensor claims: ``other``, with a note (safetensors refuses them)."""
     end_of_data = builder.files[file].nbytes - header.data_start
@@ -489,8 +493,7 @@ def _account_stray(builder: InventoryBuilder, header: Header, file: int) -> None
     for begin, end in [*spans, (end_of_data, end_of_data)]:
         if begin > pos:
             builder.add_region(
-                header.data_start + pos, begin - pos, Category.OTHER, "bytes no tensor claims",
-                file,
+                header.data_start + pos, begin - pos, Category.OTHER, STRAY, file,
             )
             stray += begin - pos
         pos = max(pos, end)

@@ -58,6 +58,9 @@ ELEMENT_TYPES: dict[str, str] = {
     "CudaLong": "int64", "CudaDouble": "float64", "CudaHalf": "float16",
 }
 _CLASS = re.compile(r"torch\.(\w+?)(Tensor|Storage)")
+#: What Lua's ``tonumber`` reads as a number: File.lua takes ``"V <n>"`` for a class version
+#: only when ``<n>`` is one; otherwise the string is the class name (no Torch class has it).
+_LUA_NUMBER = re.compile(r"\s*[+-]?(0[xX][0-9a-fA-F]+|(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)\s*")
 
 
 def element_class(class_name: str) -> tuple[str, str] | None:
@@ -548,6 +551,10 @@ class _Parser:
         version: str | None = self.string("class version") or ""
         class_name = version or ""
         if class_name.startswith("V "):
+            if not _LUA_NUMBER.fullmatch(class_name[2:]):
+                raise self.builder.corrupt(
+                    f"unknown Torch class '{printable(class_name, 60)}' (a class version 'V n' "
+                    "needs a number n)", at)
             class_name = self.string("class name") or ""
         else:
             version = None

@@ -32,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -778,9 +779,13 @@ class _Bundle:
         trainable = self._trainable(meta) if by_graph is None else None
         b.facts["checkpoint"] = "object-based (TF2)" if by_graph is not None else "name-based (TF1)"
         partitioned = {e.key.decode("utf-8", "replace"): e for e in entries if e.slices}
+        stored_slices: dict[str, set[tuple[tuple[int, int], ...]]] = {}
         # Entries naming the same bytes (a deduplicated bundle) view one storage.
         ranges: dict[tuple[int, int, int], str] = {}
         for entry in entries:
+            if not 0 < entry.dtype < 200:  # DataType values and their _REF twins (+100)
+                raise self.corrupt(f"{_name(entry)} has dtype {entry.dtype}, which is not a "
+                                   "TensorFlow DataType")
             if entry.slices:
                 continue  # a partitioned variable's data lives in its slice entries
             if not 0 <= entry.shard < shard_files:
@@ -795,6 +800,7 @@ class _Bundle:
                     raise self.corrupt(f"slice key {_name(entry)} unreadable: {exc}") from exc
                 if base not in partitioned:
                     raise self.corrupt(f"slice of {printable(base)} whose full entry is missing")
+                stored_slices.setdefault(base, set()).add(extents)
                 name, tags = _slice_label(base, extents), ["slice"]
             else:
                 base = name
@@ -825,6 +831,41 @@ class _Bundle:
             # Strings, variants and exotic dtypes: account the stored bytes as they are.
             b.add_tensor(name, "uint8", (entry.size,), cat, storage=storage,
                          tags=[*tags, f"tf_dtype={tf_name}", f"shape={list(entry.shape)}"])
+        for base, full in partitioned.items():
+            # TensorFlow finds a partitioned variable's slices through its full entry's list:
+            # a slice listed but not stored, or stored but not listed, breaks its reader.
+            listed, stored = set(full.slices), stored_slices.get(base, set())
+            if listed != stored:
+                odd = sorted(listed ^ stored)[0]
+                raise self.corrupt(
+                    f"partitioned variable {printable(base)} "
+                    f"{'lists' if odd in listed else 'does not list'} the slice "
+                    f"{_slice_label(base, odd)}, which the bundle "
+                    f"{'does not hold' if odd in listed else 'holds'}")
+            _check_cover(base, full, self.corrupt)
+
+
+def _check_cover(base: str, full: Entry, corrupt: Callable[[str], CorruptFileError]) -> None:
+    """A partitioned variable's slices lie inside its shape and cover it (their volumes add up
+    to its own), as restoring it needs ("Does not have sufficient slices")."""
+    shape = full.shape
+    volume = 0
+    for extents in full.slices:
+        if len(extents) != len(shape):
+            raise corrupt(f"partitioned variable {printable(base)} of shape {list(shape)} lists "
+                          f"a slice of rank {len(extents)}")
+        n = 1
+        for (start, length), dim in zip(extents, shape, strict=True):
+            length = dim if length < 0 else length
+            if start < 0 or start + length > dim or (length == dim and start):
+                raise corrupt(f"partitioned variable {printable(base)} of shape {list(shape)} "
+                              f"lists the slice {_slice_label(base, extents)}, outside it")
+            n *= length
+        volume += n
+    if volume != numel(shape):
+        raise corrupt(f"the slices of partitioned variable {printable(base)} hold {volume} "
+                      f"elements, its shape {list(shape)} {numel(shape)} (TensorFlow cannot "
+                      "restore it)")
 
 
 def _name(entry: Entry) -> str:

@@ -9,7 +9,8 @@ A flatbuffer starts with the offset of its root table and, at bytes 4..8, the fi
     Tensor { shape, type, buffer, name, quantization, is_variable, sparsity, shape_signature }
     Buffer { data: [ubyte], offset: ulong, size: ulong }
 
-A tensor whose ``buffer`` has bytes is a constant; buffer 0 is the empty sentinel, and the
+A tensor whose ``buffer`` has a data vector (an empty one too: the interpreter reads a constant
+of 0 bytes) is a constant; buffer 0 is the empty sentinel, and the
 tensors without bytes (inputs, activations) are counted, not listed. A buffer's bytes are the
 ``data`` vector, or, in a model past 2 GB, ``size`` bytes at file offset ``offset`` after the
 flatbuffer. Accounting:
@@ -39,7 +40,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ _T_SHAPE, _T_TYPE, _T_BUFFER, _T_NAME, _T_QUANT, _T_VARIABLE, _T_SPARSITY = 0, 1
 _T_SHAPE_SIGNATURE, _T_VARIANTS, _T_EXTERNAL = 7, 9, 10
 _Q_MIN, _Q_MAX, _Q_SCALE, _Q_ZERO, _Q_DETAILS, _Q_AXIS = 0, 1, 2, 3, 5, 6
 _B_DATA, _B_OFFSET, _B_SIZE = 0, 1, 2
-_OP_INPUTS, _OP_OUTPUTS, _OP_OPTIONS, _OP_CUSTOM, _OP_MUTATING = 1, 2, 4, 5, 7
+_OP_OPCODE, _OP_INPUTS, _OP_OUTPUTS, _OP_OPTIONS, _OP_CUSTOM, _OP_MUTATING = 0, 1, 2, 4, 5, 7
 _OP_INTERMEDIATES, _OP_LARGE_OFFSET, _OP_LARGE_SIZE, _OP_OPTIONS2 = 8, 9, 10, 12
 
 
@@ -191,7 +192,11 @@ class _Table:
             return None
         self.flat.mark(category or self.category, first + count,
                        min(first + count + 1, self.flat.size))  # the NUL terminator
-        return bytes(self.flat.buf[first:first + count]).decode("utf-8", "replace")
+        try:  # flatbuffers strings are UTF-8; TFLite's Python API decodes them strictly
+            return bytes(self.flat.buf[first:first + count]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Corrupt(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                           first) from exc
 
     def tables(self, slot: int, what: str, category: Category | None = None,
                ) -> Iterator[_Table]:
@@ -299,7 +304,7 @@ def _parse(flat: _Flat) -> _Model:
     for i, b in enumerate(buffer_tables):
         first, count = b.vector(_B_DATA, 1, f"buffers[{i}].data", Category.METADATA)
         offset, nbytes = b.scalar(_B_OFFSET, "Q"), b.scalar(_B_SIZE, "Q")
-        if count:
+        if count or (first and i):  # an empty data vector too: a constant of 0 bytes
             model.buffers[i] = (first, count)
         elif offset > 1 and nbytes:  # a model past 2 GB: the bytes follow the flatbuffer
             flat.need(offset, nbytes, f"buffers[{i}] (offset {offset}, size {nbytes})")
@@ -307,8 +312,15 @@ def _parse(flat: _Flat) -> _Model:
 
     for i, m in enumerate(root.tables(_M_METADATA, "metadata")):
         name = m.string(0, f"metadata[{i}].name") or f"metadata[{i}]"
-        model.metadata.setdefault(m.scalar(1, "I"), name)
+        index = m.scalar(1, "I")
+        if index >= len(buffer_tables):
+            raise _Corrupt(f"metadata[{i}] ({printable(name, 80)!r}) refers to buffer {index}, "
+                           f"but the model has {len(buffer_tables)}", m.pos)
+        model.metadata.setdefault(index, name)
     for index in root.ints(_M_METADATA_BUFFER, "metadata_buffer"):
+        if not 0 <= index < len(buffer_tables):
+            raise _Corrupt(f"metadata_buffer names buffer {index}, but the model has "
+                           f"{len(buffer_tables)}", root.pos)
         model.metadata.setdefault(index, "metadata_buffer")
 
     codes = []
@@ -333,15 +345,18 @@ def _parse(flat: _Flat) -> _Model:
     for s, sg in enumerate(subgraphs):
         sg_name = sg.string(_SG_NAME, f"subgraphs[{s}].name")
         prefix = "" if s == 0 else f"{sg_name or f'subgraph{s}'}/"
-        sg.ints(_SG_INPUTS, f"subgraphs[{s}].inputs")
-        sg.ints(_SG_OUTPUTS, f"subgraphs[{s}].outputs")
+        refs = [(f"subgraphs[{s}].{w}", sg.ints(slot, f"subgraphs[{s}].{w}"))
+                for w, slot in (("inputs", _SG_INPUTS), ("outputs", _SG_OUTPUTS))]
         for k, op in enumerate(sg.tables(_SG_OPERATORS, f"subgraphs[{s}].operators")):
-            _operator(flat, op, f"subgraphs[{s}].operators[{k}]", model)
+            refs += _operator(flat, op, f"subgraphs[{s}].operators[{k}]", model, len(codes))
             n_ops += 1
+        count = 0
         for k, t in enumerate(sg.tables(_SG_TENSORS, f"subgraphs[{s}].tensors")):
-            n_tensors += 1
+            count += 1
             _tensor(flat, t, f"subgraphs[{s}].tensors[{k}]", prefix, model, len(buffer_tables),
                     (s, k))
+        n_tensors += count
+        _check_indices(refs, count, s, sg.pos)
     _unique_names(model.tensors)
     model.facts["tflite.subgraphs"] = str(len(subgraphs))
     model.facts["tflite.operators"] = f"{n_ops} ({len(set(codes))} kinds)"
@@ -354,9 +369,26 @@ def _parse(flat: _Flat) -> _Model:
     return model
 
 
-def _operator(flat: _Flat, op: _Table, what: str, model: _Model) -> None:
-    for slot in (_OP_INPUTS, _OP_OUTPUTS, _OP_MUTATING, _OP_INTERMEDIATES):
-        op.vector(slot, 4 if slot != _OP_MUTATING else 1, f"{what} tensor list")
+def _check_indices(refs: list[tuple[str, list[int]]], count: int, s: int, pos: int) -> None:
+    """Every tensor index of a subgraph's interface and operators names one of its ``count``
+    tensors, or is -1 (an optional input), as the TFLite interpreter requires."""
+    for what, indices in refs:
+        bad = next((i for i in indices if not -1 <= i < count), None)
+        if bad is not None:
+            raise _Corrupt(f"{what} names tensor {bad}, but subgraph {s} has {count} tensors",
+                           pos)
+
+
+def _operator(flat: _Flat, op: _Table, what: str, model: _Model,
+              n_codes: int) -> list[tuple[str, list[int]]]:
+    """Mark an operator's bytes; return its tensor index lists (checked by the caller)."""
+    code = op.scalar(_OP_OPCODE, "I")
+    if code >= n_codes:
+        raise _Corrupt(f"{what} uses operator code {code}, but the model has {n_codes}", op.pos)
+    refs = [(f"{what}.{name}", op.ints(slot, f"{what} tensor list"))
+            for name, slot in (("inputs", _OP_INPUTS), ("outputs", _OP_OUTPUTS),
+                               ("intermediates", _OP_INTERMEDIATES))]
+    op.vector(_OP_MUTATING, 1, f"{what} tensor list")
     op.vector(_OP_CUSTOM, 1, f"{what}.custom_options")
     for slot in (_OP_OPTIONS, _OP_OPTIONS2):
         options = op.ref(slot, f"{what} options")
@@ -366,6 +398,7 @@ def _operator(flat: _Flat, op: _Table, what: str, model: _Model) -> None:
     if offset > 1 and nbytes:
         flat.need(offset, nbytes, f"{what}.large_custom_options")
         model.graph_extra.append((offset, offset + nbytes))
+    return refs
 
 
 def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
@@ -384,6 +417,10 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     sparsity = _sparsity(flat, t, what, own)
     for k, variant in enumerate(t.tables(_T_VARIANTS, f"{what}.variant_tensors")):
         variant.ints(0, f"{what}.variant_tensors[{k}].shape")
+    dt = DTYPES.get(TFLITE_DTYPES.get(type_id, ""))
+    if dt is not None and _overflows(shape, dt.nbytes):
+        raise _Corrupt(f"{what} ({printable(name, 80)!r}) has shape {list(shape)}, whose bytes "
+                       "overflow 64 bits (the interpreter refuses it)", t.pos)
     if not constant:
         return
     if any(d < 0 for d in shape):
@@ -393,6 +430,17 @@ def _tensor(flat: _Flat, t: _Table, what: str, prefix: str, model: _Model,
     model.tensors.append(Constant(prefix + name, dtype, shape, buffer, quantized,
                                   bool(t.scalar(_T_VARIABLE, "B")), bool(sparsity), *where,
                                   sparsity))
+
+
+def _overflows(shape: tuple[int, ...], nbytes: Callable[[int], int]) -> bool:
+    """Whether the interpreter's ``BytesRequired`` overflows: each dimension taken as a
+    ``size_t`` (a negative one is huge), their product and its bytes past 64 bits."""
+    count = 1
+    for d in shape:
+        count *= d % (1 << 64)
+        if count >= 1 << 64:
+            return True
+    return nbytes(count) >= 1 << 64
 
 
 def _quantization(flat: _Flat, t: _Table, what: str, category: Category) -> str:

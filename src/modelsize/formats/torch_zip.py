@@ -18,9 +18,11 @@ costs nothing next to parsing the pickle. Storages are tensor data, never read, 
 
 from __future__ import annotations
 
+import re
 import struct
 
 from modelsize.categories import Category
+from modelsize.errors import printable
 from modelsize.formats import _zip
 from modelsize.formats._limits import ParseBudget
 from modelsize.formats._pickle import (
@@ -51,6 +53,10 @@ _RECORDS = frozenset(
     {"version", "byteorder", ".format_version", ".storage_alignment",
      ".data/serialization_id", ".data/version"}
 )
+
+
+#: What ``std::stoull`` reads of a version record: blanks, a sign, digits (the rest ignored).
+_VERSION = re.compile(r"[ \t\n\v\f\r]*[+-]?(\d+)")
 
 
 def _first_member_name(head: bytes) -> str:
@@ -102,6 +108,10 @@ class _ZipRead:
     def run(self) -> Inventory:
         b = self.builder
         items = _zip.members(self.path, b, infos=self.source.zip_infos())
+        odd = next((m for m in items if m.method not in (_zip.STORED, _zip.DEFLATED)), None)
+        if odd is not None:  # torch's miniz reads no other ("unsupported method")
+            raise b.corrupt(f"member {odd.name!r} uses compression method {odd.method}; "
+                            "torch reads stored and deflated members", odd.header_offset)
         self.members = {m.name: m for m in items}
         data_pkl = next((m for m in items if _is_data_pkl(m.name)), None)
         if data_pkl is None:
@@ -152,6 +162,15 @@ class _ZipRead:
                 b.add_region(m.data_offset, m.compress_size, Category.GRAPH, m.name)
                 if m.name not in self.read_whole:
                     charged.append(m)
+            elif rel == "byteorder":
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.byteorder(m)
+            elif rel in ("version", ".data/version"):
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.version(m)
+            elif rel == ".storage_alignment":
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.alignment(m)
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 charged.append(m)
@@ -161,6 +180,43 @@ class _ZipRead:
                 b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
         _zip.check_members(self.path, charged, b)
         return b.build()
+
+    def byteorder(self, member: _zip.Member) -> None:
+        """The ``byteorder`` record: ``little`` or ``big``, as ``torch.load`` requires
+        ("Unknown endianness type")."""
+        if member.file_size > 16:
+            raise self.builder.corrupt(f"{member.name} is {member.file_size} bytes, where torch "
+                                       "writes 'little' or 'big'", member.data_offset)
+        value = _zip.read_member(self.path, member, self.builder)
+        if value not in (b"little", b"big"):
+            raise self.builder.corrupt(
+                f"{member.name} says '{printable(value.decode('utf-8', 'replace'), 40)}', where "
+                "torch.load accepts 'little' or 'big'", member.data_offset)
+
+    def version(self, member: _zip.Member) -> None:
+        """The archive's version record: a number from 1, as torch reads it (``std::stoull``:
+        "Couldn't parse the version ... as Long Long"). A number past the versions this torch
+        reads is a newer torch's archive, not a corrupt one."""
+        if member.file_size > 64:
+            raise self.builder.corrupt(f"{member.name} is {member.file_size} bytes, where torch "
+                                       "writes a version number", member.data_offset)
+        text = _zip.read_member(self.path, member, self.builder).decode("latin-1")
+        m = _VERSION.match(text)
+        if m is None or int(m.group(1)) == 0:
+            raise self.builder.corrupt(
+                f"{member.name} says '{printable(text, 40)}', where torch.load needs a version "
+                "number from 1", member.data_offset)
+
+    def alignment(self, member: _zip.Member) -> None:
+        """The ``.storage_alignment`` record: ``torch.load`` reads it with ``int()``."""
+        value = _zip.read_member(self.path, member, self.builder) if member.file_size <= 64 \
+            else b""
+        try:
+            int(value)
+        except ValueError:
+            raise self.builder.corrupt(
+                f"{member.name} says '{printable(value.decode('latin-1'), 40)}', where torch.load "
+                "reads an integer", member.data_offset) from None
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
         """Record the unsafe globals of a side pickle whose tensors are not itemized."""

@@ -13,9 +13,12 @@ from modelsize.estimation.result import (
     MemoryCategory,
     PhaseSpan,
 )
+from modelsize.report.table import table
 from modelsize.report.units import human_bytes
 
 if TYPE_CHECKING:
+    from modelsize.estimation.engine_vllm import VllmPlan
+    from modelsize.estimation.model_source import HubFetch, WeightsPlan
     from modelsize.report.estimate_text import Section
 
 _KIND_WORDS = {
@@ -103,4 +106,98 @@ def render_generation_fit(found: GenerationFit) -> str:
                      f"of which cache {human_bytes(cache)}; device total "
                      f"{human_bytes(est.device_estimate.total_bytes)} "
                      f"({est.device_estimate.total_bytes:,} bytes of {fit.budget_bytes:,}).")
+    return "\n".join(lines) + "\n"
+
+
+def render_weights(plan: WeightsPlan, fetched: HubFetch | None = None) -> str:
+    """Where the weights' dtype came from, the checkpoint's own dtypes, what loading casts,
+    tensors held as stored, and what reading a Hub repository fetched."""
+    held = ", ".join(f"{n} {printable(k)} tensors ({human_bytes(b)})"
+                     for k, (n, b) in plan.checkpoint_dtypes.items())
+    lines = [f"Weights: {plan.dtype} in memory ({printable(plan.dtype_from, 300)}); the "
+             f"{'file' if plan.quant_method == 'gguf' else 'checkpoint'} holds {held}, "
+             f"{plan.checkpoint_bytes:,} bytes."]
+    if plan.cast:
+        cast = ", ".join(f"{n} {printable(k)} tensors ({human_bytes(b)})"
+                         for k, (n, b) in plan.cast.items())
+        lines.append(f"  loading casts {cast} to {plan.dtype}.")
+    if plan.kept_fp32:
+        lines.append(f"  kept in float32 by the model class's rule: {len(plan.kept_fp32)} "
+                     f"parameters ({printable(', '.join(plan.kept_fp32[:4]), 200)}"
+                     f"{'...' if len(plan.kept_fp32) > 4 else ''}).")
+    for note in plan.notes:
+        lines.append(f"  {printable(note, 600)}")
+    if fetched is not None:
+        lines.append(fetched.line())
+    return "\n".join(lines) + "\n"
+
+
+def _gib(n: int) -> str:
+    """vLLM's ``format_gib``: GiB rounded to 2 decimals."""
+    return f"{round(n / 2**30, 2)}"
+
+
+def render_vllm_plan(plan: VllmPlan, description: str) -> str:
+    """vLLM's start-up memory plan: each term, the KV cache groups, and the lines vLLM logs."""
+    from modelsize.estimation.engine_vllm import SOURCE
+
+    gpu = plan.gpu
+    lines = [printable(description, 400),
+             f"vLLM {plan.version}'s start-up plan on {gpu.name or 'a GPU'} of "
+             f"{gpu.total_bytes:,} bytes ({printable(gpu.source, 200)}); rules from {SOURCE}.",
+             f"settings: dtype {plan.dtype}, kv_cache_dtype {plan.kv_cache_dtype}, "
+             f"gpu_memory_utilization {plan.gpu_memory_utilization}, max_model_len "
+             f"{plan.max_model_len:,}, max_num_seqs {plan.max_num_seqs:,}, "
+             f"max_num_batched_tokens {plan.max_num_batched_tokens:,}, block_size "
+             f"{plan.block_size}", ""]
+    rows: list[tuple[str, ...]] = [("term", "bytes", "size", "how", "where")]
+    rows.append(("requested (total x utilization)", f"{plan.requested_bytes:,}",
+                 human_bytes(plan.requested_bytes), "rule",
+                 "v1/worker/utils.py request_memory"))
+    for t in plan.terms:
+        rows.append((f"- {t.name}", f"{t.nbytes:,}", human_bytes(t.nbytes), t.how,
+                     printable(t.where, 90)))
+    rows.append(("= KV cache", f"{plan.available_bytes:,}", human_bytes(plan.available_bytes),
+                 "rule", "v1/worker/gpu_worker.py determine_available_memory"))
+    lines += table([list(r) for r in rows], "lrrll")
+    notes = [f"  {t.name}: {printable(t.note, 300)}" for t in plan.terms if t.note]
+    lines += notes
+    lines.append("")
+    lines.append(f"KV cache groups (v1/core/kv_cache_planning.py): {len(plan.groups)}; one block "
+                 f"of every group's layers takes {plan.bytes_per_block:,} bytes")
+    grows: list[tuple[str, ...]] = [("group", "layers", "block", "page", "per token",
+                                     "blocks per request")]
+    for g in plan.groups:
+        kind = {"full": "full attention", "sliding": f"sliding window {g.window:,}",
+                "mla": "MLA latent", "mamba": "Mamba state"}.get(g.kind, g.kind)
+        grows.append((kind, str(g.layers), str(g.block_size), human_bytes(g.page_bytes),
+                      human_bytes(g.per_token_bytes) if g.per_token_bytes else "-",
+                      f"{g.blocks_per_request:,}"))
+    lines += table([list(r) for r in grows], "lrrrrr")
+    lines.append("")
+    if not plan.fits:
+        fit = (f"Based on the available memory, the estimated maximum model length is "
+               f"{plan.longest_fitting_len}. " if plan.longest_fitting_len > 0 else "")
+        need = plan.bytes_per_block * plan.blocks_per_request
+        lines.append("vLLM would not start: "
+                     + (f"To serve at least one request with the model's max seq len "
+                        f"({plan.max_model_len}), ({_gib(need)} GiB KV cache is needed, which "
+                        f"is larger than the available KV cache memory "
+                        f"({_gib(plan.available_bytes - plan.bytes_per_block)} GiB). {fit}"
+                        if plan.available_bytes > 0 else
+                        "No available memory for the cache blocks. ")
+                     + "Try increasing `gpu_memory_utilization` or decreasing `max_model_len`.")
+    else:
+        lines.append("As vLLM logs it at start-up:")
+        lines.append(f"  Available KV cache memory: {_gib(plan.available_bytes)} GiB")
+        lines.append(f"  GPU KV cache size: {plan.kv_cache_tokens:,} tokens")
+        lines.append(f"  Maximum concurrency for {plan.max_model_len:,} tokens per request: "
+                     f"{plan.max_concurrency:.2f}x")
+        lines.append(f"  (num_gpu_blocks {plan.num_gpu_blocks:,}; a request of "
+                     f"{plan.max_model_len:,} tokens takes {plan.blocks_per_request:,} blocks)")
+        if plan.request_tokens and plan.request_concurrency is not None:
+            lines.append(f"For {plan.request_tokens:,} tokens per request (--seq + --generate): "
+                         f"maximum concurrency {plan.request_concurrency:.2f}x.")
+    for note in plan.notes:
+        lines.append(f"note: {printable(note, 300)}")
     return "\n".join(lines) + "\n"

@@ -333,6 +333,8 @@ def tensor_source(inv: Inventory, t: TensorRecord,
     st = storage if storage is not None else _storages(inv)[t.storage]
     path = inv.files[st.file].path
     itemsize = itemsize_of(t.dtype)
+    if t.strides is not None:
+        _check_expansion(path, t, itemsize)
     if st.compressed:
         if decoder is None:
             raise UsageError(
@@ -359,6 +361,24 @@ def tensor_source(inv: Inventory, t: TensorRecord,
             return _pread_exact(fd, stop - start, base + start, path)
 
     return Strided(read, t.storage_offset, t.shape, t.strides, itemsize)
+
+
+def _check_expansion(path: Path, t: TensorRecord, itemsize: int) -> None:
+    """Refuse a view whose elements repeat its storage's bytes past the inflate limit (a zero
+    stride: ``expand``): writing or verifying it streams every element, so a header could claim
+    petabytes over a few bytes, like a deflate bomb."""
+    from modelsize.formats._limits import INFLATE_BYTES, PLAUSIBLE_RATIO, inflate_allowance
+
+    if not t.nbytes or not t.shape:
+        return
+    span = (sum((d - 1) * s for d, s in zip(t.shape, t.strides or (), strict=False)) + 1) \
+        * itemsize
+    if t.nbytes > inflate_allowance(span):
+        raise INFLATE_BYTES.refuse(
+            path, f"{printable(t.name)} is a view of {math.prod(t.shape):,} elements over {span:,} "
+            f"bytes of storage (strides {list(t.strides or ())}): slim would expand it to "
+            f"{t.nbytes:,} bytes to write or verify it; modelsize expands a view more than "
+            f"{PLAUSIBLE_RATIO}:1 up to a limit")
 
 
 class Sources:
@@ -409,10 +429,14 @@ class Sources:
         return tensor_source(self.inventory, t, self.decoder, self.storage(t.storage))
 
     def check(self, t: TensorRecord) -> None:
-        """Raise what :meth:`__call__` would raise for ``t`` (``NoDataError``, or the
-        ``UsageError`` of an encoded storage without a decoder), making nothing."""
+        """Raise what :meth:`__call__` would raise for ``t`` (``NoDataError``, the
+        ``UsageError`` of an encoded storage without a decoder, the refusal of a view expanded
+        past the inflate limit), making nothing."""
         if t.storage is None:
             raise NoDataError(f"{t.name} holds no data in the file")
+        if t.strides is not None:
+            st = self.storage(t.storage)
+            _check_expansion(self.inventory.files[st.file].path, t, itemsize_of(t.dtype))
         if self.decoder is None:
             compressed = self._compressed
             if compressed is None:

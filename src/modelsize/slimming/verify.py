@@ -312,9 +312,10 @@ def copy_read_back(inv: Inventory, staged: Path) -> tuple[Inventory, bool] | Non
             size = os.fstat(fd_out).st_size
         finally:
             os.close(fd_out)
+    # The same bytes: the input's regions are the copy's (stray bytes among them).
     out = LazyInventory(inv.format, (FileInfo(staged, size),), dict(inv.bytes_by_category),
                         unsafe_globals=inv.unsafe_globals, notes=inv.notes,
-                        facts={**inv.facts, "path": str(staged)})
+                        facts={**inv.facts, "path": str(staged)}, declared_regions=inv.regions)
     return out, same and size == inv.file_bytes
 
 

@@ -309,6 +309,9 @@ def slim_onnx(inv: Inventory, out: str | Path | None, options: SlimOptions, *,
     except ValueError:
         raise UsageError(f"--external-data {external_data!r}: expected one of "
                          f"{', '.join(e.value for e in ExternalData)}") from None
+    from modelsize.slimming.loadable import refuse_unloadable
+
+    refuse_unloadable(inv)  # what onnxruntime refuses whatever the passes, said as that
     path = inv.files[0].path
     target = Path(out) if out is not None else slim_name(inv.path)
     names = passes.select(options.cast, options.quantize)

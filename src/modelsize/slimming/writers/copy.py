@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from modelsize import formats, inputs
-from modelsize.errors import VerificationError, printable
+from modelsize.errors import CorruptFileError, VerificationError, printable
 from modelsize.inventory import Inventory
+from modelsize.slimming.loadable import problems_loading, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, nothing_to_slim
 from modelsize.slimming.writers.base import Meter, Written, slim_name
@@ -136,12 +137,38 @@ class CopyJob:
                 layout(out, stems[1]) == layout(self.inventory, stems[0]))
         if not same:
             problems.append("it reads back with other tensors than the input")
+        if not problems:
+            self._check_loadable(out)
         if problems:
             raise VerificationError(
                 "the copied output failed verification and was not written: "
                 + "; ".join(printable(p, 200) for p in problems[:3])
                 + " (a modelsize bug: please report it)")
         return out
+
+
+    def _check_loadable(self, out: Inventory) -> None:
+        """The copy is the input, byte for byte: what its framework would refuse in it (the
+        loader's rules, an encoded storage that does not decode to its size) is the input's
+        fault, refused in one line naming the input, as a rewrite would have refused it."""
+        src = self.inventory
+        problems = problems_loading(out)
+        decode = getattr(formats.registry().get(out.format), "storage_chunks", None)
+        for st in out.storages if decode is not None and not problems else ():
+            if not st.compressed:
+                continue
+            try:
+                n = sum(len(chunk) for chunk in decode(out, st))
+            except CorruptFileError as exc:
+                problems.append(f"{st.key}: {exc.reason}")
+                break
+            if n != st.logical_nbytes:
+                problems.append(f"{st.key} decodes to {n:,} bytes where its header needs "
+                                f"{st.logical_nbytes:,}")
+                break
+        if problems:
+            raise CorruptFileError(src.path, src.format,
+                                   f"{problems[0]}: its framework would not load it")
 
 
 def _copy(fd: int, fh: BinaryIO, size: int, meter: Meter) -> None:
@@ -191,8 +218,10 @@ class CopyWriter:
         return slim_name(source)
 
     def prepare(self, plan: Plan, target: Path) -> CopyJob:
-        """Every file to copy, under its output name."""
+        """Every file to copy, under its output name. An input its framework would not load
+        is refused: the copy would not load either."""
         inv = plan.inventory
+        refuse_unloadable(inv, whole=True)
         if not inv.path.is_dir():
             source = inv.files[0].path
             return CopyJob([target.name], target.name, False, inv.file_bytes,

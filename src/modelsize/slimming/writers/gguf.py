@@ -212,6 +212,15 @@ class GgufWriter:
             if info is None:
                 raise UsageError(f"{printable(t.record.name)} is not a tensor of {source.name}")
             ggml_type = info.ggml_type
+            if (GGML_TYPES.get(ggml_type) not in DTYPES
+                    and output_nbytes(t) % layout.alignment):
+                # Its size is read as up to the next tensor: padded to the alignment in the
+                # output, it would read back larger than it is.
+                raise UsageError(
+                    f"{printable(t.record.name)} has ggml type {ggml_type}, unknown to modelsize, "
+                    f"and {output_nbytes(t)} bytes up to the next tensor, not a multiple of the "
+                    f"alignment {layout.alignment}: where its bytes end is a guess that a rewrite "
+                    "would change, so slim does not rewrite the file")
             if t.cast:
                 if t.dtype not in GGML_IDS:
                     raise UsageError(f"{printable(t.name)}: GGUF has no type for {t.dtype}")

@@ -53,7 +53,7 @@ from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
 from modelsize.formats import _zip
-from modelsize.slimming.loadable import refuse_unloadable
+from modelsize.slimming.loadable import keras_h5_listed, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.writers.base import Meter, Written, slim_name, stream
@@ -317,7 +317,13 @@ def _check(plan: Plan, src: Any, lay: _Layout) -> None:
         if not isinstance(obj, h5py.Dataset):
             raise UsageError(f"{where}: {printable(name)} is no longer a dataset of the input "
                              "(was it changed while slim ran?)")
-        if obj.dtype.hasobject:
+        try:
+            dtype = obj.dtype
+        except (ValueError, TypeError) as exc:  # a type h5py maps to no NumPy dtype
+            raise CorruptFileError(plan.inventory.path, plan.inventory.format,
+                                   f"{printable(name)}: h5py cannot read its HDF5 type "
+                                   f"({printable(str(exc), 120)})") from exc
+        if dtype.hasobject:
             raise UsageError(f"{where}: {printable(name)} holds variable-length or reference "
                              "HDF5 data, which cannot be copied byte for byte")
         filters = obj.id.get_create_plist().get_nfilters()
@@ -329,7 +335,7 @@ def _check(plan: Plan, src: Any, lay: _Layout) -> None:
                     f"--cast {t.dtype}: Keras keeps {t.dtype} in an opaque HDF5 type that "
                     "modelsize reads as bytes; use --cast float16"
                 )
-            if obj.dtype.byteorder == ">":
+            if dtype.byteorder == ">":
                 raise UsageError(f"{where}: {printable(name)} is big-endian; --cast cannot "
                                  "read it")
 
@@ -796,8 +802,20 @@ class KerasH5Writer:
         return slim_name(source)
 
     def prepare(self, plan: Plan, target: Path) -> KerasH5Job:
-        """Check every kept dataset, then size the output from its skeleton."""
+        """Check every kept dataset, then size the output from its skeleton. An input Keras
+        would not load is refused first."""
         _check_format(plan, "keras-h5")
+        refuse_unloadable(plan.inventory)
+        listed = keras_h5_listed(plan.inventory)
+        needed = [d for d in plan.dropped if d.record.name in listed]
+        if needed:
+            d = needed[0]
+            raise UsageError(
+                f"{printable(str(plan.inventory.path))}: Keras's HDF5 loader reads every weight "
+                f"a layer lists, and layer {printable(listed[d.record.name])} lists "
+                f"{printable(d.record.name)} ({d.record.category.value}): keep it "
+                f"(--keep '{printable(d.record.name)}') or write another format (--to "
+                "safetensors)")
         lay = _layout(plan)
         size = _hdf5_size(plan, lay)
         _notes(plan, target, lay)
@@ -817,7 +835,9 @@ class KerasWriter:
         """The members in the input's order, copied as they are, the weights member stored;
         the archive's exact size. An input Keras would not load is refused first."""
         _check_format(plan, "keras")
-        refuse_unloadable(plan.inventory)
+        # Every member read through (zipfile checks each one's CRC-32 when Keras loads it; a
+        # stored weights member is otherwise read by h5py in place, unchecked).
+        refuse_unloadable(plan.inventory, whole=True)
         path = plan.inventory.files[0].path
         from modelsize.inventory import InventoryBuilder
 

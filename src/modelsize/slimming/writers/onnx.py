@@ -57,6 +57,7 @@ from modelsize.formats.onnx import (
     TensorSite,
 )
 from modelsize.inventory import TensorRecord
+from modelsize.slimming.loadable import refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor, matches
 from modelsize.slimming.writers._protowire import (
@@ -822,6 +823,7 @@ class OnnxWriter:
         if inv.format != "onnx":
             raise UsageError(f"{printable(str(inv.path))}: slim writes ONNX models only from "
                              f"ONNX input, not {inv.format}")
+        refuse_unloadable(inv)
         path = inv.files[0].path
         structure = fmt.read_structure(path)
         fd = inputs.open_fd(path)

@@ -364,7 +364,8 @@ class SafetensorsWriter:
             lay = layout(rel, tensors, _input_metadata(plan, file), aliases)
             layouts.append(lay)
             for t in tensors:
-                weight_map[t.name] = rel
+                if t.alias_of is None:  # an alias is in its shard's metadata, not the index
+                    weight_map[t.name] = rel
         index_name = _index_name(inv, root)
         total = sum(lay.data_bytes for lay in layouts)
         index = None

@@ -231,6 +231,26 @@ def _state_file(prefix_name: str) -> bytes:
             f'all_model_checkpoint_paths: "{quoted}"\n').encode()
 
 
+def _keep_half_slices(plan: Plan) -> None:
+    """Slices of a partitioned variable stay in their dtype under ``--cast float16``:
+    TensorFlow restores a slice by copying it into the full tensor, which it does for every
+    dtype but half (``RestoreV2``: "Dtype half not supported"); a note says so."""
+    by_name = {t.name: t for t in plan.tensors}
+    kept = [t for t in plan.tensors
+            if t.cast and t.dtype == "float16" and "slice" in t.record.tags]
+    for t in kept:
+        t.dtype = t.record.dtype
+    for t in plan.tensors:
+        if t.alias_of is not None and t.alias_of in by_name:
+            t.dtype = by_name[t.alias_of].dtype
+    if kept:
+        names = ", ".join(printable(t.name, 60) for t in kept[:3])
+        more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
+        plan.notes.append(
+            f"{len(kept)} slice(s) of partitioned variables kept as they are ({names}{more}): "
+            "TensorFlow cannot restore a partitioned variable stored as float16")
+
+
 class TensorflowWriter:
     """TensorFlow checkpoints (tensor bundles), TF1 and TF2."""
 
@@ -276,6 +296,7 @@ class TensorflowWriter:
             stored=[], aliases=[], full=[],
             shards=tuple(f.path for f in inv.files[1 : 1 + int(inv.facts.get("shards", 0))]),
         )
+        _keep_half_slices(plan)
         kept_keys: set[str] = set()
         #: partitioned variable -> (output dtype, extents of the slices kept)
         slices: dict[bytes, tuple[int, list[tuple[tuple[int, int], ...]]]] = {}

@@ -48,6 +48,7 @@ from typing import Any, BinaryIO
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.formats import tflite as tflite_format
 from modelsize.inventory import Inventory
+from modelsize.slimming.loadable import refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.source import FileRange
@@ -184,6 +185,7 @@ class TfliteWriter:
         inv = plan.inventory
         if inv.format != "tflite" or len(inv.files) != 1:
             raise UsageError(f"the tflite writer writes TFLite inputs only, not {inv.format}")
+        refuse_unloadable(inv)
         path = inv.files[0].path
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
@@ -321,6 +323,8 @@ class _Rewrite:
             reason = (f"{t.record.dtype} has no float16 dequantization in TFLite"
                       if t.record.dtype != "float32" else blocked.get(
                           (const.subgraph, const.index)))
+            if reason is None and t.record.nbytes == 0:
+                reason = "no elements (nothing to narrow)"
             if reason is not None:
                 t.dtype = t.record.dtype
                 skipped.setdefault(reason, []).append(t.name)
