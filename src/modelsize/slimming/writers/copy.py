@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from modelsize import formats, inputs
 from modelsize.errors import CorruptFileError, VerificationError, printable
-from modelsize.inventory import Inventory
+from modelsize.inventory import Inventory, StorageRecord
 from modelsize.slimming.loadable import problems_loading, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, nothing_to_slim
@@ -153,9 +154,10 @@ class CopyJob:
         fault, refused in one line naming the input, as a rewrite would have refused it."""
         src = self.inventory
         problems = problems_loading(out)
-        decode = getattr(formats.registry().get(out.format), "storage_chunks", None)
+        decode: Callable[[Inventory, StorageRecord], Iterable[bytes]] | None = getattr(
+            formats.registry().get(out.format), "storage_chunks", None)
         for st in out.storages if decode is not None and not problems else ():
-            if not st.compressed:
+            if not st.compressed or decode is None:  # (decode is None: never; for mypy)
                 continue
             try:
                 n = sum(len(chunk) for chunk in decode(out, st))
