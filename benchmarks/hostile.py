@@ -9,9 +9,10 @@ a 960 MiB ``data.pkl``, a 99 MB safetensors header, a 99 MB index, 1.2M tensors,
   as large as the header it describes) and
 * ``modelsize slim FILE -o OUT --force``,
 
-each in a fresh process, and the exit code, the seconds and the peak RSS (the process's own
-``VmHWM``) are printed. The target: every run answers (exit 0, or exit 2 with one line) within
-20 s and 1 GiB.
+each in a fresh process, and the exit code, the seconds (wall and CPU: the machine may be
+shared), the peak RSS (the process's own ``VmHWM``) and the load average when it ended are
+printed. The target: every run answers (exit 0, or exit 2 with one line) within 20 s and
+1 GiB.
 
     python benchmarks/hostile.py [--scale 1.0] [--only NAME] [--timeout 120] [--write]
 
@@ -21,7 +22,9 @@ each in a fresh process, and the exit code, the seconds and the peak RSS (the pr
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import resource
 import runpy
 import sys
 import tempfile
@@ -48,6 +51,12 @@ def _verdict(run: object) -> str:
     return f"exit {rc}: {last[:110]}"
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of the child processes waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0)
@@ -67,13 +76,18 @@ def main() -> int:
                 ("inspect", [str(path)]),
                 ("slim", [str(path), "-o", str(out), "--force"]),
             ):
+                before = _children_cpu()
                 run = measure([verb, *argv], args.timeout)
+                cpu = _children_cpu() - before
+                load = os.getloadavg()[0]
                 ok = (not run.timed_out and run.seconds < TARGET_S and run.maxrss < TARGET_RSS
                       and run.returncode in (0, 2))
-                row = (name, verb, run.seconds, run.maxrss / (1 << 20), _verdict(run), ok)
+                row = (name, verb, run.seconds, cpu, run.maxrss / (1 << 20), load,
+                       _verdict(run), ok)
                 rows.append(row)
-                print(f"{name:26} {verb:8} {run.seconds:7.1f} s {row[3]:8.0f} MiB  "
-                      f"{'PASS' if ok else 'FAIL'}  {row[4]}", flush=True)
+                print(f"{name:26} {verb:8} {run.seconds:7.1f} s {cpu:7.1f} s cpu "
+                      f"{row[4]:8.0f} MiB  load {load:4.2f}  {'PASS' if ok else 'FAIL'}  "
+                      f"{row[6]}", flush=True)
             for p in folder.iterdir():  # one case's files at a time: they are large
                 if p.is_dir():
                     for q in p.iterdir():
@@ -82,16 +96,21 @@ def main() -> int:
                 else:
                     p.unlink()
     if args.write:
+        loads = [r[5] for r in rows]
         lines = [
-            f"`python benchmarks/hostile.py --scale {args.scale}` on {platform.machine()}, "
-            f"Python {platform.python_version()}: seconds and peak RSS of each process; target "
-            "under 20 s and 1 GiB, exit 0 or one line and exit 2.",
+            f"`python benchmarks/hostile.py --scale {args.scale}` on {platform.machine()} "
+            f"({os.cpu_count()} CPUs), Python {platform.python_version()}: wall and CPU "
+            "seconds and peak RSS of each process, and the 1-minute load average when it "
+            f"ended ({min(loads, default=0):.2f} to {max(loads, default=0):.2f} during the "
+            "run: the machine was shared); target under 20 s and 1 GiB, exit 0 or one line "
+            "and exit 2.",
             "",
-            "| case | verb | seconds | peak RSS (MiB) | result | within target |",
-            "|---|---|---:|---:|---|---|",
+            "| case | verb | seconds | CPU seconds | peak RSS (MiB) | load | result "
+            "| within target |",
+            "|---|---|---:|---:|---:|---:|---|---|",
         ]
-        lines += [f"| {n} | {v} | {s:.1f} | {r:.0f} | {w} | {'yes' if ok else 'NO'} |"
-                  for n, v, s, r, w, ok in rows]
+        lines += [f"| {n} | {v} | {s:.1f} | {c:.1f} | {r:.0f} | {ld:.2f} | {w} | "
+                  f"{'yes' if ok else 'NO'} |" for n, v, s, c, r, ld, w, ok in rows]
         write_section("hostile", "## Hostile sizes (issue 18 item 7)\n\n" + "\n".join(lines))
     return 0 if all(r[-1] for r in rows) else 1
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,9 @@ from typing import Any
 from modelsize import formats, inputs
 from modelsize.findings import Finding, explain, find
 from modelsize.inventory import Inventory, TensorRecord
+from modelsize.report.json_stream import Lazy, materialized
+
+_stored = operator.attrgetter("stored_nbytes")
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,9 @@ class Report:
         return self.inventory.file_bytes
 
     def largest(self, n: int) -> list[TensorRecord]:
-        """The ``n`` tensors charged with the most file bytes."""
-        return sorted(self.inventory.tensors, key=lambda t: -t.stored_nbytes)[:n]
+        """The ``n`` tensors charged with the most file bytes (ties in file order), found
+        without sorting them all."""
+        return heapq.nlargest(n, self.inventory.tensors, key=_stored)
 
     def __repr__(self) -> str:
         inv = self.inventory
@@ -46,8 +52,15 @@ class Report:
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         """The JSON schema documented in the README (``top`` limits the tensor list)."""
+        out: dict[str, Any] = materialized(self.to_json(top))
+        return out
+
+    def to_json(self, top: int | None = None) -> dict[str, Any]:
+        """:meth:`to_dict` with the tensor list made as it is written
+        (:func:`modelsize.report.json_stream.dump` writes it, byte for byte what
+        ``json.dumps(to_dict())`` gives, holding a batch of tensors at a time)."""
         inv = self.inventory
-        tensors = self.largest(top) if top is not None else list(inv.tensors)
+        tensors = self.largest(top) if top is not None else inv.tensors
         return {
             "path": str(inv.path),
             "format": inv.format,
@@ -58,7 +71,7 @@ class Report:
             "findings": [f.to_dict() for f in self.findings],
             "unsafe_globals": list(inv.unsafe_globals),
             "tensor_count": len(inv.tensors),
-            "tensors": [t.to_dict() for t in tensors],
+            "tensors": Lazy(t.to_dict() for t in tensors),
             "facts": dict(inv.facts),
             "notes": list(inv.notes),
         }

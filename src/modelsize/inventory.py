@@ -17,11 +17,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import itertools
 import math
 import os
 import zlib
+from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -518,31 +520,38 @@ class InventoryBuilder:
         tensors = self._tensors
         storages = self._storages
         # Storage key -> the index of its only view when that view is contiguous (most
-        # storages: no _View is made for them), else the list of its views.
-        by_storage: dict[str, int | list[_View]] = {}
-        for i, t in enumerate(tensors):
-            key = t.storage
-            if key is None:
-                continue
-            seen = by_storage.get(key)
-            if seen is None:
-                if key not in storages:
-                    raise self.corrupt(f"tensor {t.name!r} refers to missing storage {key!r}")
-                by_storage[key] = i if t.strides is None else [self._view(i)]
-                continue
-            if isinstance(seen, int):
-                seen = by_storage[key] = [self._view(seen)]
-            seen.append(self._view(i))
-        self._check_reached(by_storage)
+        # storages: no _View is made for them), else the list of its views. ``None`` when the
+        # only view of storage i is tensor i, contiguous (a safetensors file: its million
+        # storages are then neither mapped nor looked up by key).
+        by_storage: dict[str, int | list[_View]] | None = None
+        if not (len(tensors) == len(storages) and all(
+                t.strides is None and t.storage == key
+                for t, key in zip(tensors, storages, strict=True))):
+            by_storage = {}
+            for i, t in enumerate(tensors):
+                key = t.storage
+                if key is None:
+                    continue
+                seen = by_storage.get(key)
+                if seen is None:
+                    if key not in storages:
+                        raise self.corrupt(
+                            f"tensor {t.name!r} refers to missing storage {key!r}")
+                    by_storage[key] = i if t.strides is None else [self._view(i)]
+                    continue
+                if isinstance(seen, int):
+                    seen = by_storage[key] = [self._view(seen)]
+                seen.append(self._view(i))
+            self._check_reached(by_storage)
 
         rank = {c: i for i, c in enumerate(PRECEDENCE)}
         approximated: list[str] = []
         unused = Category.UNUSED_STORAGE
         # Storages of one size and category share their (immutable) Charges.
         shared: dict[Category, dict[int, Charges]] = {c: {} for c in Category}
-        for key, st in storages.items():
+        for index, (key, st) in enumerate(storages.items()):
             nbytes = st.nbytes
-            found = by_storage.get(key)
+            found = index if by_storage is None else by_storage.get(key)
             charges: Mapping[Category, int]
             if type(found) is int:  # one contiguous view
                 t = tensors[found]
@@ -733,7 +742,8 @@ class InventoryBuilder:
                 gaps.append(_region(file, pos, size - pos, default, "structure"))
         return gaps
 
-    def _find_duplicates(self, by_storage: Mapping[str, int | list[_View]]) -> dict[str, str]:
+    def _find_duplicates(self, by_storage: Mapping[str, int | list[_View]] | None
+                         ) -> dict[str, str]:
         """Map storage key -> key of an earlier storage holding identical bytes.
 
         Candidates must agree on dtype, shape of their first view, size and recorded CRC-32
@@ -756,8 +766,8 @@ class InventoryBuilder:
         crc = self._crc
         tensors = self._tensors
         itemsizes: dict[str, int] = {}
-        for key, st in storages.items():
-            found = by_storage.get(key)
+        for index, (key, st) in enumerate(storages.items()):
+            found = index if by_storage is None else by_storage.get(key)
             if found is None or st.nbytes == 0:
                 continue
             first = tensors[found if isinstance(found, int) else found[0].record_index]
@@ -776,14 +786,21 @@ class InventoryBuilder:
                 else:
                     same.append(key)
         del first_of
-        candidates = list(groups.items())
+        candidates = [(sig[3], keys) for sig, keys in groups.items()]
         del groups
+        return self._confirm_duplicates(candidates, storages)
+
+    def _confirm_duplicates(self, candidates: list[tuple[str, list[str]]],
+                            storages: Mapping[str, StorageRecord]) -> dict[str, str]:
+        """Of each group of candidate ``(dtype, keys)`` (same size and first view, in
+        order), the storages whose bytes equal an earlier one's: ``{key: original key}``
+        (see :meth:`_find_duplicates` for what is left alone)."""
         result: dict[str, str] = {}
         if not candidates:
             return result
         with _FileReader(self, storages) as reader:
-            for sig, keys in candidates:
-                itemsize = _itemsize(sig[3])
+            for dtype, keys in candidates:
+                itemsize = _itemsize(dtype)
                 for equal in reader.probe_groups(keys):
                     if reader.sampled_constant(equal[0], itemsize):
                         # equal samples, each one value repeated: zero-initialised tensors,
@@ -796,6 +813,280 @@ class InventoryBuilder:
                         for key in identical[1:]:
                             result[key] = identical[0]
         return result
+
+
+class NotSimpleError(Exception):
+    """What a reader declared is more than :class:`TotalsBuilder` accounts for without
+    records (the caller reads the file with an :class:`InventoryBuilder`)."""
+
+
+class TotalsBuilder(InventoryBuilder):
+    """An :class:`InventoryBuilder` that makes no record per tensor or storage: what a reader
+    declares is checked as it comes (``expect(index, name, dtype, shape)``, for each tensor in
+    order) and :meth:`build` returns a :class:`LazyInventory` holding the totals that
+    :meth:`InventoryBuilder.build` would give for the same declarations.
+
+    It accounts for files whose every storage is viewed whole by one contiguous tensor,
+    declared right after it, storages lying in the order of their offsets (a safetensors
+    file as slim writes it): a few columns per storage instead of two records. Anything else
+    raises :class:`NotSimpleError`. Duplicates are found as the builder finds them
+    (:meth:`InventoryBuilder._confirm_duplicates`), among the storages whose CRC-32s,
+    given to :meth:`build` by the caller who read them all, are equal: storages whose bytes
+    differ cannot be duplicates, so the others are never read again.
+    """
+
+    def __init__(self, format: str, paths: Iterable[str | Path], *,
+                 root: str | Path | None = None,
+                 expect: Callable[[int, str, str, tuple[int, ...]], None] | None = None):
+        super().__init__(format, paths, root=root)
+        self.expect = expect
+        #: Tensors declared so far.
+        self.count = 0
+        self._open: str | None = None  # the last storage's key, until its tensor comes
+        self.st_file = array("i")
+        self.st_offset = array("q")
+        self.st_nbytes = array("q")
+        self._st_category = bytearray()
+        self._st_dtype: list[str] = []
+        self._st_shape: list[tuple[int, ...]] = []
+        self._end: dict[int, int] = {}  # per file, where its last storage ends
+        #: (dtype as declared, shape) -> (canonical dtype, bytes)
+        self._sizes: dict[tuple[str, tuple[int, ...]], tuple[str, int]] = {}
+
+    def add_storage(self, key: str, offset: int, nbytes: int, *, file: int = 0,
+                    logical_nbytes: int | None = None, compressed: bool = False,
+                    dtype: str | None = None, crc32: int | None = None) -> None:
+        """:meth:`InventoryBuilder.add_storage`, kept as columns."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.files[file].nbytes:
+            self.check_range(offset, nbytes, f"storage {key}", file)  # raises, naming it
+        if self._open is not None:
+            raise NotSimpleError(f"storage {self._open!r} has no tensor of its own")
+        if compressed or (logical_nbytes is not None and logical_nbytes != nbytes) or (
+                crc32 is not None):
+            raise NotSimpleError(f"storage {key!r} is encoded")
+        if offset < self._end.get(file, 0):
+            raise NotSimpleError(f"storage {key!r} lies before the one declared before it")
+        if nbytes:
+            self._end[file] = offset + nbytes
+        self._open = key
+        self.st_file.append(file)
+        self.st_offset.append(offset)
+        self.st_nbytes.append(nbytes)
+
+    def add_tensor(self, name: str, dtype: str, shape: Iterable[int], category: Category, *,
+                   storage: str | None = None, storage_offset: int = 0,
+                   strides: Iterable[int] | None = None, tags: Iterable[str] = (),
+                   itemsize: int | None = None, container: str = "") -> None:
+        """:meth:`InventoryBuilder.add_tensor` of a tensor viewing its storage whole,
+        checked by ``expect`` and counted; :class:`NotSimpleError` for any other."""
+        if storage_offset or strides is not None or itemsize is not None:
+            raise NotSimpleError(f"tensor {name!r} is a view the totals do not follow")
+        shape_t = shape if type(shape) is tuple else tuple(map(int, shape))
+        known = self._sizes.get((dtype, shape_t))  # type: ignore[arg-type]
+        if known is None:
+            dt_name = dtype if dtype in DTYPES else canonical(dtype) or dtype
+            dt = DTYPES.get(dt_name)
+            if dt is None:
+                raise NotSimpleError(f"tensor {name!r} has a dtype of unknown size")
+            n = math.prod(shape_t)  # type: ignore[arg-type]
+            known = (dt_name, n * dt.block_bytes if dt.block == 1
+                     else -(-n // dt.block) * dt.block_bytes)
+            if len(self._sizes) < 1 << 16:
+                self._sizes[(dtype, shape_t)] = known  # type: ignore[index]
+        dt_name, nbytes = known
+        if storage is not None:
+            if storage != self._open:
+                raise NotSimpleError(f"tensor {name!r} views a storage not its own")
+            if nbytes != self.st_nbytes[-1]:
+                raise NotSimpleError(f"tensor {name!r} views part of its storage")
+            self._open = None
+            self._st_category.append(_CATEGORY_INDEX[category])
+            self._st_dtype.append(dt_name)
+            self._st_shape.append(shape_t)  # type: ignore[arg-type]
+        if self.expect is not None:
+            self.expect(self.count, name, dt_name, shape_t)  # type: ignore[arg-type]
+        self.count += 1
+
+    def build(self, default: Category = Category.METADATA, *, dedupe: bool = True,
+              crcs: Sequence[int] | None = None) -> LazyInventory:
+        """The totals (see the class docstring); ``crcs`` are the storages' CRC-32s, in
+        declaration order, without which no storage is a duplicate."""
+        if self._open is not None:
+            raise NotSimpleError(f"storage {self._open!r} has no tensor of its own")
+        with paused_gc():
+            totals = empty_totals()
+            categories = list(Category)
+            nbytes, category = self.st_nbytes, self._st_category
+            sums = [0] * len(categories)
+            for n, index in zip(nbytes, category, strict=True):
+                sums[index] += n
+            for cat, n in zip(categories, sums, strict=True):
+                totals[cat] += n
+            if dedupe and crcs is not None and READ_DATA.get():
+                for i in self._duplicates(crcs):
+                    totals[categories[category[i]]] -= nbytes[i]
+                    totals[Category.DUPLICATES] += nbytes[i]
+            for region in self._regions:
+                totals[region.category] += region.nbytes
+            totals[default] += self._gap_bytes()
+        file_bytes = sum(f.nbytes for f in self.files)
+        if sum(totals.values()) != file_bytes:
+            raise AccountingError(
+                f"{self.format} totals of {self.files[0].path if self.files else '?'}: "
+                f"categories add up to {sum(totals.values())} bytes, files hold {file_bytes}")
+        return LazyInventory(self.format, tuple(self.files), totals,
+                             unsafe_globals=tuple(self._unsafe),
+                             notes=tuple(dict.fromkeys(self.notes)), facts=dict(self.facts),
+                             declared_regions=tuple(self._regions))
+
+    def _gap_bytes(self) -> int:
+        """Bytes of the files no region or storage describes (what
+        :meth:`InventoryBuilder._gaps` makes regions of). Storages lie in order and apart
+        (:meth:`add_storage` checks), so only the few regions are looked for among them; an
+        overlap is left to the full read to name."""
+        offsets, sizes = self.st_offset, self.st_nbytes
+        covered = sum(sizes)
+        one_file = not any(self.st_file)
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for r in self._regions:
+            if r.nbytes:
+                spans.setdefault(r.file, []).append((r.offset, r.offset + r.nbytes))
+                covered += r.nbytes
+        for file, regions in spans.items():
+            regions.sort()
+            for (_, stop), (start, _) in itertools.pairwise(regions):
+                if start < stop:
+                    raise NotSimpleError(f"bytes {start}..{stop} are declared twice")
+            for start, stop in regions:
+                k = max(0, bisect.bisect_right(offsets, start) - 1) if one_file else 0
+                while k < len(offsets) and (offsets[k] < stop or not one_file):
+                    if (self.st_file[k] == file and sizes[k]
+                            and offsets[k] < stop and offsets[k] + sizes[k] > start):
+                        raise NotSimpleError(f"bytes {start}..{stop} are declared twice")
+                    k += 1
+        return sum(f.nbytes for f in self.files) - covered
+
+    def _duplicates(self, crcs: Sequence[int]) -> list[int]:
+        """Indices of the storages whose bytes equal an earlier storage's (as
+        :meth:`InventoryBuilder._find_duplicates` finds them)."""
+        nbytes, dtypes, shapes = self.st_nbytes, self._st_dtype, self._st_shape
+        itemsizes: dict[str, int] = {}
+
+        def candidate(i: int) -> bool:
+            dtype = dtypes[i]
+            itemsize = itemsizes.get(dtype)
+            if itemsize is None:
+                itemsize = itemsizes[dtype] = _itemsize(dtype)
+            return nbytes[i] > itemsize  # one element: one value repeated, never a duplicate
+
+        # Only CRCs met twice can be duplicates: found by sorting the values, their indices
+        # then listed (nothing per storage is kept when, as usual, every CRC differs).
+        values = sorted(crcs)
+        repeated = {a for a, b in itertools.pairwise(values) if a == b}
+        del values
+        order = sorted((i for i, c in enumerate(crcs) if c in repeated),
+                       key=crcs.__getitem__) if repeated else []
+        groups: list[tuple[str, list[str]]] = []
+        storages: dict[str, StorageRecord] = {}
+        j = 0
+        while j < len(order):
+            stop = j + 1
+            while stop < len(order) and crcs[order[stop]] == crcs[order[j]]:
+                stop += 1
+            if stop - j > 1:
+                same: dict[tuple[Any, ...], list[int]] = {}
+                for i in sorted(order[j:stop]):
+                    if candidate(i):
+                        same.setdefault((nbytes[i], dtypes[i], shapes[i]), []).append(i)
+                for sig, found in same.items():
+                    if len(found) < 2:
+                        continue
+                    keys = []
+                    for i in found:
+                        key = str(i)
+                        storages[key] = _storage(key, self.st_file[i], self.st_offset[i],
+                                                 nbytes[i], nbytes[i], False, sig[1],
+                                                 _NO_CHARGES, None)
+                        keys.append(key)
+                    groups.append((sig[1], keys))
+            j = stop
+        del order
+        groups.sort(key=lambda g: int(g[1][0]))
+        return sorted(int(k) for k in self._confirm_duplicates(groups, storages))
+
+
+_CATEGORY_INDEX: dict[Category, int] = {c: i for i, c in enumerate(Category)}
+
+
+class LazyInventory(Inventory):
+    """An :class:`Inventory` whose totals are known and whose records are read when first
+    asked for: a slim's output of a million tensors, whose report needs its bytes by category
+    and seldom its records. ``load()`` reads them (the file as committed); they must add up
+    to the same totals, or the file changed since (:class:`AccountingError`).
+
+    ``declared_regions`` are the regions its reader declared (a few: headers, stray bytes),
+    without the gaps a full read adds between them: what the loader's rules look up by label
+    (:mod:`modelsize.slimming.loadable`) without reading the records.
+    """
+
+    declared_regions: tuple[Region, ...]
+
+    def __init__(self, format: str, files: tuple[FileInfo, ...],
+                 bytes_by_category: dict[Category, int], *,
+                 unsafe_globals: tuple[str, ...] = (), notes: tuple[str, ...] = (),
+                 facts: dict[str, str] | None = None,
+                 load: Callable[[], Inventory] | None = None,
+                 declared_regions: tuple[Region, ...] = ()) -> None:
+        for name, value in (("format", format), ("files", files),
+                            ("unsafe_globals", unsafe_globals), ("notes", notes),
+                            ("facts", {} if facts is None else facts),
+                            ("bytes_by_category", bytes_by_category),
+                            ("file_bytes", sum(f.nbytes for f in files)),
+                            ("load", load), ("_loaded", None),
+                            ("declared_regions", declared_regions)):
+            object.__setattr__(self, name, value)
+
+    def relabel(self, files: tuple[FileInfo, ...], path: Path,
+                load: Callable[[], Inventory] | None) -> LazyInventory:
+        """The same totals for the same bytes under other names (a staged output committed)."""
+        facts = dict(self.facts)
+        facts["path"] = str(path)
+        return LazyInventory(self.format, files, dict(self.bytes_by_category),
+                             unsafe_globals=self.unsafe_globals, notes=self.notes, facts=facts,
+                             load=load, declared_regions=self.declared_regions)
+
+    def full(self) -> Inventory:
+        """The inventory with its records, read on first use."""
+        loaded: Inventory | None = self.__dict__["_loaded"]
+        if loaded is None:
+            load = self.__dict__["load"]
+            if load is None:
+                raise ValueError(f"the records of {self.path} were not kept and cannot be read")
+            loaded = load()
+            if (loaded.bytes_by_category != self.bytes_by_category
+                    or loaded.file_bytes != self.file_bytes):
+                raise AccountingError(f"{self.path} changed since it was accounted for")
+            object.__setattr__(self, "_loaded", loaded)
+        return loaded
+
+    @property  # type: ignore[override]
+    def tensors(self) -> tuple[TensorRecord, ...]:
+        """Every tensor (read on first use)."""
+        return self.full().tensors
+
+    @property  # type: ignore[override]
+    def storages(self) -> tuple[StorageRecord, ...]:
+        """Every storage (read on first use)."""
+        return self.full().storages
+
+    @property  # type: ignore[override]
+    def regions(self) -> tuple[Region, ...]:
+        """Every region (read on first use)."""
+        return self.full().regions
+
+    def __repr__(self) -> str:
+        return (f"<LazyInventory {self.path} ({self.format}): {self.file_bytes:,} bytes; "
+                "records read on first use>")
 
 
 #: Bytes sampled at the start, the middle and the end of a duplicate candidate.
@@ -832,7 +1123,8 @@ def _samples(nbytes: int) -> tuple[tuple[int, int], ...]:
 class _FileReader:
     """Reads storage bytes for duplicate detection through one open handle per file."""
 
-    def __init__(self, builder: InventoryBuilder, storages: dict[str, StorageRecord]) -> None:
+    def __init__(self, builder: InventoryBuilder,
+                 storages: Mapping[str, StorageRecord]) -> None:
         self.builder = builder
         self.storages = storages
         self.handles: dict[int, int] = {}

@@ -50,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
         cost = measure_load_cost(report.inventory)
     if args.json:
-        data = report.to_dict(top=args.top)
+        from modelsize.report.json_stream import dump
+
+        data = report.to_json(top=args.top)
         if cost is not None:
             data["load_cost"] = cost.to_dict()
-        print(json.dumps(data))
+        dump(data, sys.stdout.write)  # the tensor list written as it is made
+        sys.stdout.write("\n")
     else:
         sys.stdout.write(render_inspect(report, top=10 if args.top is None else args.top))
         if cost is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import signal
 import sys
 import time
@@ -126,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.clear()
     if args.json:
-        print(json.dumps(report.to_dict()))
+        from modelsize.report.json_stream import dump
+
+        dump(report.to_json(), sys.stdout.write)  # the tensor lists written as they are made
+        sys.stdout.write("\n")
     else:
         sys.stdout.write(render_slim(report))
     if args.html:

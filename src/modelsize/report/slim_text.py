@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import textwrap
 from typing import Any
 
@@ -51,29 +52,30 @@ def render_slim(report: SlimReport, width: int = 100, names: int = 8) -> str:
     total_after = "" if after is None else human_bytes(report.output.file_bytes)  # type: ignore[union-attr]
     rows.append(["total", human_bytes(src.file_bytes), total_after, ""])
     lines += table(rows, "lrrr")
-    stored = [k for k in report.kept if k.alias_of is None]
-    lines += ["", f"Kept {len(stored)} tensor{'' if len(stored) == 1 else 's'} "
-              f"({human_bytes(sum(k.nbytes for k in stored))})"
-              + (f" and {len(report.kept) - len(stored)} aliases" if len(stored) < len(report.kept)
-                 else "")
+    n_stored, stored_bytes = report.stored()
+    n_kept = len(report.kept)
+    lines += ["", f"Kept {n_stored} tensor{'' if n_stored == 1 else 's'} "
+              f"({human_bytes(stored_bytes)})"
+              + (f" and {n_kept - n_stored} aliases" if n_stored < n_kept else "")
               + f"; dropped {len(report.dropped)}."]
-    for gone in sorted(report.dropped, key=lambda g: -g.stored_nbytes)[:names]:
+    # The largest dropped, without sorting them all (nlargest keeps sorted()'s order of ties).
+    for gone in heapq.nlargest(names, report.dropped, key=lambda g: g.stored_nbytes):
         lines.append(f"  - {printable(gone.name, 70)}  ({gone.reason}, "
                      f"{human_bytes(gone.stored_nbytes)})")
     if len(report.dropped) > names:
         lines.append(f"  - ... {len(report.dropped) - names} more (--json lists them all)")
-    for k in report.kept:
-        if k.alias_of is not None:
-            lines.append(f"  = {printable(k.name, 60)} is stored once, as "
-                         f"{printable(k.alias_of, 60)}")
+    for name, original in report.aliases():
+        lines.append(f"  = {printable(name, 60)} is stored once, as "
+                     f"{printable(original, 60)}")
     cast = report.cast
     if cast:
-        worst = max(cast, key=lambda k: k.max_rel_error or 0.0)
+        worst = report.worst_cast()
         lines.append(
             f"Cast {len(cast)} tensors {cast[0].source_dtype} -> {cast[0].dtype}; "
             + ("largest error" if not report.dry_run else "errors known once written")
             + (f": {worst.max_abs_error:.3g} absolute, {worst.max_rel_error:.3g} relative "
-               f"({printable(worst.name, 60)})" if worst.max_rel_error is not None else "")
+               f"({printable(worst.name, 60)})" if worst is not None
+               and worst.max_rel_error is not None else "")
         )
     lines += _graph_lines(report)
     if report.dry_run:

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats, inputs
-from modelsize.errors import MissingDependencyError, UsageError, printable
-from modelsize.inventory import Inventory, TensorRecord
+from modelsize.errors import LimitError, MissingDependencyError, UsageError, printable
+from modelsize.inventory import FileInfo, Inventory, LazyInventory, TensorRecord
 from modelsize.slimming import writers
 from modelsize.slimming.output import Output, write_verified
 from modelsize.slimming.plan import Plan, SlimOptions, make_plan, parse_drop
 from modelsize.slimming.result import (
-    Dropped,
-    KeptTensor,
+    DroppedTable,
+    KeptTable,
     SlimReport,
     growth_notes,
     unsafe_note,
 )
-from modelsize.slimming.source import StorageDecoder, TensorSource, tensor_source
+from modelsize.slimming.source import Sources, StorageDecoder, TensorSource
 from modelsize.slimming.verify import verify
-from modelsize.slimming.writers.base import Meter, Written, output_nbytes
+from modelsize.slimming.writers.base import Meter, Written
 
 #: Input formats whose tensors are pieces of the model's tensors (partitions, chunks): a module
 #: of :mod:`modelsize.slimming` with ``logical_tensors(inv, decoder)`` puts them back together.
@@ -44,10 +45,7 @@ def _sources(inv: Inventory) -> LogicalTensors:
         if found is not None:
             return found
 
-    def source_of(t: TensorRecord) -> TensorSource:
-        return tensor_source(inv, t, decoder)
-
-    return inv.tensors, source_of
+    return inv.tensors, Sources(inv, decoder)
 
 
 def plan_slim(inv: Inventory, options: SlimOptions) -> Plan:
@@ -125,7 +123,7 @@ def slim(
                          f"{inv.format} input")
     writer = writers.for_input(inv.format, options.to)
     plan = plan_slim(inv, options)
-    if not plan.stored and not plan.aliases:
+    if not len(plan):
         what = ("holds no tensor data to write" if not plan.dropped else
                 f"nothing would be left to write: all {len(plan.dropped)} tensors are dropped "
                 f"({', '.join(sorted({d.reason.split(' (')[0] for d in plan.dropped}))})")
@@ -151,23 +149,40 @@ def slim(
     writers.check_name(writer, target)
     output = Output(target, directory=job.directory, force=force,
                     inputs=tuple(f.path for f in inv.files))
-    stored = sum(output_nbytes(t) for t in plan.stored)
+    stored = plan.output_bytes()  # tensor bytes the output holds (one pass, no source made)
     output.check(job.files, needed=job.predicted_bytes if job.predicted_bytes else stored)
     if dry_run:
         return _report(plan, writer.name, target, job.predicted_bytes, {}, None, (), dry=True)
-    meter = Meter(sum(output_nbytes(t) for t in plan.stored), progress)
-    written: dict[str, Written] = {}
+    meter = Meter(stored, progress)
+    written: list[Mapping[str, Written]] = [{}]
 
     def write(o: Output) -> None:
-        written.update(job.write(o, meter))
+        written[0] = job.write(o, meter)
 
     own_check = getattr(job, "verify", None)  # a copy checks its files' CRC-32 itself
-    out_inv = write_verified(
-        output, write,
-        own_check or (lambda staged: verify(plan, job, written, staged)), main=job.main)
+
+    def check(staged: Path) -> Inventory:
+        try:
+            out: Inventory = (own_check(staged) if own_check is not None
+                              else verify(plan, job, written[0], staged))
+        except LimitError as exc:
+            # Named as OUT, never as its hidden staging path.
+            raise LimitError(target, f"reading the output back to verify it: {exc.reason}",
+                             exc.env) from None
+        return out
+
+    out_inv = write_verified(output, write, check, main=job.main)
     base = target if job.directory else target.parent
     files = tuple((base / name, (base / name).stat().st_size) for name in job.files)
-    return _report(plan, writer.name, target, job.predicted_bytes, written, out_inv, files)
+    predicted = job.predicted_bytes
+    if isinstance(out_inv, LazyInventory):
+        # Verified without reading its records: they are read from OUT if ever asked for.
+        out_inv = out_inv.relabel(tuple(FileInfo(p, n) for p, n in files), target,
+                                  functools.partial(formats.read, target))
+    sources = getattr(plan.row(0), "_source", None) if len(plan) else None
+    if isinstance(sources, Sources):
+        sources.forget()  # the map of storages served the writer
+    return _report(plan, writer.name, target, predicted, written[0], out_inv, files)
 
 
 def _graph_slim(inv: Inventory, options: SlimOptions) -> bool:
@@ -192,22 +207,10 @@ def _graph_slim(inv: Inventory, options: SlimOptions) -> bool:
 
 
 def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
-            written: dict[str, Written], out_inv: Inventory | None,
+            written: Mapping[str, Written], out_inv: Inventory | None,
             files: tuple[tuple[Path, int], ...], dry: bool = False) -> SlimReport:
     copied = fmt == "copy"
-    kept = []
-    for t in plan.tensors:
-        w = written.get(t.name)
-        err = w.error if w is not None else None
-        kept.append(KeptTensor(
-            t.record.name if copied else t.name, t.record.name, t.dtype, t.record.dtype,
-            t.shape, output_nbytes(t),
-            w.crc if w is not None else None, t.alias_of,
-            err.max_abs if err else None, err.max_rel if err else None,
-            err.overflow if err else 0,
-        ))
-    dropped = tuple(Dropped(d.record.name, d.record.category, d.record.stored_nbytes, d.reason)
-                    for d in plan.dropped)
+    kept = KeptTable(plan, written, copied)
     notes = list(plan.notes)
     if copied:
         if plan.container:  # the copy keeps the checkpoint's names
@@ -217,7 +220,7 @@ def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
     notes += unsafe_note(plan, copied)
     if out_inv is not None and not copied:
         notes += growth_notes(plan, fmt, out_inv)
-    overflow = [k for k in kept if k.overflow]
+    overflow = [k for k in kept.with_errors() if k.overflow]
     if overflow:
         notes.append(f"{len(overflow)} tensor(s) had values out of range for "
                      f"{overflow[0].dtype}: they became infinity "
@@ -226,6 +229,7 @@ def _report(plan: Plan, fmt: str, target: Path, predicted: int | None,
         source=plan.inventory, target=target,
         output_format=(out_inv.format if out_inv is not None else
                        plan.inventory.format if copied else fmt), dry_run=dry,
-        predicted_bytes=predicted, kept=tuple(kept), dropped=dropped, notes=tuple(notes),
-        output=out_inv, output_files=files, verified=out_inv is not None, copied=copied,
+        predicted_bytes=predicted, kept=kept, dropped=DroppedTable(plan.dropped),
+        notes=tuple(notes), output=out_inv, output_files=files,
+        verified=out_inv is not None, copied=copied,
     )

@@ -345,8 +345,11 @@ def _onnx_problems(inv: Inventory) -> list[str]:
 def _safetensors_problems(inv: Inventory) -> list[str]:
     """Data-area bytes no tensor claims: the safetensors library refuses the file."""
     from modelsize.formats.safetensors import STRAY
+    from modelsize.inventory import LazyInventory
 
-    stray = next((r for r in inv.regions if r.label == STRAY), None)
+    # A verified output's totals: stray bytes are a region its reader declared.
+    regions = inv.declared_regions if isinstance(inv, LazyInventory) else inv.regions
+    stray = next((r for r in regions if r.label == STRAY), None)
     if stray is None:
         return []
     return [f"{printable(inv.files[stray.file].path.name, 80)}: {stray.nbytes} bytes of the data "

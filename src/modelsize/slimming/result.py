@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from modelsize.categories import Category
 from modelsize.inventory import Inventory
+from modelsize.report.json_stream import Lazy, materialized
 
 if TYPE_CHECKING:
-    from modelsize.slimming.plan import Plan
+    from modelsize.slimming.plan import DroppedTensor, Plan
+    from modelsize.slimming.writers.base import Written
+
+_Item = TypeVar("_Item")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,132 @@ class Dropped:
                 "stored_nbytes": self.stored_nbytes, "reason": self.reason}
 
 
+class _Table(Sequence[_Item]):
+    """A read-only sequence whose items are made when asked for, equal to any sequence of
+    equal items (``report.dropped == ()``)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _item(self, i: int) -> _Item:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> _Item: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[_Item, ...]: ...
+    def __getitem__(self, i: int | slice) -> _Item | tuple[_Item, ...]:
+        if isinstance(i, slice):
+            return tuple(self._item(j) for j in range(*i.indices(len(self))))
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("index out of range")
+        return self._item(i)
+
+    def __iter__(self) -> Iterator[_Item]:
+        for i in range(len(self)):
+            yield self._item(i)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other,
+                                                                       strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(x) for x in self[:3])
+        more = f", ... {len(self) - 3} more" if len(self) > 3 else ""
+        return f"({shown}{more})"
+
+
+class KeptTable(_Table[KeptTensor]):
+    """The kept tensors of a slim, made from its plan and what was written when asked for:
+    a report of a million kept tensors holds the plan's columns and a CRC per tensor, not a
+    million :class:`KeptTensor` objects. The summaries a report prints (how many stored,
+    their bytes, the aliases, the casts and their worst error) are computed without making
+    them."""
+
+    def __init__(self, plan: Plan, written: Mapping[str, Written], copied: bool) -> None:
+        self.plan = plan
+        self.written = written
+        self.copied = copied
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def _written(self, i: int, name: str) -> Written | None:
+        from modelsize.slimming.writers.base import WrittenTable
+
+        if isinstance(self.written, WrittenTable):
+            return self.written.at(i)
+        return self.written.get(name)
+
+    def _item(self, i: int) -> KeptTensor:
+        from modelsize.slimming.writers.base import output_nbytes
+
+        t = self.plan.row(i)
+        w = self._written(i, t.name)
+        err = w.error if w is not None else None
+        return KeptTensor(
+            t.record.name if self.copied else t.name, t.record.name, t.dtype, t.record.dtype,
+            t.shape, output_nbytes(t), w.crc if w is not None else None, t.alias_of,
+            err.max_abs if err else None, err.max_rel if err else None,
+            err.overflow if err else 0,
+        )
+
+    def stored(self) -> tuple[int, int]:
+        """(tensors with bytes of their own, the bytes they hold in the output)."""
+        return self.plan.stored_count, self.plan.output_bytes()
+
+    def aliases(self) -> list[tuple[str, str]]:
+        """``(alias, tensor holding its bytes)`` in order."""
+        return [(self.plan.row(i).name if not self.copied else self.plan.row(i).record.name,
+                 original) for i, original in sorted(self.plan.alias_indices().items())]
+
+    def cast(self) -> list[KeptTensor]:
+        """The tensors whose dtype changed."""
+        if not self.plan.casts_any:
+            return []
+        return [self._item(i) for i, t in enumerate(self.plan.rows()) if t.cast]
+
+    def with_errors(self) -> list[KeptTensor]:
+        """The tensors a cast changed that have an error recorded (the written ones)."""
+        from modelsize.slimming.writers.base import WrittenTable
+
+        if isinstance(self.written, WrittenTable):
+            return [self._item(i) for i in sorted(self.written.errors)]
+        if not any(w.error is not None for w in self.written.values()):
+            return []  # a copy writes no tensor, a cast-free rewrite no error
+        return [k for k in self if k.max_rel_error is not None or k.overflow]
+
+
+class DroppedTable(_Table[Dropped]):
+    """The dropped tensors of a slim, each :class:`Dropped` made when asked for."""
+
+    def __init__(self, dropped: Sequence[DroppedTensor]) -> None:
+        self.dropped = dropped
+
+    def __len__(self) -> int:
+        return len(self.dropped)
+
+    def _item(self, i: int) -> Dropped:
+        d = self.dropped[i]
+        return Dropped(d.record.name, d.record.category, d.record.stored_nbytes, d.reason)
+
+    def by_category(self) -> dict[Category, tuple[int, int]]:
+        """``{category: (tensors dropped, bytes they were charged)}``."""
+        out: dict[Category, tuple[int, int]] = {}
+        for d in self.dropped:
+            r = d.record
+            n, b = out.get(r.category, (0, 0))
+            out[r.category] = (n + 1, b + r.stored_nbytes)
+        return out
+
+
 @dataclass(frozen=True)
 class SlimReport:
     """The input, the output, what was kept, dropped and cast, and the verification.
@@ -75,8 +206,8 @@ class SlimReport:
     output_format: str
     dry_run: bool
     predicted_bytes: int | None
-    kept: tuple[KeptTensor, ...]
-    dropped: tuple[Dropped, ...]
+    kept: Sequence[KeptTensor]
+    dropped: Sequence[Dropped]
     notes: tuple[str, ...]
     output: Inventory | None = None
     output_files: tuple[tuple[Path, int], ...] = ()
@@ -104,6 +235,8 @@ class SlimReport:
 
     def dropped_by_category(self) -> dict[Category, tuple[int, int]]:
         """``{category: (tensors dropped, bytes they were charged)}``."""
+        if isinstance(self.dropped, DroppedTable):
+            return self.dropped.by_category()
         out: dict[Category, tuple[int, int]] = {}
         for d in self.dropped:
             n, b = out.get(d.category, (0, 0))
@@ -113,7 +246,29 @@ class SlimReport:
     @property
     def cast(self) -> list[KeptTensor]:
         """The tensors whose dtype changed."""
+        if isinstance(self.kept, KeptTable):
+            return self.kept.cast()
         return [k for k in self.kept if k.dtype != k.source_dtype]
+
+    def stored(self) -> tuple[int, int]:
+        """(kept tensors with bytes of their own, the bytes they hold in the output)."""
+        if isinstance(self.kept, KeptTable):
+            return self.kept.stored()
+        stored = [k for k in self.kept if k.alias_of is None]
+        return len(stored), sum(k.nbytes for k in stored)
+
+    def aliases(self) -> list[tuple[str, str]]:
+        """``(alias, tensor holding its bytes)`` for each kept alias, in order."""
+        if isinstance(self.kept, KeptTable):
+            return self.kept.aliases()
+        return [(k.name, k.alias_of) for k in self.kept if k.alias_of is not None]
+
+    def worst_cast(self) -> KeptTensor | None:
+        """The cast tensor with the largest relative error (``None`` before writing)."""
+        found = (self.kept.with_errors() if isinstance(self.kept, KeptTable)
+                 else self.cast)
+        with_error = [k for k in found if k.max_rel_error is not None]
+        return max(with_error, key=lambda k: k.max_rel_error or 0.0) if with_error else None
 
     def __repr__(self) -> str:
         out = self.output_bytes
@@ -129,6 +284,18 @@ class SlimReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the schema in the README)."""
+        out: dict[str, Any] = materialized(self._json())
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the kept and dropped lists made as they are written
+        (:func:`modelsize.report.json_stream.dump`: the same text as ``json.dumps`` of
+        :meth:`to_dict`). A report type that adds to :meth:`to_dict` gives its dict."""
+        if type(self).to_dict is not SlimReport.to_dict:
+            return self.to_dict()
+        return self._json()
+
+    def _json(self) -> dict[str, Any]:
         after = self.output.bytes_by_category if self.output is not None else None
         return {
             "input": str(self.source.path),
@@ -148,8 +315,8 @@ class SlimReport:
             "files": [{"path": str(p), "bytes": n} for p, n in self.output_files],
             "verified": self.verified,
             "copied": self.copied,
-            "kept": [k.to_dict() for k in self.kept],
-            "dropped": [d.to_dict() for d in self.dropped],
+            "kept": Lazy(k.to_dict() for k in self.kept),
+            "dropped": Lazy(d.to_dict() for d in self.dropped),
             "dropped_by_category": {c.value: {"tensors": n, "bytes": b}
                                     for c, (n, b) in self.dropped_by_category().items()},
             "notes": list(self.notes),

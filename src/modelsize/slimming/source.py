@@ -60,11 +60,18 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
 class FileRange:
     """``nbytes`` contiguous bytes at ``offset`` of ``path``."""
 
+    __slots__ = ("itemsize", "nbytes", "offset", "path")
+
     def __init__(self, path: Path, offset: int, nbytes: int, itemsize: int = 1) -> None:
         self.path = path
         self.offset = offset
         self.nbytes = nbytes
-        self.step = max(1, CHUNK // max(itemsize, 1)) * max(itemsize, 1)
+        self.itemsize = max(itemsize, 1)
+
+    @property
+    def step(self) -> int:
+        """Bytes read at a time: a whole number of elements, about :data:`CHUNK`."""
+        return max(1, CHUNK // self.itemsize) * self.itemsize
 
     def copy_to(self, out_fd: int, advance: Callable[[int], None] | None = None) -> int:
         """Copy the bytes to ``out_fd``'s current position inside the kernel
@@ -314,14 +321,16 @@ class NoDataError(ValueError):
 
 
 def tensor_source(inv: Inventory, t: TensorRecord,
-                  decoder: StorageDecoder | None = None) -> TensorSource:
+                  decoder: StorageDecoder | None = None,
+                  storage: StorageRecord | None = None) -> TensorSource:
     """Where ``t``'s bytes are: the right :class:`TensorSource` for its storage and strides.
 
-    ``decoder`` decodes encoded (``compressed``) storages: the reader's ``storage_chunks``.
+    ``decoder`` decodes encoded (``compressed``) storages: the reader's ``storage_chunks``;
+    ``storage`` is ``t``'s storage record where the caller has it at hand.
     """
     if t.storage is None:
         raise NoDataError(f"{t.name} holds no data in the file")
-    st = _storages(inv)[t.storage]
+    st = storage if storage is not None else _storages(inv)[t.storage]
     path = inv.files[st.file].path
     itemsize = itemsize_of(t.dtype)
     if t.strides is not None:
@@ -370,6 +379,87 @@ def _check_expansion(path: Path, t: TensorRecord, itemsize: int) -> None:
             f"bytes of storage (strides {list(t.strides or ())}): slim would expand it to "
             f"{t.nbytes:,} bytes to write or verify it; modelsize expands a view more than "
             f"{PLAUSIBLE_RATIO}:1 up to a limit")
+
+
+class Sources:
+    """The sources of an inventory's own tensors (:func:`tensor_source`), made when asked
+    for: a plan of a million tensors holds this one object, not a source per tensor.
+
+    :meth:`check` raises now what making the source would (a tensor with no data, a storage
+    no decoder reads) without making it; :meth:`nbytes` is the source's size; :meth:`plain`
+    says where a contiguous, unencoded tensor's bytes lie, for writers that copy many small
+    tensors a window of the input at a time.
+    """
+
+    __slots__ = ("_by_key", "_compressed", "decoder", "inventory")
+
+    def __init__(self, inventory: Inventory, decoder: StorageDecoder | None = None) -> None:
+        self.inventory = inventory
+        self.decoder = decoder
+        self._by_key: dict[str, StorageRecord] | None = None
+        self._compressed: frozenset[str] | None = None
+
+    def storage_map(self) -> dict[str, StorageRecord]:
+        """Storage key -> record (made on first use)."""
+        by_key = self._by_key
+        if by_key is None:
+            by_key = self._by_key = {s.key: s for s in self.inventory.storages}
+        return by_key
+
+    def storage(self, key: str) -> StorageRecord:
+        """The storage record called ``key``."""
+        return self.storage_map()[key]
+
+    def __eq__(self, other: object) -> bool:
+        """The same sources: the same inventory's, decoded the same way."""
+        if not isinstance(other, Sources):
+            return NotImplemented
+        return self.inventory is other.inventory and self.decoder == other.decoder
+
+    def __hash__(self) -> int:
+        return hash((id(self.inventory), self.decoder))
+
+    def forget(self) -> None:
+        """Drop the map of storages (made again if asked for)."""
+        self._by_key = None
+
+    def __call__(self, t: TensorRecord) -> TensorSource:
+        if t.storage is None:
+            raise NoDataError(f"{t.name} holds no data in the file")
+        return tensor_source(self.inventory, t, self.decoder, self.storage(t.storage))
+
+    def check(self, t: TensorRecord) -> None:
+        """Raise what :meth:`__call__` would raise for ``t`` (``NoDataError``, the
+        ``UsageError`` of an encoded storage without a decoder, the refusal of a view expanded
+        past the inflate limit), making nothing."""
+        if t.storage is None:
+            raise NoDataError(f"{t.name} holds no data in the file")
+        if t.strides is not None:
+            st = self.storage(t.storage)
+            _check_expansion(self.inventory.files[st.file].path, t, itemsize_of(t.dtype))
+        if self.decoder is None:
+            compressed = self._compressed
+            if compressed is None:
+                compressed = self._compressed = frozenset(
+                    s.key for s in self.inventory.storages if s.compressed)
+            if compressed and t.storage in compressed:
+                self(t)
+
+    def nbytes(self, t: TensorRecord) -> int:
+        """Bytes of ``t``'s source (what :meth:`__call__` would make holds)."""
+        if t.strides is None:
+            return t.nbytes
+        return math.prod(t.shape) * itemsize_of(t.dtype)
+
+    def plain(self, t: TensorRecord) -> tuple[int, int] | None:
+        """``(file index, byte offset)`` of a tensor whose bytes lie contiguous and as they
+        are in a file (a :class:`FileRange`), else ``None``."""
+        if t.storage is None or t.strides is not None:
+            return None
+        st = self.storage(t.storage)
+        if st.compressed:
+            return None
+        return st.file, st.offset + t.storage_offset
 
 
 _CACHE: dict[int, tuple[Inventory, dict[str, StorageRecord]]] = {}

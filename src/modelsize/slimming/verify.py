@@ -15,17 +15,25 @@ from __future__ import annotations
 
 import os
 import zlib
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats
 from modelsize.errors import CorruptFileError, VerificationError, printable
-from modelsize.inventory import Inventory, TensorRecord
+from modelsize.inventory import (
+    FileInfo,
+    Inventory,
+    LazyInventory,
+    NotSimpleError,
+    TensorRecord,
+    TotalsBuilder,
+)
 from modelsize.slimming.loadable import problems_loading
 from modelsize.slimming.plan import Plan
 from modelsize.slimming.source import FileRange, tensor_source
 from modelsize.slimming.source import _storages as storages_of
-from modelsize.slimming.writers.base import Job, Written
+from modelsize.slimming.writers.base import Job, Written, WrittenTable
 
 #: Bytes read at a time when the CRCs of many tensors are computed in file order.
 _WINDOW = 8 << 20
@@ -110,14 +118,29 @@ def _find(by_name: Mapping[str, TensorRecord], *names: str) -> TensorRecord | No
 
 
 def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -> Inventory:
-    """Read ``staged`` back and check it against the plan; returns the output's inventory."""
+    """Read ``staged`` back and check it against the plan; returns the output's inventory.
+
+    A safetensors file laid out from the plan is read back by the reader's own accounting
+    into a :class:`~modelsize.inventory.TotalsBuilder` (:func:`_verify_streamed`): the same
+    checks, without a second inventory of records.
+    """
+    lays = getattr(job, "layouts", None)
+    if (isinstance(written, WrittenTable) and lays is not None and len(lays) == 1
+            and lays[0].order is not None and not getattr(job, "directory", True)):
+        try:
+            return _verify_streamed(plan, lays[0].order, written, staged)
+        except NotSimpleError:
+            pass  # read back in full below (never expected: slim wrote the file)
     out = formats.read(staged)
     by_name = {t.name: t for t in out.tensors}
     problems: list[str] = []
     form = getattr(job, "output_form", None)
     names: list[str] = []
+    indices: list[int] = []
     records: list[TensorRecord] = []
-    for t in plan.stored:
+    for index, t in enumerate(plan.rows()):
+        if t.alias_of is not None:
+            continue
         rec = _find(by_name, job.output_name(t.name), t.record.name, t.record.key)
         if rec is None:
             problems.append(f"{t.name} is missing")
@@ -128,13 +151,16 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
                             f"{dtype}{list(shape)}")
             continue
         names.append(t.name)
+        indices.append(index)
         records.append(rec)
     for i, crc, n in crcs_of(out, records):
-        w = written.get(names[i])
+        w = (written.at(indices[i]) if isinstance(written, WrittenTable)
+             else written.get(names[i]))
         if w is None or (crc, n) != (w.crc, w.nbytes):
             problems.append(f"{names[i]}: its bytes read back differ from the bytes written")
-    planned = {t.name: t for t in plan.tensors} if plan.aliases else {}
-    for alias, original in plan.aliases.items():
+    aliases = plan.aliases
+    planned = {t.name: t for t in plan.rows()} if aliases else {}
+    for alias, original in aliases.items():
         rec = _find(by_name, job.output_name(alias), planned[alias].record.name)
         orig = _find(by_name, job.output_name(original), planned[original].record.name)
         if rec is None or orig is None:
@@ -147,10 +173,164 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
         problems.append("the output would call " + ", ".join(out.unsafe_globals[:3]))
     problems += problems_loading(out)
     if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise VerificationError(
-            "the slimmed output failed verification and was not written: "
-            + "; ".join(printable(p, 200) for p in problems[:3]) + more
-            + " (a modelsize bug: please report it)"
-        )
+        raise _failed(problems)
     return out
+
+
+def _failed(problems: list[str]) -> VerificationError:
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return VerificationError(
+        "the slimmed output failed verification and was not written: "
+        + "; ".join(printable(p, 200) for p in problems[:3]) + more
+        + " (a modelsize bug: please report it)"
+    )
+
+
+def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
+                     staged: Path) -> Inventory:
+    """:func:`verify` of a single safetensors file laid out from ``plan`` (``order``: the
+    plan's indices in data order): the safetensors reader's own accounting of the file
+    (:func:`modelsize.formats.safetensors.account_file`) into a
+    :class:`~modelsize.inventory.TotalsBuilder`, each tensor compared as it is declared
+    with the planned one in its place (name, dtype, shape as the file holds it), then the
+    CRC-32 of every tensor's bytes read back, in file order a window at a time, with the
+    CRC-32 of the bytes written. Returns the output's totals, its records read on demand.
+    """
+    from modelsize.formats.safetensors import account_file
+    from modelsize.slimming.writers.safetensors import DTYPE_CODES, stored_form
+
+    problems: list[str] = []
+    extra: list[str] = []
+    # The layout must place each stored tensor of the plan once, and no alias.
+    seen = bytearray(len(plan))
+    for i in order:
+        seen[i] = 2 if seen[i] else 1
+    aliases = plan.alias_indices()
+    if (len(order) != plan.stored_count or seen.count(1) != len(order)
+            or any(seen[i] for i in aliases)):
+        problems += [f"{plan.row(i).name} is missing" for i in range(len(plan))
+                     if not seen[i] and i not in aliases][:3]
+        problems += [f"{plan.row(i).name} is written twice, or as an alias"
+                     for i in range(len(plan)) if seen[i] > 1 or (seen[i] and i in aliases)][:3]
+    del seen
+    planned = plan.described(order)
+    raw = set(DTYPE_CODES)
+
+    def expect(k: int, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        found = next(planned, None)
+        if found is None:
+            extra.append(name)
+            return
+        _, rec, want_name, want_dtype, _ = found
+        if name != want_name:
+            problems.append(f"{want_name} is missing (found {name} in its place)")
+            return
+        if dtype == want_dtype and shape == rec.shape:
+            return
+        want_shape = rec.shape
+        if want_dtype not in raw:  # kept as raw bytes (see stored_form)
+            want_dtype, want_shape = stored_form(plan.row(found[0]))
+        if dtype != want_dtype or shape != want_shape:
+            problems.append(f"{want_name} reads back as {dtype}{list(shape)}, planned "
+                            f"{want_dtype}{list(want_shape)}")
+
+    builder = TotalsBuilder("safetensors", [staged], root=staged, expect=expect)
+    account_file(builder)
+    if len(builder.st_offset) != builder.count:
+        raise NotSimpleError("a tensor without its own storage")
+    if builder.count < len(order):
+        problems += [f"{plan.row(order[k]).name} is missing"
+                     for k in range(builder.count, min(len(order), builder.count + 3))]
+    if extra:
+        problems.append(f"{extra[0]} was not planned" + (
+            f" (and {len(extra) - 1} more tensors)" if len(extra) > 1 else ""))
+    crcs = array("I", bytes(4 * builder.count))
+    if not problems:
+        w_crcs, w_nbytes = written.crcs, written.nbytes
+        for k, crc, n in _crcs_in_order(builder, staged):
+            crcs[k] = crc
+            i = order[k]
+            if crc != w_crcs[i] or n != w_nbytes[i]:
+                problems.append(f"{plan.row(i).name}: its bytes read back differ from "
+                                "the bytes written")
+    if problems:
+        raise _failed(problems)
+    out = builder.build(crcs=crcs)
+    if out.unsafe_globals:
+        problems.append("the output would call " + ", ".join(out.unsafe_globals[:3]))
+    problems += problems_loading(out)
+    if problems:
+        raise _failed(problems)
+    return out
+
+
+def _crcs_in_order(builder: TotalsBuilder, path: Path) -> Iterator[tuple[int, int, int]]:
+    """``(index, crc, nbytes)`` of each storage the builder holds (laid out in file order),
+    read a window at a time through one descriptor."""
+    offsets, sizes = builder.st_offset, builder.st_nbytes
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        window, w_start = b"", 0
+        crc32 = zlib.crc32
+        for k in range(len(offsets)):
+            offset, nbytes = offsets[k], sizes[k]
+            if nbytes > _WINDOW:
+                yield k, _crc_range(fd, offset, nbytes, path), nbytes
+                continue
+            if offset < w_start or offset + nbytes > w_start + len(window):
+                window = os.pread(fd, _WINDOW, offset)
+                w_start = offset
+                if len(window) < nbytes:
+                    raise CorruptFileError(path, "safetensors",
+                                           f"file ends before byte {offset + nbytes}", offset)
+            at = offset - w_start
+            yield k, crc32(memoryview(window)[at : at + nbytes]), nbytes
+    finally:
+        os.close(fd)
+
+
+def copy_read_back(inv: Inventory, staged: Path) -> tuple[Inventory, bool] | None:
+    """For a byte copy of one safetensors file: whether the copy reads back with the input's
+    tensors, and the copy's inventory (the input's totals: the same bytes read by the same
+    reader; its records read on demand). ``None`` where this does not apply (the copy is then
+    read back in full).
+
+    The copy's header (its length and JSON) is compared byte for byte with the input's, read
+    through the input's open descriptor: the header is all the reader reads to list a
+    safetensors file's tensors (names, dtypes, shapes, offsets), so equal headers read back as
+    the inventory the reader made of the input, without parsing a million entries again.
+    """
+    from modelsize.inputs import reading
+
+    if inv.format != "safetensors" or len(inv.files) != 1 or staged.is_dir():
+        return None
+    source = inv.files[0].path
+    with reading(source) as fd_in:
+        fd_out = os.open(staged, os.O_RDONLY)
+        try:
+            same = _same_header(fd_in, fd_out)
+            size = os.fstat(fd_out).st_size
+        finally:
+            os.close(fd_out)
+    # The same bytes: the input's regions are the copy's (stray bytes among them).
+    out = LazyInventory(inv.format, (FileInfo(staged, size),), dict(inv.bytes_by_category),
+                        unsafe_globals=inv.unsafe_globals, notes=inv.notes,
+                        facts={**inv.facts, "path": str(staged)}, declared_regions=inv.regions)
+    return out, same and size == inv.file_bytes
+
+
+def _same_header(fd_a: int, fd_b: int) -> bool:
+    """Whether two safetensors files open as ``fd_a`` and ``fd_b`` have the same header
+    bytes (length prefix and JSON), compared a piece at a time."""
+    head_a, head_b = os.pread(fd_a, 8, 0), os.pread(fd_b, 8, 0)
+    if len(head_a) < 8 or head_a != head_b:
+        return False
+    end = 8 + int.from_bytes(head_a, "little")
+    pos = 8
+    while pos < end:
+        n = min(_WINDOW, end - pos)
+        a, b = os.pread(fd_a, n, pos), os.pread(fd_b, n, pos)
+        if len(a) != n or a != b:
+            return False
+        pos += n
+    return True

@@ -9,8 +9,10 @@ the CRC-32 of what was written for verification.
 
 from __future__ import annotations
 
+import os
 import zlib
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -19,7 +21,7 @@ from modelsize.findings import slim_target
 from modelsize.slimming.cast import Cast, CastError
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
-from modelsize.slimming.source import FileRange, TensorSource
+from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
 
 #: ``progress(bytes written, bytes planned)``.
 Progress = Callable[[int, int], None]
@@ -132,9 +134,132 @@ def output_nbytes(tensor: PlannedTensor) -> int:
 
     if tensor.alias_of is not None:
         return 0
-    if tensor.cast:
+    if tensor.dtype != tensor.record.dtype:
         return DTYPES[tensor.dtype].nbytes(tensor.record.numel)
-    return tensor.source.nbytes if tensor.source is not None else 0
+    return tensor.source_nbytes()
+
+
+class WrittenTable(Mapping[str, Written]):
+    """What was written per output tensor, as columns indexed like the plan's tensors: a
+    CRC-32 and a byte count each (12 bytes, where a :class:`Written` per tensor costs ten
+    times that), the cast errors apart. Read by position (:meth:`at`) or, as the mapping
+    :meth:`Job.write` returns, by output name."""
+
+    def __init__(self, plan: Plan) -> None:
+        n = len(plan)
+        self.plan = plan
+        self.crcs = array("I", bytes(4 * n))  # a CRC-32 fits an unsigned int
+        self.nbytes = array("q", [-1]) * n
+        self.errors: dict[int, CastError] = {}
+        self._index: dict[str, int] | None = None
+
+    def put(self, i: int, crc: int, nbytes: int, error: CastError | None = None) -> None:
+        """Record what was written for the plan's tensor ``i``."""
+        self.crcs[i] = crc
+        self.nbytes[i] = nbytes
+        if error is not None:
+            self.errors[i] = error
+
+    def put_written(self, i: int, w: Written) -> None:
+        """:meth:`put` from a :class:`Written`."""
+        self.put(i, w.crc, w.nbytes, w.error)
+
+    def at(self, i: int) -> Written | None:
+        """What was written for the plan's tensor ``i`` (``None``: nothing)."""
+        n = self.nbytes[i]
+        if n < 0:
+            return None
+        return Written(self.crcs[i], n, self.errors.get(i))
+
+    def _names(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = {t.name: i for i, t in enumerate(self.plan.rows())
+                           if self.nbytes[i] >= 0}
+        return self._index
+
+    def __getitem__(self, name: str) -> Written:
+        w = self.at(self._names()[name])
+        assert w is not None
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+#: Bytes read from the input at once for a run of small tensors lying one after the other.
+_WINDOW = 8 << 20
+#: A tensor starting at most this many bytes after the last one read counts as read one
+#: after the other; a tensor read out of order gets a window of this size.
+_GAP = 4096
+
+
+def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter | None,
+                  written: WrittenTable) -> int:
+    """Write the stored tensors ``order`` (plan indices) back to back at ``fh``'s position;
+    returns the bytes written.
+
+    Small tensors copied as they are from contiguous input bytes (most tensors of a large
+    checkpoint) are read from a window of the input, through its open descriptors: a run of
+    them lying one after the other costs one read of up to :data:`_WINDOW` bytes, and each is
+    checksummed from that window as it is written, never opened or streamed one by one.
+    Anything else (cast, strided, decoded, large) goes through :func:`stream`.
+    """
+    import contextlib
+
+    from modelsize.inputs import reading
+
+    inv = plan.inventory
+    sources = plan.sources()
+    by_key = sources.storage_map() if sources is not None else None
+    crc32 = zlib.crc32
+    crcs, sizes = written.crcs, written.nbytes
+    write = fh.write
+    total = pending = 0
+    window = memoryview(b"")
+    w_file, w_start, w_end, prev_end = -1, 0, 0, -1
+    with contextlib.ExitStack() as files:
+        fds: dict[int, int] = {}
+        for i, rec, _name, dtype, alias in plan.described(order):
+            n = rec.nbytes
+            if (by_key is None or alias is not None or dtype != rec.dtype or rec.strides
+                    is not None or rec.storage is None or n >= _KERNEL_COPY_MIN):
+                st = None
+            else:
+                st = by_key[rec.storage]
+                if st.compressed:
+                    st = None
+            if st is None:
+                s = stream(plan.row(i), meter)
+                total += s.write_to(fh)
+                written.put_written(i, s.written)
+                continue
+            file, offset = st.file, st.offset + rec.storage_offset
+            if file != w_file or offset < w_start or offset + n > w_end:
+                # Reading one after the other: a large window; else just past this tensor.
+                size = _WINDOW if file == w_file and 0 <= offset - prev_end <= _GAP else _GAP
+                fd = fds.get(file)
+                if fd is None:
+                    fd = fds[file] = files.enter_context(reading(inv.files[file].path))
+                data = os.pread(fd, max(n, size), offset)
+                if len(data) < n:
+                    data = _pread_exact(fd, n, offset, inv.files[file].path)
+                window, w_file, w_start, w_end = memoryview(data), file, offset, offset + len(data)
+                if meter is not None and pending:
+                    meter.advance(pending)
+                    pending = 0
+            piece = window[offset - w_start : offset - w_start + n]
+            write(piece)
+            crcs[i] = crc32(piece)
+            sizes[i] = n
+            total += n
+            pending += n
+            prev_end = offset + n
+    if meter is not None and pending:
+        meter.advance(pending)
+    return total
 
 
 class Job(Protocol):

@@ -19,9 +19,11 @@ tokenizer files...) are copied as they are.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,18 @@ from modelsize import inputs
 from modelsize.dtypes import DTYPES
 from modelsize.formats.base import real_path
 from modelsize.formats.safetensors import INDEX_SUFFIX
+from modelsize.inventory import TensorRecord
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
-from modelsize.slimming.writers.base import Meter, Written, output_nbytes, slim_name, stream
+from modelsize.slimming.writers.base import (
+    Meter,
+    Written,
+    WrittenTable,
+    output_nbytes,
+    slim_name,
+    stream,
+    write_tensors,
+)
 
 #: canonical dtype -> safetensors spelling.
 DTYPE_CODES: dict[str, str] = {
@@ -65,67 +76,205 @@ def stored_form(t: PlannedTensor) -> tuple[str, tuple[int, ...]]:
 
 @dataclass
 class FileLayout:
-    """One safetensors file: its header bytes and its tensors in data order."""
+    """One safetensors file: its header bytes and its tensors in data order.
+
+    The tensors are ``tensors`` (planned tensors), or ``order``: indices of ``plan``'s
+    tensors (a plan of a million tensors is not turned into a million objects to be laid
+    out). The header is dropped once written (:meth:`release`).
+    """
 
     name: str
-    header: bytes
+    header: bytes | bytearray
     tensors: list[PlannedTensor]
     data_bytes: int
+    plan: Plan | None = None
+    order: array[int] | None = None
+    header_nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.header_nbytes < 0:
+            self.header_nbytes = len(self.header)
 
     @property
     def nbytes(self) -> int:
         """Size of the file."""
-        return len(self.header) + self.data_bytes
+        return self.header_nbytes + self.data_bytes
+
+    def release(self) -> None:
+        """Forget the header bytes (written: verification reads the file)."""
+        self.header = b""
 
 
-def layout(name: str, tensors: Sequence[PlannedTensor], metadata: dict[str, str],
+#: Header entries encoded at a time.
+_BATCH = 4096
+
+
+def _rank(dtype: str) -> int:
+    """The data order's key: largest element size first (unknown dtypes last)."""
+    dt = DTYPES.get(dtype)
+    return -(dt.block_bytes // dt.block) if dt is not None else 1
+
+
+def layout(name: str, tensors: Sequence[PlannedTensor] | Plan, metadata: dict[str, str],
            aliases: dict[str, str]) -> FileLayout:
-    """Header and data order of one file (tensors sorted by element size, largest first)."""
-    stored = [t for t in tensors if t.alias_of is None]
-    order = sorted(stored, key=lambda t: -(DTYPES[t.dtype].block_bytes // DTYPES[t.dtype].block
-                                          if t.dtype in DTYPES else 1))
-    doc: dict[str, Any] = {}
+    """Header and data order of one file (tensors sorted by element size, largest first).
+
+    ``tensors`` is a list of planned tensors, or a whole :class:`Plan`, laid out by index
+    without making it hold its tensors as objects. The header is what ``json.dumps(doc,
+    separators=(",", ":"), ensure_ascii=False)`` gives for ``{"__metadata__": ..., name:
+    {"dtype", "shape", "data_offsets"}, ...}``, written an entry at a time: a million
+    tensors cost their bytes, not a million dicts.
+    """
+    from json.encoder import encode_basestring  # type: ignore[attr-defined]
+
+    plan = tensors if isinstance(tensors, Plan) else None
+    rows: Iterator[tuple[int, TensorRecord, str, str, str | None]] = (
+        plan.described() if plan is not None else
+        ((i, t.record, t.name, t.dtype, t.alias_of)
+         for i, t in enumerate(tensors)))  # type: ignore[arg-type]
+    # Pass 1: the data order (a stable sort by element size, as buckets of indices) and the
+    # raw tensors, whose real dtypes the metadata names.
+    buckets: dict[int, array[int]] = {}
+    ranks: dict[str, int] = {}
+    raw: dict[str, dict[str, Any]] = {}
+    for i, _rec, tname, dtype, alias in rows:
+        if alias is not None:
+            continue
+        rank = ranks.get(dtype)
+        if rank is None:
+            rank = ranks[dtype] = _rank(dtype)
+        bucket = buckets.get(rank)
+        if bucket is None:
+            bucket = buckets[rank] = array("q")
+        bucket.append(i)
+        if dtype not in DTYPE_CODES:
+            raw[tname] = {"dtype": dtype, "shape": list(_rec.shape)}
+    order = array("q")
+    for rank in sorted(buckets):
+        order += buckets.pop(rank)
     meta = dict(metadata)
     if aliases:
         meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    if meta:
-        doc["__metadata__"] = meta
-    raw = {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in order
-           if t.dtype not in DTYPE_CODES}
     if raw:
         meta[RAW_KEY] = json.dumps(raw, sort_keys=True)
-        doc["__metadata__"] = meta
+    header = bytearray(8)
+    header += b"{"
+    if meta:
+        header += b'"__metadata__":' + json.dumps(
+            meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if order:
+            header += b","
+    # Pass 2: the entries, with their offsets.
+    sizes = _sizes(plan, tensors)
     pos = 0
-    for t in order:
-        n = output_nbytes(t)
-        doc[t.name] = {"dtype": dtype_code(t), "shape": list(stored_form(t)[1]),
-                       "data_offsets": [pos, pos + n]}
+    shapes: dict[tuple[int, ...], str] = {}
+    pieces: list[str] = []
+    rows = (plan.described(order) if plan is not None else
+            ((i, tensors[i].record, tensors[i].name, tensors[i].dtype, None)  # type: ignore[index]
+             for i in order))
+    left = len(order)
+    for i, rec, tname, dtype, _ in rows:
+        n = sizes(i, rec, dtype)
+        code = DTYPE_CODES.get(dtype)
+        shape: tuple[int, ...] = rec.shape
+        if code is None:
+            code, shape = "U8", (n,)
+        text = shapes.get(shape)
+        if text is None:
+            text = ",".join(map(str, shape))
+            if len(shapes) < 1 << 16:
+                shapes[shape] = text
+        pieces.append(f'{encode_basestring(tname)}:{{"dtype":"{code}","shape":[{text}],'
+                      f'"data_offsets":[{pos},{pos + n}]}}')
         pos += n
-    header = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    header += b" " * (-len(header) % 8)
-    return FileLayout(name, struct.pack("<Q", len(header)) + header, order, pos)
+        left -= 1
+        if len(pieces) == _BATCH:
+            header += ",".join(pieces).encode("utf-8")
+            if left:
+                header += b","
+            pieces.clear()
+    header += ",".join(pieces).encode("utf-8")
+    header += b"}"
+    header += b" " * (-(len(header) - 8) % 8)
+    header[:8] = struct.pack("<Q", len(header) - 8)
+    if plan is not None:
+        return FileLayout(name, header, [], pos, plan, order)
+    return FileLayout(name, header, [tensors[i] for i in order], pos)  # type: ignore[index]
 
 
-def write_file(fh: Any, lay: FileLayout, meter: Meter, written: dict[str, Written]) -> None:
+def _sizes(plan: Plan | None, tensors: Any) -> Any:
+    """``size(index, record, output dtype)``: the output bytes of a planned tensor."""
+    sources = plan.sources() if plan is not None else None
+    if sources is None:
+        row = plan.row if plan is not None else tensors.__getitem__
+        return lambda i, rec, dtype: output_nbytes(row(i))
+    nbytes = sources.nbytes
+
+    def size(i: int, rec: TensorRecord, dtype: str) -> int:
+        if dtype != rec.dtype:
+            return DTYPES[dtype].nbytes(rec.numel)
+        return rec.nbytes if rec.strides is None else nbytes(rec)
+
+    return size
+
+
+def write_file(fh: Any, lay: FileLayout, meter: Meter,
+               written: dict[str, Written] | WrittenTable) -> None:
     """Write one laid-out file."""
     fh.write(lay.header)
+    if lay.plan is not None and lay.order is not None:
+        assert isinstance(written, WrittenTable)
+        write_tensors(fh, lay.plan, lay.order, meter, written)
+        return
     for t in lay.tensors:
         s = stream(t, meter)
         s.write_to(fh)
-        written[t.name] = s.written
+        written[t.name] = s.written  # type: ignore[index]
 
 
 def _input_metadata(plan: Plan, file: int) -> dict[str, str]:
-    """The ``__metadata__`` of an input safetensors file (kept on a same-format slim)."""
+    """The ``__metadata__`` of an input safetensors file (kept on a same-format slim).
+
+    A header that does not name ``__metadata__`` anywhere (scanned a piece at a time) has
+    none: its tensors are not parsed a second time to find out.
+    """
     from modelsize.formats.safetensors import read_metadata
     from modelsize.inventory import InventoryBuilder
 
     inv = plan.inventory
     if not inv.format.startswith("safetensors"):
         return {}
-    b = InventoryBuilder(inv.format, [inv.files[file].path])
+    path = inv.files[file].path
+    if not _names_metadata(path):
+        return {}
+    b = InventoryBuilder(inv.format, [path])
     meta = read_metadata(b)
     return {k: v for k, v in meta.items() if isinstance(v, str) and k != ALIASES_KEY}
+
+
+def _names_metadata(path: Path) -> bool:
+    """Whether the header of safetensors file ``path`` holds ``"__metadata__"`` (``True``
+    where it cannot tell: the reader then says what is wrong)."""
+    token = b'"__metadata__"'
+    step = 8 << 20
+    try:
+        with inputs.reading(path) as fd:
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8:
+                return True
+            n = struct.unpack("<Q", head)[0]
+            pos, tail = 8, b""
+            while pos < 8 + n:
+                piece = os.pread(fd, min(step, 8 + n - pos), pos)
+                if not piece:
+                    return True
+                if token in tail + piece[: len(token)] or token in piece:
+                    return True
+                tail = piece[-len(token):]
+                pos += len(piece)
+    except OSError:
+        return True
+    return False
 
 
 @dataclass
@@ -140,11 +289,15 @@ class SafetensorsJob:
     index: bytes | None = None
     copies: list[tuple[Path, str]] = field(default_factory=list)
 
-    def write(self, out: Output, meter: Meter) -> dict[str, Written]:
-        """Every shard, then the index, then the copied side files."""
-        written: dict[str, Written] = {}
+    def write(self, out: Output, meter: Meter) -> Mapping[str, Written]:
+        """Every shard, then the index, then the copied side files. A single file laid out
+        from the plan returns a :class:`WrittenTable` (by plan index)."""
+        written: dict[str, Written] | WrittenTable = {}
         for lay in self.layouts:
+            if lay.plan is not None:
+                written = WrittenTable(lay.plan)
             write_file(out.open(lay.name), lay, meter, written)
+            lay.release()
         if self.index is not None:
             out.open(self.main).write(self.index)
         for src, name in self.copies:
@@ -186,7 +339,7 @@ class SafetensorsWriter:
         aliases = plan.aliases
         meta = _input_metadata(plan, 0) if plan.options.to == "same" else {}
         meta.setdefault("format", "pt")
-        lay = layout(target.name, plan.tensors, meta, aliases)
+        lay = layout(target.name, plan, meta, aliases)
         return SafetensorsJob([target.name], target.name, False, lay.nbytes, [lay])
 
     def _prepare_sharded(self, plan: Plan, target: Path) -> SafetensorsJob:
@@ -195,9 +348,10 @@ class SafetensorsWriter:
         root = inv.path if inv.path.is_dir() else inv.path.parent
         by_file: dict[int, list[PlannedTensor]] = {}
         owner: dict[str, int] = {}
+        record_of = {t.name: t.record for t in plan.tensors} if plan.aliases else {}
         for t in plan.tensors:
-            original = t.record if t.alias_of is None else next(
-                (o.record for o in plan.tensors if o.name == t.alias_of), t.record)
+            original = t.record if t.alias_of is None else record_of.get(t.alias_of,
+                                                                          t.record)
             st = storages.get(original.storage or "")
             file = st.file if st is not None else 0
             by_file.setdefault(file, []).append(t)
