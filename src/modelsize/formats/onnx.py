@@ -442,6 +442,9 @@ class _Parser:
             raise ProtobufError("no ir_version or graph: this is not an ONNX ModelProto", 0)
         if opsets:
             model.facts["onnx.opset"] = ", ".join(opsets)
+        if main is None:
+            model.facts.setdefault(UNLOADABLE_FACT, "the model has no graph (onnxruntime: 'No "
+                                   "graph was found in the protobuf')")
         for site in training:  # training graphs read the model's initializers
             site.parent = main
         self._mark_unused()
@@ -478,8 +481,9 @@ class _Parser:
                     (site.inputs if f.number == 11 else site.outputs).append(name)
                     if untyped and kind is GraphKind.MAIN:
                         self.model.facts.setdefault(
-                            UNTYPED_FACT, f"graph {'input' if f.number == 11 else 'output'} "
-                            f"{printable(name, 80)!r}")
+                            UNLOADABLE_FACT, f"graph {'input' if f.number == 11 else 'output'} "
+                            f"{printable(name, 80)!r} is a tensor of element type 0 "
+                            "(UNDEFINED; onnxruntime: 'Invalid tensor data type 0')")
             elif f.number in (10, 16):  # doc_string, metadata_props
                 site.debug += f.nbytes
                 if f.number == 16 and f.wire_type == LEN:
@@ -849,8 +853,9 @@ def _check_message(buf: Buffer, start: int, end: int, kind: str, depth: int = 0)
             _check_message(buf, f.data_start, f.end, sub, depth + 1)
 
 
-#: The fact naming the first main-graph input or output whose tensor type has no element type.
-UNTYPED_FACT = "onnx.untyped_interface"
+#: The fact saying why onnxruntime would not load a model the checker and modelsize read: no
+#: main graph, or a main-graph input or output typed as a tensor of no element type.
+UNLOADABLE_FACT = "onnx.unloadable"
 
 
 def _untyped_tensor(buf: Buffer, start: int, end: int) -> bool:

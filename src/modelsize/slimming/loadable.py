@@ -331,15 +331,12 @@ def _tflite_problems(inv: Inventory) -> list[str]:
 
 
 def _onnx_problems(inv: Inventory) -> list[str]:
-    """A main-graph input or output typed as a tensor of no element type: the checker passes
-    it, onnxruntime refuses the model ("Invalid tensor data type 0")."""
-    from modelsize.formats.onnx import UNTYPED_FACT
+    """What onnxruntime refuses though the checker passes it: a model without a graph, a
+    main-graph input or output typed as a tensor of element type 0."""
+    from modelsize.formats.onnx import UNLOADABLE_FACT
 
-    where = inv.facts.get(UNTYPED_FACT)
-    if where is None:
-        return []
-    return [f"{where} is a tensor of element type 0 (UNDEFINED; onnxruntime: 'Invalid tensor "
-            "data type 0')"]
+    why = inv.facts.get(UNLOADABLE_FACT)
+    return [why] if why is not None else []
 
 
 def _safetensors_problems(inv: Inventory) -> list[str]:

@@ -141,9 +141,22 @@ def copy_except(src: Any, dst: Any, *skip: str) -> Any:
             getattr(dst, fd.name).extend(value)
         elif hasattr(value, "CopyFrom"):
             getattr(dst, fd.name).CopyFrom(value)
+        elif isinstance(value, bytes) and fd.type == fd.TYPE_STRING:
+            # A proto2 string that is not UTF-8 (protobuf reads it as bytes and keeps it;
+            # setattr refuses it): merged as the field's own wire bytes.
+            dst.MergeFromString(_varint(fd.number << 3 | 2) + _varint(len(value)) + value)
         else:
             setattr(dst, fd.name, value)
     return dst
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
 
 
 def field_bytes(n: int) -> int:
