@@ -761,3 +761,31 @@ def test_fully_connected_with_one_input_is_refused(models: dict[str, Path],
         assert_one_line_error(proc, path)
         assert "is a FULLY_CONNECTED with 1 input(s); its kernel reads 2" in proc.stderr
     assert not (tmp_path / "o.tflite").exists()
+
+
+def test_builtin_code_past_the_schema_is_refused(models: dict[str, Path], tmp_path: Path) -> None:
+    """An operator code whose builtin_code reads 65535 (`scripts/fuzz_slim.py --seed 23`):
+    the interpreter refuses the input and what slim wrote of it ("Op builtin_code out of
+    range"), and slim wrote it, "Verified". Inspect still reads it; slim refuses it in one line.
+    The last code modelsize knows is TensorFlow's last BuiltinOperator."""
+    from modelsize.formats.tflite import LAST_BUILTIN
+
+    root, _ = fb.read(models["dense"].read_bytes(), SCHEMA)
+    root["operator_codes"][0]["builtin_code"] = 65535
+    path = tmp_path / "code.tflite"
+    path.write_bytes(b"".join(p for p in fb.Builder(SCHEMA).build(root).stream()
+                              if isinstance(p, bytes)))
+    code = ("import sys, tensorflow as tf; "
+            "tf.lite.Interpreter(model_path=sys.argv[1]).allocate_tensors()")
+    with pytest.raises(AssertionError, match="builtin_code out of range: 65535"):
+        run_in_tf(code, str(path))
+    last = run_in_tf("from tensorflow.lite.python import schema_py_generated as S; "
+                     "print(max(v for k, v in vars(S.BuiltinOperator).items() "
+                     "if not k.startswith('_')))")
+    assert int(last.stdout.split()[-1]) == LAST_BUILTIN
+    assert run_cli("inspect", str(path)).returncode == 0
+    for flags in ([], ["--cast", "float16"]):
+        proc = run_cli("slim", str(path), *flags, "-o", str(tmp_path / "o.tflite"))
+        assert_one_line_error(proc, path)
+        assert "operator_codes[0] is builtin operator 65535" in proc.stderr
+    assert not (tmp_path / "o.tflite").exists()

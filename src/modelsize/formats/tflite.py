@@ -328,6 +328,9 @@ def _parse(flat: _Flat) -> _Model:
         custom = code.string(1, f"operator_codes[{i}].custom_code")
         builtin = max(code.scalar(0, "b"), code.scalar(3, "i"))
         codes.append(custom or str(builtin))
+        if not custom and not 0 <= builtin <= LAST_BUILTIN:
+            model.facts.setdefault(UNKNOWN_BUILTIN_FACT, f"operator_codes[{i}] is builtin "
+                                   f"operator {builtin}")
     for i, sig in enumerate(root.tables(_M_SIGNATURES, "signature_defs", Category.GRAPH)):
         for slot in (0, 1):
             for j, tmap in enumerate(sig.tables(slot, f"signature_defs[{i}].tensors")):
@@ -378,6 +381,12 @@ def _check_indices(refs: list[tuple[str, list[int]]], count: int, s: int, pos: i
             raise _Corrupt(f"{what} names tensor {bad}, but subgraph {s} has {count} tensors",
                            pos)
 
+
+#: The last ``BuiltinOperator`` of the newest schema (TensorFlow 2.21's: STABLEHLO_SHIFT_LEFT);
+#: an interpreter refuses a larger code ("Op builtin_code out of range: N. Are you using old
+#: TFLite binary with newer model?"). Read by slim's loader rules, not by inspect.
+LAST_BUILTIN = 209
+UNKNOWN_BUILTIN_FACT = "tflite.unknown_builtin"
 
 #: Inputs the kernels of these builtin operators (and the XNNPACK delegate that TFLite applies
 #: by default) read by position without checking the operator's count: a FULLY_CONNECTED with
