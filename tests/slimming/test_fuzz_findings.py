@@ -157,3 +157,26 @@ def _varint(n: int) -> bytes:
         out.append(n & 0x7F | 0x80)
         n >>= 7
     return bytes(out + bytes([n]))
+
+
+def test_onnx_node_device_configuration_that_does_not_parse_is_refused(tmp_path: Path) -> None:
+    """A NodeProto field 10 (device_configurations, ONNX 1.18) whose message does not parse
+    (`scripts/fuzz_slim.py --seed 31` flipped a bit of an output's tag): protobuf refuses the
+    whole model ("Wire format was corrupt"); slim --no-graph wrote it on before."""
+    onnx = pytest.importorskip("onnx")
+
+    model = onnx.load_from_string(_tiny_onnx())
+    node = model.graph.node[0].SerializeToString() + b"\x52\x02\x7a\x33"  # field 15: 51 bytes
+    del model.graph.node[:]
+    graph = b"\x0a" + _varint(len(node)) + node + model.graph.SerializeToString()
+    model.ClearField("graph")
+    path = tmp_path / "device.onnx"
+    path.write_bytes(model.SerializeToString() + b"\x3a" + _varint(len(graph)) + graph)
+    with pytest.raises(Exception, match="Wire format was corrupt"):
+        onnx.load(str(path))
+    for verb in (["inspect", str(path)],
+                 ["slim", str(path), "--no-graph", "-o", str(tmp_path / "o.onnx")]):
+        proc = run_cli(*verb)
+        assert_one_line_error(proc, path)
+        assert "declares 51 bytes" in proc.stderr
+    assert not (tmp_path / "o.onnx").exists()

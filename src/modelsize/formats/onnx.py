@@ -418,6 +418,8 @@ class _Parser:
                 model.facts["onnx.producer_version"] = printable(_text(buf, f), 40)
             elif f.number == 14 and f.wire_type == LEN:
                 _check_message(buf, f.data_start, f.end, "StringStringEntryProto")
+            elif f.number == 26 and f.wire_type == LEN:  # configuration
+                _check_message(buf, f.data_start, f.end, "DeviceConfigurationProto")
             elif f.number == 8 and f.wire_type == LEN:
                 opsets.append(self._opset(f))
             elif f.number == MODEL_GRAPH:
@@ -488,6 +490,8 @@ class _Parser:
                 site.debug += f.nbytes
                 if f.number == 16 and f.wire_type == LEN:
                     _check_message(self.buf, f.data_start, f.end, "StringStringEntryProto")
+            elif f.number == 14 and f.wire_type == LEN:  # quantization_annotation
+                _check_message(self.buf, f.data_start, f.end, "TensorAnnotation")
             elif f.number == 5:
                 _expect(f, LEN, "GraphProto.initializer")
                 name, _ = self.tensor(f.data_start, f.end, scope, None,
@@ -552,6 +556,8 @@ class _Parser:
                 site.debug += g.nbytes
                 if g.number == 9 and g.wire_type == LEN:
                     _check_message(self.buf, g.data_start, g.end, "StringStringEntryProto")
+            elif g.number == 10 and g.wire_type == LEN:  # device_configurations
+                _check_message(self.buf, g.data_start, g.end, "NodeDeviceConfigurationProto")
             elif g.number == 5:
                 _expect(g, LEN, "NodeProto.attribute")
                 attributes.append(g)
@@ -838,6 +844,15 @@ _TYPE_MESSAGES: dict[str, dict[int, str]] = {
     "Dimension": {},
     "Opaque": {},
     "StringStringEntryProto": {},
+    # ONNX 1.18's sharding annotations (onnx.proto: NodeProto.device_configurations,
+    # ModelProto.configuration) and GraphProto.quantization_annotation.
+    "NodeDeviceConfigurationProto": {2: "ShardingSpecProto"},
+    "ShardingSpecProto": {3: "IntIntListEntryProto", 4: "ShardedDimProto"},
+    "IntIntListEntryProto": {},
+    "ShardedDimProto": {2: "SimpleShardedDimProto"},
+    "SimpleShardedDimProto": {},
+    "DeviceConfigurationProto": {},
+    "TensorAnnotation": {2: "StringStringEntryProto"},
 }
 
 
