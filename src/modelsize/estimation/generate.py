@@ -820,7 +820,7 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
     replay = DecodeReplay(
         mode, model, program.new_tokens,
         lambda: watch.decode_steps if mode.phases and mode.phases[-1].name == "decode" else 0,
-        forced, enabled=fast, cache_of=_cache_of)
+        forced, enabled=fast, cache_of=_cache_of, values=values)
     if progress is not None:
         mode.progress = lambda tick: progress(watch.label, tick)
     start = time.perf_counter()
@@ -853,7 +853,7 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
         del out
         mode.end_phase()
         mode.counting = False
-        replay.finish()
+        replay.finish(watch.decode_steps)
     seconds = time.perf_counter() - start
     trace = Trace(mode, sum(p.numel() for p in unique),
                   sum(p.numel() for p in unique if p.requires_grad), seconds)
