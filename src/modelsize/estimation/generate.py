@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, MissingDependencyError, ModelSizeError, UsageError
+from modelsize.estimation.block_replay import BlockReplay, BlockRetrace, BlockSummary
 from modelsize.estimation.decode_replay import DecodeReplay, DecodeSummary, Retrace
 from modelsize.estimation.result import (
     CacheGroup,
@@ -138,6 +139,8 @@ class GenerateTrace:
     filler: int
     decode: DecodeSummary = field(default_factory=DecodeSummary)
     """Which decode steps ran for real and which were replayed (:mod:`.decode_replay`)."""
+    blocks: BlockSummary = field(default_factory=BlockSummary)
+    """How many repeated-block calls were replayed (:mod:`.block_replay`)."""
 
 
 # -- inputs ----------------------------------------------------------------------------------
@@ -730,15 +733,20 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
     forced: set[int] = set()
     start = time.perf_counter()
     why = ""
+    blocks = fast
     for attempt in range(_ATTEMPTS + 1):
         try:
             with _no_cycle_collection():
                 traced = _trace_once(model, inputs, program, progress,
                                      fast and attempt < _ATTEMPTS and _affine_cache(program),
-                                     forced)
+                                     forced, blocks)
         except Retrace as exc:
             forced |= set(range(exc.lo, exc.hi + 1))
             why = str(exc)
+            continue
+        except BlockRetrace as exc:
+            blocks = False
+            why = f"repeated blocks: {exc}"
             continue
         traced.decode.retraces = attempt
         if attempt:
@@ -783,7 +791,7 @@ def _affine_cache(program: GenerateProgram) -> bool:
 
 def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
                 progress: Callable[[str, int], None] | None, fast: bool,
-                forced: set[int]) -> GenerateTrace:
+                forced: set[int], blocks: bool) -> GenerateTrace:
     """One trace of ``program``; raises :class:`Retrace` where replayed steps were wrong."""
     from modelsize.estimation import scratch as scratch_models
 
@@ -821,6 +829,8 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
         mode, model, program.new_tokens,
         lambda: watch.decode_steps if mode.phases and mode.phases[-1].name == "decode" else 0,
         forced, enabled=fast, cache_of=_cache_of, values=values)
+    repeated = BlockReplay(mode, model, values=values, cache_of=_cache_of,
+                           enabled=blocks and _affine_cache(program))
     if progress is not None:
         mode.progress = lambda tick: progress(watch.label, tick)
     start = time.perf_counter()
@@ -833,6 +843,7 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(watch.hooks())
         stack.enter_context(replay.installed())
+        stack.enter_context(repeated.installed())
         stack.enter_context(mode)
         stack.enter_context(values)
         if device.type == "cuda":
@@ -854,10 +865,11 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
         mode.end_phase()
         mode.counting = False
         replay.finish(watch.decode_steps)
+        repeated.finish()
     seconds = time.perf_counter() - start
     trace = Trace(mode, sum(p.numel() for p in unique),
                   sum(p.numel() for p in unique if p.requires_grad), seconds)
-    return GenerateTrace(trace, watch, values, token, replay.summary)
+    return GenerateTrace(trace, watch, values, token, replay.summary, repeated.summary)
 
 
 def measure_generate(model: nn.Module, inputs: Any, program: GenerateProgram) -> int:

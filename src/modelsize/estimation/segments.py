@@ -52,6 +52,7 @@ Path = tuple[Any, ...]
 _CACHE = ("cache",)  # the state object met again inside the inputs
 _INT = ("int",)  # a scalar of the plan whose value is one of the numbers
 _IDX = ("index",)  # the block's index in a normalized path
+_MISSING = ("missing",)  # a state path that did not exist before the call
 _HERE = "\0"  # the block's module name in a normalized module name
 
 
@@ -299,10 +300,23 @@ class Entry:
     read: int
 
 
-def _state_leaves(mode: CountingFakeMode, root: Any, index: int | None
+def _state_leaves(mode: CountingFakeMode, root: Any, index: int | None,
+                  slots: tuple[Path, ...] | None = None
                   ) -> tuple[list[tuple[Path, Any]], list[tuple[Path, Any]]]:
+    """The state's leaves in the block's slot (all of them without ``index``), normalized,
+    and the others. ``slots`` (the containers that hold one entry per block, from
+    :func:`slots_of`) walks only the block's entries."""
     leaves: list[tuple[Path, Any]] = []
-    if root is not None:
+    if root is not None and index is not None and slots is not None:
+        for prefix in slots:
+            kind = prefix[-1][0]
+            container = get(root, prefix[:-1])
+            try:
+                entry = container[index]
+            except (IndexError, KeyError, TypeError):
+                continue
+            walk(entry, (*prefix[:-1], (kind, index)), leaves, None, len(prefix))
+    elif root is not None:
         walk(root, (), leaves)
     mine: list[tuple[Path, Any]] = []
     others: list[tuple[Path, Any]] = []
@@ -310,9 +324,26 @@ def _state_leaves(mode: CountingFakeMode, root: Any, index: int | None
         leaf = _TensorLeaf(v, mode) if isinstance(v, torch.Tensor) else v
         if index is None or _first_index(p) == index:
             mine.append((normalize(p, index), leaf))
-        elif _first_index(p) is not None:
+        else:
             others.append((p, leaf))
     return mine, others
+
+
+def slots_of(root: Any, index: int) -> tuple[Path, ...]:
+    """The containers of ``root`` that hold the entry of block ``index`` (``layers[i]``,
+    ``is_updated[i]``), each as the path to the entry with ``index`` abstracted."""
+    leaves: list[tuple[Path, Any]] = []
+    walk(root, (), leaves)
+    out: list[Path] = []
+    for p, _ in leaves:
+        for n, (kind, key) in enumerate(p):
+            if kind in ("i", "k"):
+                if key == index:
+                    slot = (*p[:n], (kind, _IDX))
+                    if slot not in out:
+                        out.append(slot)
+                break
+    return tuple(out)
 
 
 class Recorder:
@@ -327,10 +358,12 @@ class Recorder:
         self.values = values
 
     def enter(self, inputs: Any, root: Any, *, index: int | None = None, full: bool = True,
-              modules: Iterable[nn.Module] = ()) -> Entry:
-        """What a call is given (``full``: and what :meth:`record` compares after it)."""
+              modules: Iterable[nn.Module] = (), slots: tuple[Path, ...] | None = None
+              ) -> Entry:
+        """What a call is given (``full``: and what :meth:`record` compares after it;
+        ``slots``: walk only the block's entries of the state, see :func:`slots_of`)."""
         mode = self.mode
-        state, others = _state_leaves(mode, root, index)
+        state, others = _state_leaves(mode, root, index, None if full else slots)
         walked: list[tuple[Path, Any]] = []
         walk(inputs, (), walked, root)
         if not full:
@@ -381,10 +414,12 @@ class Recorder:
             if r.freed < 0 and r.nbytes != nbytes:
                 raise Refused("an earlier storage resized in the call")
         post, others = _state_leaves(mode, root, index)
-        if [p for p, _ in post] != [p for p, _ in entry.state]:
-            raise Refused("the state's layout changed")
+        post_paths = {p for p, _ in post}
+        gone = [p for p, _ in entry.state if p not in post_paths]
+        if gone:
+            raise Refused(f"the call removed {_show(gone[0])} from the state")
         if [p for p, _ in others] != [p for p, _ in entry.others]:
-            raise Refused("the state's layout changed")
+            raise Refused("the call changed the state's layout outside its slot")
         for (p, before), (_, after) in zip(entry.others, others, strict=True):
             if not _unchanged(before, after):
                 raise Refused(f"the call changed the state at {_show(p)}, outside its slot")
@@ -409,7 +444,9 @@ class Recorder:
         changed: list[tuple[Path, tuple[int, int]]] = []
         scalars: list[tuple[Path, Any]] = []
         for path, v in post:
-            before = old_of[path]
+            before = old_of.get(path, _MISSING)
+            if before is _MISSING and (path[-1][0] == "i" or isinstance(v, (_Opaque, tuple))):
+                raise Refused(f"the call added {_show(path)} to the state")  # see put()
             if isinstance(before, _TensorLeaf) and not isinstance(v, _TensorLeaf):
                 raise Refused(f"the state's tensor at {_show(path)} became {type(v).__name__}")
             if isinstance(v, _TensorLeaf):
