@@ -351,6 +351,14 @@ def _cache_of(kwargs: Mapping[str, Any], output: Any = None) -> Any:
     return None
 
 
+def _block_cache(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The cache a block is given, under whatever name (Falcon's ``layer_past``)."""
+    found = _cache_of(kwargs)
+    if found is None:
+        found = next((v for v in (*args, *kwargs.values()) if _is_cache(v)), None)
+    return found
+
+
 class _CacheWatch:
     """Forward hooks on the model: the phases, and the cache's storages after each forward."""
 
@@ -739,7 +747,7 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
             with _no_cycle_collection():
                 traced = _trace_once(model, inputs, program, progress,
                                      fast and attempt < _ATTEMPTS and _affine_cache(program),
-                                     forced, blocks)
+                                     forced, blocks and attempt < _ATTEMPTS)
         except Retrace as exc:
             forced |= set(range(exc.lo, exc.hi + 1))
             why = str(exc)
@@ -829,7 +837,7 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
         mode, model, program.new_tokens,
         lambda: watch.decode_steps if mode.phases and mode.phases[-1].name == "decode" else 0,
         forced, enabled=fast, cache_of=_cache_of, values=values)
-    repeated = BlockReplay(mode, model, values=values, cache_of=_cache_of,
+    repeated = BlockReplay(mode, model, values=values, cache_of=_block_cache,
                            enabled=blocks and _affine_cache(program))
     if progress is not None:
         mode.progress = lambda tick: progress(watch.label, tick)
@@ -995,7 +1003,8 @@ def _info(traced: GenerateTrace, program: GenerateProgram,
         cache_class=watch.cache_class, options=options,
         prefill_cache_bytes=watch.prefill_bytes, final_cache_bytes=watch.final_bytes,
         host_cache_bytes=watch.host_bytes, groups=watch.groups, token_values=token_values,
-        routing=traced.values.routing_note(), decode_trace=traced.decode.describe())
+        routing=traced.values.routing_note(), decode_trace="; ".join(
+            d for d in (traced.decode.describe(), traced.blocks.describe()) if d))
 
 
 def verification(model: nn.Module, inputs: Mapping[str, Any], program: GenerateProgram,

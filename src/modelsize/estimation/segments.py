@@ -366,6 +366,10 @@ class Recorder:
         state, others = _state_leaves(mode, root, index, None if full else slots)
         walked: list[tuple[Path, Any]] = []
         walk(inputs, (), walked, root)
+        # held weakly, as the state is: a tensor reached through the inputs (inside an
+        # object the call is given) must be freed when the call drops it
+        walked = [(p, _TensorLeaf(v, mode) if isinstance(v, torch.Tensor) else v)
+                  for p, v in walked]
         if not full:
             return Entry(mode.tick, 0, 0, [], state, [], walked, [], 0, 0, 0, 0)
         routed = len(getattr(self.values, "routed", ()))
@@ -423,7 +427,11 @@ class Recorder:
         for (p, before), (_, after) in zip(entry.others, others, strict=True):
             if not _unchanged(before, after):
                 raise Refused(f"the call changed the state at {_show(p)}, outside its slot")
-        inputs = {id(v): p for p, v in entry.inputs if isinstance(v, torch.Tensor)}
+        inputs: dict[int, Path] = {}
+        for p, v in entry.inputs:
+            t = v() if isinstance(v, _TensorLeaf) else None
+            if t is not None:
+                inputs[id(t)] = p
         views: dict[int, list[tuple[Any, torch.Tensor]]] = {}
 
         def internal_index(t: torch.Tensor) -> int | None:
