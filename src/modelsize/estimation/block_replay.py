@@ -253,6 +253,7 @@ class BlockReplay:
         self.slots: dict[Any, tuple[Path, ...]] = {}  # (phase, signature) -> cache slots
         self.summary = BlockSummary()
         self.value_events = 0
+        self.phase = -1
 
     def _lists(self) -> list[tuple[str, nn.ModuleList]]:
         return [(name, m) for name, m in self.model.named_modules()
@@ -356,6 +357,11 @@ class BlockReplay:
             return original(*args, **kwargs)
         inputs = {"args": args, "kwargs": kwargs}
         phase = len(mode.phases)
+        if phase != self.phase:  # records are per phase: the last one's are done with
+            self.finish()
+            self.templates.clear()
+            self.slots.clear()
+            self.phase = phase
         entry = self.recorder.enter(inputs, cache, index=info.index, full=False,
                                     slots=self.slots.get((phase, info.signature)))
         pre, pre_shape = self.recorder.pre(entry)
