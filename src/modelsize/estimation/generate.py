@@ -38,6 +38,7 @@ by a static cache) are put back after the trace.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import traceback
 import weakref
@@ -57,6 +58,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, MissingDependencyError, ModelSizeError, UsageError
+from modelsize.estimation.block_replay import BlockReplay, BlockRetrace, BlockSummary
+from modelsize.estimation.decode_replay import DecodeReplay, DecodeSummary, Retrace
 from modelsize.estimation.result import (
     CacheGroup,
     CacheKind,
@@ -134,6 +137,10 @@ class GenerateTrace:
     cache: _CacheWatch
     values: _GenerationValues
     filler: int
+    decode: DecodeSummary = field(default_factory=DecodeSummary)
+    """Which decode steps ran for real and which were replayed (:mod:`.decode_replay`)."""
+    blocks: BlockSummary = field(default_factory=BlockSummary)
+    """How many repeated-block calls were replayed (:mod:`.block_replay`)."""
 
 
 # -- inputs ----------------------------------------------------------------------------------
@@ -342,6 +349,14 @@ def _cache_of(kwargs: Mapping[str, Any], output: Any = None) -> Any:
         if _is_cache(value):
             return value
     return None
+
+
+def _block_cache(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The cache a block is given, under whatever name (Falcon's ``layer_past``)."""
+    found = _cache_of(kwargs)
+    if found is None:
+        found = next((v for v in (*args, *kwargs.values()) if _is_cache(v)), None)
+    return found
 
 
 class _CacheWatch:
@@ -710,9 +725,82 @@ def _call(model: nn.Module, kwargs: dict[str, Any], program: GenerateProgram) ->
         return generate(**kwargs, **program.kwargs())
 
 
+#: After this many traces whose replayed steps a real one contradicted, every step is traced.
+_ATTEMPTS = 3
+
+
 def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
-                   progress: Callable[[str, int], None] | None = None) -> GenerateTrace:
-    """Trace ``program`` on ``model`` with fake tensors (see the module docstring)."""
+                   progress: Callable[[str, int], None] | None = None, *,
+                   fast: bool = True) -> GenerateTrace:
+    """Trace ``program`` on ``model`` with fake tensors (see the module docstring).
+
+    ``fast``: decode steps whose allocations follow the steps before them are replayed
+    (:mod:`modelsize.estimation.decode_replay`: the same timeline, tick for tick); False
+    dispatches every op of every step.
+    """
+    forced: set[int] = set()
+    start = time.perf_counter()
+    why = ""
+    blocks = fast
+    for attempt in range(_ATTEMPTS + 1):
+        try:
+            with _no_cycle_collection():
+                traced = _trace_once(model, inputs, program, progress,
+                                     fast and attempt < _ATTEMPTS and _affine_cache(program),
+                                     forced, blocks and attempt < _ATTEMPTS)
+        except Retrace as exc:
+            forced |= set(range(exc.lo, exc.hi + 1))
+            why = str(exc)
+            continue
+        except BlockRetrace as exc:
+            blocks = False
+            why = f"repeated blocks: {exc}"
+            continue
+        traced.decode.retraces = attempt
+        if attempt:
+            traced.decode.note = f"traced again: {why}"
+        elif not _affine_cache(program) and fast:
+            traced.decode.note = "this cache's steps are not affine in the step"
+        traced.trace.seconds = time.perf_counter() - start
+        return traced
+    raise AssertionError("unreachable: the last attempt replays nothing")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """The cycle collector off for the trace, as it is for a measured run
+    (:func:`modelsize.estimation.verify.allocator_events`): storages held in reference cycles
+    (transformers leaves some, the cache among them) are freed when they are in the real run,
+    never at a random tick."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _affine_cache(program: GenerateProgram) -> bool:
+    """Whether the cache's decode steps may be affine in the step: not the offloaded cache
+    (layers moved between devices) nor a quantized cache with a residual buffer (it fills and
+    is quantized again every ``residual_length`` steps); the fp8 cache only appends."""
+    cache = program.options.get("cache_implementation")
+    if cache in ("offloaded", "offloaded_static"):
+        return False
+    if cache == "quantized":
+        config = program.options.get("cache_config") or {}
+        backend = config.get("backend") if isinstance(config, Mapping) else \
+            getattr(config, "backend", None)
+        return backend == "fp8"
+    return True
+
+
+def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
+                progress: Callable[[str, int], None] | None, fast: bool,
+                forced: set[int], blocks: bool) -> GenerateTrace:
+    """One trace of ``program``; raises :class:`Retrace` where replayed steps were wrong."""
     from modelsize.estimation import scratch as scratch_models
 
     real_inputs = _concrete(inputs, model)
@@ -745,6 +833,12 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
     _, kwargs = _fake_inputs(real_inputs, copier, fakes, mode, values)
     del fakes
     watch = _CacheWatch(mode, model)
+    replay = DecodeReplay(
+        mode, model, program.new_tokens,
+        lambda: watch.decode_steps if mode.phases and mode.phases[-1].name == "decode" else 0,
+        forced, enabled=fast, cache_of=_cache_of, values=values)
+    repeated = BlockReplay(mode, model, values=values, cache_of=_block_cache,
+                           enabled=blocks and _affine_cache(program))
     if progress is not None:
         mode.progress = lambda tick: progress(watch.label, tick)
     start = time.perf_counter()
@@ -756,6 +850,8 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
         stack.enter_context(_swapped_state(model, state))
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(watch.hooks())
+        stack.enter_context(replay.installed())
+        stack.enter_context(repeated.installed())
         stack.enter_context(mode)
         stack.enter_context(values)
         if device.type == "cuda":
@@ -776,10 +872,12 @@ def trace_generate(model: nn.Module, inputs: Any, program: GenerateProgram,
         del out
         mode.end_phase()
         mode.counting = False
+        replay.finish(watch.decode_steps)
+        repeated.finish()
     seconds = time.perf_counter() - start
     trace = Trace(mode, sum(p.numel() for p in unique),
                   sum(p.numel() for p in unique if p.requires_grad), seconds)
-    return GenerateTrace(trace, watch, values, token)
+    return GenerateTrace(trace, watch, values, token, replay.summary, repeated.summary)
 
 
 def measure_generate(model: nn.Module, inputs: Any, program: GenerateProgram) -> int:
@@ -830,8 +928,10 @@ def estimate_api(model: nn.Module, inputs: Any, *, mode: str, new_tokens: int | 
 def estimate_generate(model: nn.Module, inputs: Any, program: GenerateProgram, *,
                       name: str, sources: dict[str, Source] | None = None,
                       verify: bool = False, verify_budget: int | None = None,
-                      progress: Callable[[str, int], None] | None = None) -> Estimate:
-    """The :class:`Estimate` of ``program`` (``modelsize.estimate(mode="generate")``)."""
+                      progress: Callable[[str, int], None] | None = None,
+                      fast: bool = True) -> Estimate:
+    """The :class:`Estimate` of ``program`` (``modelsize.estimate(mode="generate")``);
+    ``fast`` False traces every decode step op by op (see :func:`trace_generate`)."""
     from modelsize.estimation.core import summarize
     from modelsize.estimation.verify import RandomState
 
@@ -840,7 +940,7 @@ def estimate_generate(model: nn.Module, inputs: Any, program: GenerateProgram, *
     real_inputs = _concrete(inputs, model)
     start = RandomState.capture()
     try:
-        traced = trace_generate(model, real_inputs, program, progress)
+        traced = trace_generate(model, real_inputs, program, progress, fast=fast)
     except ModelSizeError:
         raise
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
@@ -903,7 +1003,8 @@ def _info(traced: GenerateTrace, program: GenerateProgram,
         cache_class=watch.cache_class, options=options,
         prefill_cache_bytes=watch.prefill_bytes, final_cache_bytes=watch.final_bytes,
         host_cache_bytes=watch.host_bytes, groups=watch.groups, token_values=token_values,
-        routing=traced.values.routing_note())
+        routing=traced.values.routing_note(), decode_trace="; ".join(
+            d for d in (traced.decode.describe(), traced.blocks.describe()) if d))
 
 
 def verification(model: nn.Module, inputs: Mapping[str, Any], program: GenerateProgram,

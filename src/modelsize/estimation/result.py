@@ -343,6 +343,8 @@ class GenerationInfo:
     host_cache_bytes: int = 0
     """An offloaded cache on CUDA: bytes of its layers in host memory after the last forward
     (not in the device estimate)."""
+    decode_trace: str = ""
+    """Which decode steps were traced op by op and which replayed from them."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -361,7 +363,8 @@ class GenerationInfo:
                 "host_cache_bytes": self.host_cache_bytes,
                 "bytes_per_token": self.bytes_per_token,
                 "groups": [g.to_dict() for g in self.groups],
-                "token_values": self.token_values, "routing": self.routing}
+                "token_values": self.token_values, "routing": self.routing,
+                "decode_trace": self.decode_trace}
 
 
 @dataclass(frozen=True)

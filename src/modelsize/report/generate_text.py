@@ -85,6 +85,8 @@ def generation_section(est: Estimate) -> Section:
     lines = [f"tokens: {printable(gen.token_values, 400)}"]
     if gen.routing:
         lines.append(f"routing: {printable(gen.routing, 400)}")
+    if gen.decode_trace:
+        lines.append(f"decode steps: {printable(gen.decode_trace, 400)}")
     return Section("generation", title, tuple(rows) if len(rows) > 1 else (), "lrrrrrr",
                    header=True, lines=tuple(lines))
 
