@@ -344,7 +344,11 @@ def test_a_folder_as_output_prefix_is_refused(tmp_path: Path) -> None:
         modelsize.slim(tmp_path / "in" / "model.ckpt", tmp_path / "out")
 
 
-def test_damaged_data_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cast", [None, "float16"])
+def test_damaged_data_is_refused_and_nothing_is_written(tmp_path: Path, cast: str | None) -> None:
+    """A flipped bit in a tensor's bytes: refused by its recorded CRC-32C. With --cast, the
+    output's checksum is computed over the cast bytes: the damaged input was passed on as a
+    sound checkpoint before (TensorFlow restored it without complaint)."""
     shutil.copytree(DEMO, tmp_path / "in")
     src = tmp_path / "in" / "model.ckpt"
     inv = modelsize.inspect(src).inventory
@@ -355,7 +359,7 @@ def test_damaged_data_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
     raw[storage.offset + 1000] ^= 0x40
     data.write_bytes(bytes(raw))
     with pytest.raises(CorruptFileError, match="hidden/kernel: its bytes' CRC-32C"):
-        modelsize.slim(src, tmp_path / "out")
+        modelsize.slim(src, tmp_path / "out", cast=cast)
     assert sorted(os.listdir(tmp_path)) == ["in"]
 
 

@@ -182,6 +182,7 @@ class NodeSite:
     graph: GraphSite
     op_type: str = ""
     domain: str = ""
+    name: str = ""
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     subgraphs: list[GraphSite] = field(default_factory=list)
@@ -469,11 +470,21 @@ class _Parser:
             raise ProtobufError(f"subgraphs nested deeper than {MAX_GRAPH_DEPTH}", start)
         site = GraphSite(start, end, kind, scope, parent)
         self.model.structure.graphs[start] = site
+        named: set[str] = set()
         for f in iter_fields(self.buf, start, end):
             if f.number == 1:
                 _expect(f, LEN, "GraphProto.node")
                 self.model.graph_ranges.append((f.start, f.end))
                 site.nodes.append(self.node(f, depth, scope, site))
+                node = site.nodes[-1]
+                name = node.name
+                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                    continue  # onnxruntime makes Constant nodes initializers before it looks
+                if name and name in named and kind is GraphKind.MAIN:
+                    self.model.facts.setdefault(
+                        UNLOADABLE_FACT, f"two nodes are named {printable(name, 80)!r} "
+                        "(onnxruntime: 'two nodes with same node name')")
+                named.add(name)
             elif f.number in (11, 12, 13):
                 _expect(f, LEN, "GraphProto input/output/value_info")
                 self.model.graph_ranges.append((f.start, f.end))
@@ -481,11 +492,12 @@ class _Parser:
                 site.debug += debug
                 if f.number != 13:
                     (site.inputs if f.number == 11 else site.outputs).append(name)
-                    if untyped and kind is GraphKind.MAIN:
+                    if untyped is not None and kind is GraphKind.MAIN:
                         self.model.facts.setdefault(
                             UNLOADABLE_FACT, f"graph {'input' if f.number == 11 else 'output'} "
-                            f"{printable(name, 80)!r} is a tensor of element type 0 "
-                            "(UNDEFINED; onnxruntime: 'Invalid tensor data type 0')")
+                            f"{printable(name, 80)!r} is a tensor of element type {untyped}, "
+                            "which ONNX does not define (onnxruntime: 'Invalid tensor data "
+                            f"type {untyped}')")
             elif f.number in (10, 16):  # doc_string, metadata_props
                 site.debug += f.nbytes
                 if f.number == 16 and f.wire_type == LEN:
@@ -503,12 +515,12 @@ class _Parser:
                 site.initializers.append(name[len(scope):])
         return site
 
-    def _value_info(self, f: Field) -> tuple[str, int, bool]:
+    def _value_info(self, f: Field) -> tuple[str, int, int | None]:
         """The name of a ``ValueInfoProto``, the bytes of its doc_string and metadata_props,
-        and whether its type is a tensor of no element type (0, UNDEFINED, or none: the
-        checker lets it pass, onnxruntime refuses the model: "Invalid tensor data type 0");
-        its type is checked to parse."""
-        name, debug, untyped = "", 0, False
+        and, where its type is a tensor of an element type ONNX does not define (0, UNDEFINED
+        or none, or past the last: the checker lets it pass, onnxruntime refuses the model:
+        "Invalid tensor data type N"), that type; its type is checked to parse."""
+        name, debug, untyped = "", 0, None
         for g in iter_fields(self.buf, f.data_start, f.end):
             if g.number == 1 and g.wire_type == LEN:
                 name = _text(self.buf, g)
@@ -547,7 +559,7 @@ class _Parser:
             elif g.number == 2 and g.wire_type == LEN:
                 site.outputs.append(_text(self.buf, g))
             elif g.number == 3 and g.wire_type == LEN:
-                node_name = _text(self.buf, g)
+                node_name = site.name = _text(self.buf, g)
             elif g.number == 4 and g.wire_type == LEN:
                 site.op_type = _text(self.buf, g)
             elif g.number == 7 and g.wire_type == LEN:
@@ -873,17 +885,17 @@ def _check_message(buf: Buffer, start: int, end: int, kind: str, depth: int = 0)
 UNLOADABLE_FACT = "onnx.unloadable"
 
 
-def _untyped_tensor(buf: Buffer, start: int, end: int) -> bool:
-    """Whether the ``TypeProto`` in ``buf[start:end]`` is a tensor type (dense or sparse) whose
-    ``elem_type`` is 0 or absent."""
+def _untyped_tensor(buf: Buffer, start: int, end: int) -> int | None:
+    """The ``elem_type`` of the tensor type (dense or sparse) in the ``TypeProto`` in
+    ``buf[start:end]`` where ONNX defines no such type (0 or absent, or unknown); else None."""
     for f in iter_fields(buf, start, end):
         if f.number in (1, 8) and f.wire_type == LEN:
             elem = 0
             for g in iter_fields(buf, f.data_start, f.end):
                 if g.number == 1 and g.wire_type == VARINT:
                     elem = g.value
-            return elem == 0
-    return False
+            return None if elem in ONNX_DTYPES else elem
+    return None
 
 
 def _text(buf: Buffer, f: Field) -> str:

@@ -122,6 +122,12 @@ def slim(
         raise UsageError(f"{printable(str(inv.path))}: {flag} does not apply to "
                          f"{inv.format} input")
     writer = writers.for_input(inv.format, options.to)
+    if inv.format in ("npz", "keras") and not dry_run:
+        # Read through against the members' CRC-32, as np.load checks them, whatever is
+        # written: an output's own checksums would pass damaged bytes on as sound.
+        from modelsize.slimming.loadable import refuse_unloadable
+
+        refuse_unloadable(inv, whole=True)
     plan = plan_slim(inv, options)
     if not len(plan):
         what = ("holds no tensor data to write" if not plan.dropped else

@@ -185,11 +185,29 @@ class TensorflowJob:
         entries += [(e.key, e.encode()) for e in self.aliases] + self.full
         return table(sorted(entries))
 
+    def _damaged(self, t: PlannedTensor, source: _InputEntry, crc: int) -> CorruptFileError:
+        return CorruptFileError(
+            self.shards[source.entry.shard], FORMAT,
+            f"{printable(t.name)}: its bytes' CRC-32C is {crc:#010x} but the index records "
+            f"{source.crc:#010x} (the data file is damaged; TensorFlow refuses it too)")
+
+    def _check_input_crc(self, t: PlannedTensor, source: _InputEntry) -> None:
+        """A tensor to cast is checked against its recorded CRC-32C first: its output bytes
+        get a checksum of their own, which would otherwise pass damaged input on as sound."""
+        assert t.source is not None
+        crc = 0
+        for chunk in t.source.chunks():
+            crc = crc32c(chunk, crc)
+        if mask(crc) != source.crc:
+            raise self._damaged(t, source, mask(crc))
+
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:
         """The data file, streamed with each tensor's CRC-32C; then the index; then the state."""
         written: dict[str, Written] = {}
         fh = out.open(self.data_name)
         for t, entry, source in self.stored:
+            if t.cast and source is not None and _exact(t):
+                self._check_input_crc(t, source)
             s = stream(t, meter)
             crc = 0
             for chunk in s.chunks():
@@ -203,12 +221,7 @@ class TensorflowJob:
                 continue
             entry.crc = mask(crc)
             if not t.cast and entry.crc != source.crc:
-                raise CorruptFileError(
-                    self.shards[source.entry.shard], FORMAT,
-                    f"{printable(t.name)}: its bytes' CRC-32C is {entry.crc:#010x} but the index "
-                    f"records {source.crc:#010x} (the data file is damaged; TensorFlow refuses it "
-                    "too)",
-                )
+                raise self._damaged(t, source, entry.crc)
         out.open(self.index_name).write(self.index())
         if self.state is not None:
             out.open("checkpoint").write(self.state)
