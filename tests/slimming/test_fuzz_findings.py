@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from modelsize.slimming.writers._protowire import varint
 from tests.conftest import assert_one_line_error, run_cli
 
 torch = pytest.importorskip("torch")
@@ -143,20 +144,13 @@ def test_onnx_model_without_a_graph_is_refused(tmp_path: Path) -> None:
     model.ClearField("graph")
     path = tmp_path / "nograph.onnx"
     doc = b"\x91" + graph  # the graph's bytes swallowed by a doc_string that is not UTF-8
-    path.write_bytes(model.SerializeToString() + bytes([6 << 3 | 2]) + _varint(len(doc)) + doc)
+    path.write_bytes(model.SerializeToString() + bytes([6 << 3 | 2]) + varint(len(doc)) + doc)
     for flags in ([], ["--no-graph"]):
         proc = run_cli("slim", str(path), "-o", str(tmp_path / "o.onnx"), *flags)
         assert_one_line_error(proc, path)
         assert "--no-graph slims" not in proc.stderr
         assert not (tmp_path / "o.onnx").exists()
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    return bytes(out + bytes([n]))
 
 
 def test_onnx_node_device_configuration_that_does_not_parse_is_refused(tmp_path: Path) -> None:
@@ -168,10 +162,10 @@ def test_onnx_node_device_configuration_that_does_not_parse_is_refused(tmp_path:
     model = onnx.load_from_string(_tiny_onnx())
     node = model.graph.node[0].SerializeToString() + b"\x52\x02\x7a\x33"  # field 15: 51 bytes
     del model.graph.node[:]
-    graph = b"\x0a" + _varint(len(node)) + node + model.graph.SerializeToString()
+    graph = b"\x0a" + varint(len(node)) + node + model.graph.SerializeToString()
     model.ClearField("graph")
     path = tmp_path / "device.onnx"
-    path.write_bytes(model.SerializeToString() + b"\x3a" + _varint(len(graph)) + graph)
+    path.write_bytes(model.SerializeToString() + b"\x3a" + varint(len(graph)) + graph)
     with pytest.raises(Exception, match="Wire format was corrupt"):
         onnx.load(str(path))
     for verb in (["inspect", str(path)],

@@ -52,6 +52,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from modelsize.slimming.writers._protowire import bytes_field
+
 #: Ops never folded: nondeterministic, or with effects the graph relies on.
 _NO_FOLD = frozenset({
     "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
@@ -144,19 +146,11 @@ def copy_except(src: Any, dst: Any, *skip: str) -> Any:
         elif isinstance(value, bytes) and fd.type == fd.TYPE_STRING:
             # A proto2 string that is not UTF-8 (protobuf reads it as bytes and keeps it;
             # setattr refuses it): merged as the field's own wire bytes.
-            dst.MergeFromString(_varint(fd.number << 3 | 2) + _varint(len(value)) + value)
+            dst.MergeFromString(bytes_field(fd.number, value))
         else:
             setattr(dst, fd.name, value)
     return dst
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
 
 
 def field_bytes(n: int) -> int:

@@ -31,6 +31,7 @@ from modelsize.slimming.graph.report import Comparison, GraphSlimReport
 from modelsize.slimming.output import Output, write_verified
 from modelsize.slimming.plan import SlimOptions
 from modelsize.slimming.result import Dropped, KeptTensor
+from modelsize.slimming.writers._protowire import varint
 from modelsize.slimming.writers.base import slim_name
 
 #: The largest one-file output: protobuf's 2 GiB limit less a 1 MiB margin.
@@ -139,15 +140,6 @@ def _inline(t: Any, src: Path, offset: int, length: int) -> None:
     t.ClearField("data_location")
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _write_one_file(model: Any, base_dir: Path, fh: Any) -> None:
     """The model as one protobuf file, a weight at a time: the model and its graph without
     their initializers, then each initializer, its bytes streamed from memory or from its
@@ -175,16 +167,16 @@ def _write_one_file(model: Any, base_dir: Path, fh: Any) -> None:
         parts.append((header, t, where, size))
     graph = passes.copy_except(model.graph, onnx.GraphProto(), "initializer").SerializeToString()
     fh.write(passes.copy_except(model, onnx.ModelProto(), "graph").SerializeToString())
-    fh.write(b"\x3a" + _varint(len(graph) + sum(passes.field_bytes(p[3]) for p in parts)))
+    fh.write(b"\x3a" + varint(len(graph) + sum(passes.field_bytes(p[3]) for p in parts)))
     fh.write(graph)  # ModelProto.graph is field 7, GraphProto.initializer 5, raw_data 9
     for header, t, where, size in parts:
-        fh.write(b"\x2a" + _varint(size) + header)
+        fh.write(b"\x2a" + varint(size) + header)
         if where is not None:
-            fh.write(b"\x4a" + _varint(where[2]))
+            fh.write(b"\x4a" + varint(where[2]))
             _copy_range(*where, fh)
         elif len(header) < size:
             data = t.raw_data
-            fh.write(b"\x4a" + _varint(len(data)) + data)
+            fh.write(b"\x4a" + varint(len(data)) + data)
             del data
 
 
