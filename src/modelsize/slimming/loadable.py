@@ -61,7 +61,12 @@ def refuse_unloadable(inv: Inventory, whole: bool = False) -> None:
     (or the weights of a ``.keras``, whose JSON members the reader checks) are also read
     through, each checked against its CRC-32 and size, as :mod:`zipfile` checks them when
     ``np.load`` or Keras reads them. Other members of a ``.keras`` (assets) are left alone:
-    a deflate bomb there is copied, never inflated."""
+    a deflate bomb there is copied, never inflated.
+
+    An inventory already passed (with ``whole`` at least as asked) is not read again: slim
+    checks an archive up front and its writer may ask again."""
+    if _passed[0] is inv and (_passed[1] or not whole):
+        return
     keras = inv.format == "keras"
     problems = _keras_problems(inv, limits=True) if keras else problems_loading(inv)
     if problems:
@@ -81,6 +86,11 @@ def refuse_unloadable(inv: Inventory, whole: bool = False) -> None:
             raise CorruptFileError(path, inv.format, f"member {printable(unrecorded.name)} "
                                    "records CRC-32 0 for its bytes: zipfile refuses to read it")
         _zip.check_members(path, members, builder)
+    _passed[:] = [inv, whole]
+
+
+#: The last inventory :func:`refuse_unloadable` passed, and whether it was read through whole.
+_passed: list[Any] = [None, False]
 
 
 # -- NumPy -----------------------------------------------------------------------------------
