@@ -236,3 +236,24 @@ def test_onnx_nodes_of_one_name_are_refused(tmp_path: Path) -> None:
     proc = run_cli("slim", str(path), "--no-graph", "-o", str(tmp_path / "o.onnx"))
     assert_one_line_error(proc, path)
     assert "two nodes are named 'mm'" in proc.stderr
+
+
+def test_torch_zip_member_on_another_disk_is_refused(tmp_path: Path) -> None:
+    """A central-directory record whose "disk number start" reads 0x80 (a byte set by
+    `scripts/fuzz_slim.py --seed 41`): torch's miniz refuses the archive ("unsupported
+    multidisk archive"); Python's zipfile does not look, and slim copied it on, "Verified"."""
+    import struct
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    data = bytearray(path.read_bytes())
+    central = data.index(b"PK\x01\x02")
+    struct.pack_into("<H", data, central + 34, 0x80)
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="multidisk"):
+        torch.load(path, weights_only=True)
+    for verb in (["inspect", str(path)], ["slim", str(path), "-o", str(tmp_path / "o.pt")]):
+        proc = run_cli(*verb)
+        assert_one_line_error(proc, path)
+        assert "starts on disk 128; torch reads single-disk archives only" in proc.stderr
+    assert not (tmp_path / "o.pt").exists()

@@ -107,7 +107,14 @@ class _ZipRead:
 
     def run(self) -> Inventory:
         b = self.builder
-        items = _zip.members(self.path, b, infos=self.source.zip_infos())
+        infos = self.source.zip_infos()
+        items = _zip.members(self.path, b, infos=infos)
+        # torch's miniz takes a member to start on this disk (0) or disk 1, nothing else
+        # ("unsupported multidisk archive"); Python's zipfile does not look.
+        disk = next((i for i in infos or () if i.volume not in (0, 1)), None)
+        if disk is not None:
+            raise b.corrupt(f"member {printable(disk.filename)!r} starts on disk {disk.volume}; "
+                            "torch reads single-disk archives only", disk.header_offset)
         odd = next((m for m in items if m.method not in (_zip.STORED, _zip.DEFLATED)), None)
         if odd is not None:  # torch's miniz reads no other ("unsupported method")
             raise b.corrupt(f"member {odd.name!r} uses compression method {odd.method}; "
