@@ -789,3 +789,23 @@ def test_builtin_code_past_the_schema_is_refused(models: dict[str, Path], tmp_pa
         assert_one_line_error(proc, path)
         assert "operator_codes[0] is builtin operator 65535" in proc.stderr
     assert not (tmp_path / "o.tflite").exists()
+
+
+def test_signature_without_outputs_is_refused(models: dict[str, Path], tmp_path: Path) -> None:
+    """A SignatureDef whose outputs vector is gone (`scripts/fuzz_slim.py --seed 53` zeroed
+    its vtable entry): the interpreter refuses the input and what slim wrote of it ("NULL
+    SignatureDef outputs for exported method serving_default"); slim wrote it, "Verified"."""
+    root, _ = fb.read(models["dense"].read_bytes(), SCHEMA)
+    assert root["signature_defs"][0].pop("outputs") is not None
+    path = tmp_path / "sig.tflite"
+    path.write_bytes(b"".join(p for p in fb.Builder(SCHEMA).build(root).stream()
+                              if isinstance(p, bytes)))
+    code = ("import sys, tensorflow as tf; "
+            "tf.lite.Interpreter(model_path=sys.argv[1]).allocate_tensors()")
+    with pytest.raises(AssertionError, match="NULL SignatureDef outputs"):
+        run_in_tf(code, str(path))
+    assert run_cli("inspect", str(path)).returncode == 0
+    proc = run_cli("slim", str(path), "--cast", "float16", "-o", str(tmp_path / "o.tflite"))
+    assert_one_line_error(proc, path)
+    assert "signature_defs[0] has no outputs vector" in proc.stderr
+    assert not (tmp_path / "o.tflite").exists()

@@ -329,10 +329,16 @@ def _parse(flat: _Flat) -> _Model:
         builtin = max(code.scalar(0, "b"), code.scalar(3, "i"))
         codes.append(custom or str(builtin))
         if not custom and not 0 <= builtin <= LAST_BUILTIN:
-            model.facts.setdefault(UNKNOWN_BUILTIN_FACT, f"operator_codes[{i}] is builtin "
-                                   f"operator {builtin}")
+            model.facts.setdefault(
+                UNLOADABLE_FACT, f"operator_codes[{i}] is builtin operator {builtin}, which no "
+                f"TFLite schema modelsize knows has (the newest ends at {LAST_BUILTIN}; the "
+                "interpreter: 'Op builtin_code out of range')")
     for i, sig in enumerate(root.tables(_M_SIGNATURES, "signature_defs", Category.GRAPH)):
         for slot in (0, 1):
+            if not sig.field(slot, 4):  # the interpreter: "NULL SignatureDef inputs for ..."
+                model.facts.setdefault(
+                    UNLOADABLE_FACT, f"signature_defs[{i}] has no {('inputs', 'outputs')[slot]} "
+                    f"vector (the interpreter: 'NULL SignatureDef {('inputs', 'outputs')[slot]}')")
             for j, tmap in enumerate(sig.tables(slot, f"signature_defs[{i}].tensors")):
                 tmap.string(0, f"signature_defs[{i}].tensors[{j}].name")
         sig.string(2, f"signature_defs[{i}].signature_key")
@@ -386,7 +392,9 @@ def _check_indices(refs: list[tuple[str, list[int]]], count: int, s: int, pos: i
 #: an interpreter refuses a larger code ("Op builtin_code out of range: N. Are you using old
 #: TFLite binary with newer model?"). Read by slim's loader rules, not by inspect.
 LAST_BUILTIN = 209
-UNKNOWN_BUILTIN_FACT = "tflite.unknown_builtin"
+#: The fact saying why the interpreter would not load a model modelsize reads (an unknown
+#: builtin code, a signature without its inputs or outputs vector); read by slim's rules.
+UNLOADABLE_FACT = "tflite.unloadable"
 
 #: Inputs the kernels of these builtin operators (and the XNNPACK delegate that TFLite applies
 #: by default) read by position without checking the operator's count: a FULLY_CONNECTED with

@@ -333,17 +333,14 @@ def _names(attrs: dict[str, Any], name: str) -> list[str]:
 def _tflite_problems(inv: Inventory) -> list[str]:
     """The interpreter reads schema version 3 only ("Model provided is schema version N not
     equal to supported version 3")."""
-    from modelsize.formats.tflite import LAST_BUILTIN, UNKNOWN_BUILTIN_FACT
+    from modelsize.formats.tflite import UNLOADABLE_FACT
 
     version = inv.facts.get("tflite.schema_version")
     if version is not None and version != "3":
         return [f"schema version {printable(version, 20)}: the TFLite interpreter reads "
                 "version 3 only"]
-    unknown = inv.facts.get(UNKNOWN_BUILTIN_FACT)
-    if unknown is not None:
-        return [f"{unknown}, which no TFLite schema modelsize knows has (the newest ends at "
-                f"{LAST_BUILTIN}; the interpreter: 'Op builtin_code out of range')"]
-    return []
+    why = inv.facts.get(UNLOADABLE_FACT)
+    return [why] if why is not None else []
 
 
 def _onnx_problems(inv: Inventory) -> list[str]:
