@@ -40,7 +40,7 @@ import urllib.parse
 import urllib.request
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -431,12 +431,18 @@ def _hf(url: str, root: Path, stats: Stats, fetch: Any) -> Remote:
     return Remote(url, local, stats, [base + f for f in files])
 
 
-def _get(url: str, stats: Stats, limit: int) -> bytes:
-    req = urllib.request.Request(url, headers={"User-Agent": f"modelsize/{__version__}"})
+def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = None,
+         http_error: Callable[[urllib.error.HTTPError], None] | None = None) -> bytes:
+    """GET ``url`` whole, at most ``limit`` bytes, counted in ``stats``. ``http_error`` may
+    raise its own error for an HTTP error status first (the Hub's 401/403/404)."""
+    req = urllib.request.Request(url, headers={**(headers or {}),
+                                               "User-Agent": f"modelsize/{__version__}"})
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
             data = resp.read(limit + 1)
     except urllib.error.HTTPError as exc:
+        if http_error is not None:
+            http_error(exc)
         raise RemoteError(f"{printable(url)}: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -568,12 +574,8 @@ def hub_headers() -> dict[str, str]:
 def hub_get(url: str, stats: Stats, limit: int = MAX_REGION) -> bytes:
     """GET ``url`` whole (a listing, config.json, an index) with the Hub's headers, counted in
     ``stats``; a 401/403 says a token is needed, in one line."""
-    req = urllib.request.Request(url, headers={**hub_headers(),
-                                               "User-Agent": f"modelsize/{__version__}"})
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-            data = resp.read(limit + 1)
-    except urllib.error.HTTPError as exc:
+
+    def refused(exc: urllib.error.HTTPError) -> None:
         stats.requests += 1
         if exc.code in (401, 403):
             raise RemoteError(token_needed(url, exc.code)) from None
@@ -581,15 +583,8 @@ def hub_get(url: str, stats: Stats, limit: int = MAX_REGION) -> bytes:
             raise RemoteError(f"{printable(url)}: HTTP 404: no such repository, revision or "
                               "file on the Hub (a private repository answers 404 without a "
                               "token: set HF_TOKEN)") from None
-        raise RemoteError(f"{printable(url)}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
-    stats.requests += 1
-    stats.fetched += len(data)
-    if len(data) > limit:
-        raise RemoteError(f"{printable(url)}: more than {limit} bytes")
-    return data
+
+    return _get(url, stats, limit, headers=hub_headers(), http_error=refused)
 
 
 @dataclass(frozen=True)
