@@ -76,8 +76,8 @@ from modelsize.estimation.trace import (
     _fake_inputs,
     _FakeCopier,
     _module_names,
-    _states,
     _swapped_state,
+    fake_state,
     map_inputs,
     training_flags,
     user_code,
@@ -808,21 +808,7 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
     mode = CountingFakeMode(scratch=scratch_models.table(device.type))
     mode.counting = False
     copier = _FakeCopier(mode, torch.device("cpu"))
-    params, buffers = _states(model)
-    fakes: dict[int, torch.Tensor] = {}
-    state: dict[str, torch.Tensor] = {}
-    unique: list[torch.Tensor] = []
-    for name, p in params:
-        if id(p) not in fakes:
-            fakes[id(p)] = nn.Parameter(copier.copy(p.detach()), requires_grad=p.requires_grad)
-            unique.append(fakes[id(p)])
-            mode.track(fakes[id(p)], Origin.PARAMETER)
-        state[name] = fakes[id(p)]
-    for name, b in buffers:
-        if id(b) not in fakes:
-            fakes[id(b)] = copier.copy(b)
-            mode.track(fakes[id(b)], Origin.BUFFER)
-        state[name] = fakes[id(b)]
+    fakes, state, unique = fake_state(model, copier, mode)
     token = filler_token(model)
     values = _GenerationValues(mode, token)
     # generate() reads values of the ids and the mask (and of what it makes from them) at

@@ -223,6 +223,30 @@ def _swapped_state(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator
         yield
 
 
+def fake_state(model: nn.Module, copier: _FakeCopier, mode: CountingFakeMode
+               ) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Fake twins of ``model``'s parameters and buffers, tracked by ``mode`` (a tensor shared
+    under several names gets one twin): the twins by the real tensor's id, the state dict to
+    swap in, and the parameters once each, in order."""
+    params, buffers = _states(model)
+    fakes: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    unique: list[torch.Tensor] = []
+    for name, p in params:
+        if id(p) not in fakes:
+            fp = nn.Parameter(copier.copy(p.detach()), requires_grad=p.requires_grad)
+            fakes[id(p)] = fp
+            unique.append(fp)
+            mode.track(fp, Origin.PARAMETER)
+        state[name] = fakes[id(p)]
+    for name, b in buffers:
+        if id(b) not in fakes:
+            fakes[id(b)] = copier.copy(b)
+            mode.track(fakes[id(b)], Origin.BUFFER)
+        state[name] = fakes[id(b)]
+    return fakes, state, unique
+
+
 def _states(
     model: nn.Module,
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]:
@@ -249,22 +273,7 @@ def run_trace(
     mode = CountingFakeMode(scratch=table)
     mode.counting = False
     copier = _FakeCopier(mode, torch.device("cpu"))
-    params, buffers = _states(model)
-    fakes: dict[int, torch.Tensor] = {}
-    state: dict[str, torch.Tensor] = {}
-    unique_params: list[torch.Tensor] = []
-    for name, p in params:
-        if id(p) not in fakes:
-            fp = nn.Parameter(copier.copy(p.detach()), requires_grad=p.requires_grad)
-            fakes[id(p)] = fp
-            unique_params.append(fp)
-            mode.track(fp, Origin.PARAMETER)
-        state[name] = fakes[id(p)]
-    for name, b in buffers:
-        if id(b) not in fakes:
-            fakes[id(b)] = copier.copy(b)
-            mode.track(fakes[id(b)], Origin.BUFFER)
-        state[name] = fakes[id(b)]
+    fakes, state, unique_params = fake_state(model, copier, mode)
     values = RealValues()
     mode.real_values = values
     args, kwargs = _fake_inputs(inputs, copier, fakes, mode, values)
