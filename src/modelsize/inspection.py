@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import heapq
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from modelsize import formats, inputs
 from modelsize.findings import Finding, explain, find
 from modelsize.inventory import Inventory, TensorRecord
+from modelsize.quantization import Quantization, analyze, config_for
 from modelsize.report.json_stream import Lazy, materialized
 
 _stored = operator.attrgetter("stored_nbytes")
@@ -23,6 +24,30 @@ class Report:
     inventory: Inventory
     findings: tuple[Finding, ...]
     summary: str
+    _quantization: list[Quantization] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def quantization(self) -> Quantization:
+        """Parameters and bits per weight, overall and per group of weights stored alike
+        (worked out on first use: a report of a million tensors may never need it)."""
+        if not self._quantization:
+            config, notes = config_for(self.inventory)
+            found = analyze(self.inventory, config)
+            if notes:
+                found = Quantization(found.weights, notes=notes, config=found.config)
+            self._quantization.append(found)
+        return self._quantization[0]
+
+    @property
+    def parameters(self) -> int:
+        """The logical parameter count: packed weights counted as the elements they unpack
+        to; scales, zero points and quant states not counted."""
+        return self.quantization.parameters
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits of the weights (with their scales and zero points) per parameter."""
+        return self.quantization.bits_per_weight
 
     @property
     def format(self) -> str:
@@ -68,6 +93,9 @@ class Report:
             "files": [{"path": str(f.path), "bytes": f.nbytes} for f in inv.files],
             "bytes_by_category": {c.value: n for c, n in inv.bytes_by_category.items()},
             "summary": self.summary,
+            "parameters": self.parameters,
+            "bits_per_weight": round(self.bits_per_weight, 4),
+            "quantization": self.quantization.to_dict(),
             "findings": [f.to_dict() for f in self.findings],
             "unsafe_globals": list(inv.unsafe_globals),
             "tensor_count": len(inv.tensors),

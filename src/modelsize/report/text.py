@@ -7,6 +7,7 @@ import textwrap
 from modelsize.categories import Category
 from modelsize.errors import printable
 from modelsize.inspection import Report
+from modelsize.quantization import count
 from modelsize.report.table import table
 from modelsize.report.units import human_bytes, percent
 
@@ -15,7 +16,11 @@ def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
     """The human report: explanation, table by category, largest tensors, findings."""
     inv = report.inventory
     total = inv.file_bytes
-    lines = [f"{printable(str(inv.path))}  ({inv.format}, {total:,} bytes)", ""]
+    lines = [f"{printable(str(inv.path))}  ({inv.format}, {total:,} bytes)"]
+    quant = report.quantization
+    if quant.parameters:
+        lines.append(printable(quant.headline(), 300))
+    lines.append("")
     lines += textwrap.wrap(printable(report.summary, 4000), width, break_on_hyphens=False)
     lines.append("")
     rows = [["category", "bytes", "size", "share"]]
@@ -32,6 +37,15 @@ def render_inspect(report: Report, top: int = 10, width: int = 100) -> str:
             trows.append([printable(t.name, 60), t.dtype, shape, human_bytes(t.stored_nbytes),
                           t.category.value])
         lines += table(trows, "lllrl")
+    if len(quant.groups) > 1 or quant.quantized:
+        lines += ["", "Weights by storage"]
+        grows = [["stored as", "weights", "parameters", "bits/weight", "bytes"]]
+        for g in quant.groups[:12]:
+            grows.append([printable(g.label, 60), f"{g.weights:,}", count(g.parameters),
+                          f"{g.bits_per_weight:.3f}", human_bytes(g.counted_bytes)])
+        if len(quant.groups) > 12:
+            grows.append([f"({len(quant.groups) - 12} more)", "", "", "", ""])
+        lines += table(grows, "lrrrr")
     if report.findings:
         lines += ["", "Findings"]
         for f in report.findings:

@@ -1,0 +1,402 @@
+"""Parameters and bits per weight, whatever the packing.
+
+A quantized checkpoint stores one weight as several tensors: int32 words holding eight 4-bit
+values, scales, zero points, group indices, codebooks, serialized quant states. Counting their
+elements gives the numbers people are misled by (an 8B GPTQ model shown as 2B parameters).
+Here each known layout is recognised from its tensors' names, dtypes and shapes, helped by the
+model's ``quantization_config`` when one sits beside the file, and each weight is turned into:
+
+- **parameters**: the elements the packed weight unpacks to. Scales, zero points, ``g_idx``,
+  ``absmax`` and quant states are not parameters.
+- **counted bytes**: the stored bytes of the quantized weight with its scales, zero points and
+  second-level scales. Not counted: ``g_idx``, codebooks (bitsandbytes' ``quant_map``),
+  serialized quant-state blobs, stored shapes and format tags, activation scales. So
+  bitsandbytes nf4 with double quantization gives QLoRA's published 4.127 bits.
+
+``bits_per_weight`` is counted bytes x 8 over parameters, for each weight, each group of
+weights stored alike, and the whole model. Tensors no layout claims count at their own dtype
+(a bfloat16 embedding: 16 bits; a GGUF ``q4_K`` tensor: 4.5 bits, from ggml's block table).
+
+Only weights count: tensors of the ``weights`` category (and a layout's parts found among
+buffers). Optimizer state, gradients and buffers such as BatchNorm statistics are not
+parameters. A storage viewed twice (tied weights) or stored twice (a duplicate) counts once.
+
+Layouts live in one explicit registry (:data:`LAYOUTS`), each keyed by the name suffix of the
+tensor that identifies it (its *anchor*). Nothing here reads tensor data or imports a framework.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelsize.categories import Category
+from modelsize.dtypes import DTYPES, canonical, numel
+from modelsize.inventory import Inventory, TensorRecord
+
+#: The categories a layout's parts are looked for in (a reader may file ``g_idx`` as a buffer).
+_LOOKED_AT = (Category.WEIGHTS, Category.BUFFERS)
+#: Largest ``config.json`` read for a ``quantization_config``.
+_CONFIG_LIMIT = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """One logical weight and the stored tensors that make it."""
+
+    name: str
+    """The weight's logical name (``model.layers.0.mlp.down_proj.weight``)."""
+    layout: str
+    """The layout's key in :data:`LAYOUTS` (``gptq``, ``bnb-nf4``...), or the dtype of an
+    unquantized tensor."""
+    label: str
+    """How people call it: ``4-bit GPTQ, group 128``."""
+    shape: tuple[int, ...]
+    """The logical (unpacked) shape, ``()`` where the file does not say it."""
+    parameters: int
+    counted_bytes: int
+    tensors: tuple[str, ...]
+    """Every stored tensor claimed by this weight, counted or not."""
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Counted bytes x 8 over parameters."""
+        return self.counted_bytes * 8 / self.parameters if self.parameters else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """The weights stored alike (one layout and label), summed."""
+
+    label: str
+    layout: str
+    weights: int
+    parameters: int
+    counted_bytes: int
+    quantized: bool
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Counted bytes x 8 over parameters."""
+        return self.counted_bytes * 8 / self.parameters if self.parameters else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"label": self.label, "layout": self.layout, "weights": self.weights,
+                "parameters": self.parameters, "counted_bytes": self.counted_bytes,
+                "bits_per_weight": round(self.bits_per_weight, 4),
+                "quantized": self.quantized}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Parameters and bits per weight of a checkpoint, overall and per group."""
+
+    weights: tuple[QuantizedWeight, ...]
+    notes: tuple[str, ...] = ()
+    config: Mapping[str, Any] = field(default_factory=dict)
+    parameters: int = field(init=False)
+    counted_bytes: int = field(init=False)
+    groups: tuple[WeightGroup, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        sums: dict[tuple[str, str], list[int]] = {}
+        quantized: set[tuple[str, str]] = set()
+        for w in self.weights:
+            key = (w.layout, w.label)
+            acc = sums.setdefault(key, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += w.parameters
+            acc[2] += w.counted_bytes
+            if w.layout in LAYOUTS:
+                quantized.add(key)
+        groups = sorted(
+            (WeightGroup(label, layout, n, p, b, (layout, label) in quantized)
+             for (layout, label), (n, p, b) in sums.items()),
+            key=lambda g: (-g.parameters, g.label))
+        object.__setattr__(self, "groups", tuple(groups))
+        object.__setattr__(self, "parameters", sum(g.parameters for g in groups))
+        object.__setattr__(self, "counted_bytes", sum(g.counted_bytes for g in groups))
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Counted bytes x 8 over parameters, for the whole model."""
+        return self.counted_bytes * 8 / self.parameters if self.parameters else 0.0
+
+    @property
+    def quantized(self) -> tuple[WeightGroup, ...]:
+        """The groups stored in a quantized layout."""
+        return tuple(g for g in self.groups if g.quantized)
+
+    def headline(self) -> str:
+        """``8.03B parameters, 4.56 bits per weight (4-bit GPTQ, group 128)``."""
+        if not self.parameters:
+            return "no parameters"
+        main = self.quantized[0] if self.quantized else self.groups[0]
+        more = len(self.quantized) - 1 if self.quantized else 0
+        what = main.label + (f" and {more} more quantized layout{'s' * (more > 1)}"
+                             if more > 0 else "")
+        return (f"{count(self.parameters)} parameters, {self.bits_per_weight:.2f} bits per "
+                f"weight ({what})")
+
+    def by_name(self) -> dict[str, QuantizedWeight]:
+        """Each weight by its logical name."""
+        return {w.name: w for w in self.weights}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (per weight lists are left to :meth:`by_name`)."""
+        return {"parameters": self.parameters, "counted_bytes": self.counted_bytes,
+                "bits_per_weight": round(self.bits_per_weight, 4),
+                "headline": self.headline(),
+                "groups": [g.to_dict() for g in self.groups],
+                "config": dict(self.config), "notes": list(self.notes)}
+
+
+def count(n: int) -> str:
+    """``8.03B``, ``124.4M``, ``3.2K``, ``512``: a parameter count as people say it."""
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            value = n / scale
+            digits = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{digits}f}{unit}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+
+
+@dataclass(frozen=True, slots=True)
+class Siblings:
+    """The tensors around an anchor: ``get("scales")`` is the record named base + "scales"."""
+
+    base: str
+    records: Mapping[str, TensorRecord]
+    config: Mapping[str, Any]
+
+    def get(self, suffix: str) -> TensorRecord | None:
+        """The record named ``base + suffix``, if any."""
+        return self.records.get(self.base + suffix)
+
+    def module(self) -> str:
+        """The module name (the base without its trailing dot)."""
+        return self.base[:-1] if self.base.endswith(".") else self.base
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a layout's matcher returns: the weight, and which of its tensors are counted."""
+
+    name: str
+    label: str
+    shape: tuple[int, ...]
+    parameters: int
+    counted: tuple[TensorRecord, ...]
+    uncounted: tuple[TensorRecord, ...] = ()
+
+
+Matcher = Callable[[TensorRecord, Siblings], "Found | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A quantized layout: the suffix of the tensor that identifies it, and its matcher."""
+
+    key: str
+    anchor: str
+    match: Matcher
+    spec: str
+    """Where the layout is defined (a file in the tool's source)."""
+
+
+def _tensor_bytes(t: TensorRecord) -> int:
+    """A tensor's own bytes (its logical size, not what it was charged with)."""
+    return t.nbytes
+
+
+def _bits_from_config(config: Mapping[str, Any], default: int | None = None) -> int | None:
+    for key in ("bits", "w_bit", "num_bits", "weight_bits"):
+        value = config.get(key)
+        if isinstance(value, int) and 1 <= value <= 16:
+            return value
+    return default
+
+
+def _group_from_config(config: Mapping[str, Any]) -> int | None:
+    for key in ("group_size", "q_group_size", "groupsize"):
+        value = config.get(key)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _gptq(qweight: TensorRecord, s: Siblings) -> Found | None:
+    """GPTQ (AutoGPTQ / GPTQModel ``QuantLinear``, the ``gptq`` packing): ``qweight`` int32
+    ``[in * bits / 32, out]``, ``qzeros`` int32 ``[groups, out * bits / 32]``, ``scales``
+    ``[groups, out]``, optional ``g_idx`` int32 ``[in]`` (act-order)."""
+    scales, qzeros, g_idx = s.get("scales"), s.get("qzeros"), s.get("g_idx")
+    if (scales is None or qzeros is None or len(qweight.shape) != 2
+            or len(scales.shape) != 2 or len(qzeros.shape) != 2
+            or qweight.dtype not in ("int32", "uint32")):
+        return None
+    groups, out = scales.shape
+    if qweight.shape[1] != out or out == 0:
+        return None  # AWQ packs along the output dimension
+    bits = _bits_from_config(s.config) or (32 * qzeros.shape[1] // out if qzeros.shape[1] else 0)
+    if g_idx is not None and len(g_idx.shape) == 1:
+        in_features = g_idx.shape[0]
+    elif bits:
+        in_features = qweight.shape[0] * 32 // bits
+    else:
+        return None
+    if not in_features or not bits:
+        return None
+    group = in_features // groups if groups else in_features
+    desc = s.config.get("desc_act")
+    order = ", act-order" if desc is True else ""
+    label = f"{bits}-bit GPTQ, group {group}{order}"
+    extra = (g_idx,) if g_idx is not None else ()
+    return Found(s.base + "weight", label, (out, in_features), out * in_features,
+                 (qweight, qzeros, scales), extra)
+
+
+def _awq(qweight: TensorRecord, s: Siblings) -> Found | None:
+    """AWQ GEMM packing (AutoAWQ ``WQLinear_GEMM``): ``qweight`` int32 ``[in, out * bits / 32]``,
+    ``qzeros`` int32 ``[groups, out * bits / 32]``, ``scales`` ``[groups, out]``."""
+    scales, qzeros = s.get("scales"), s.get("qzeros")
+    if (scales is None or qzeros is None or len(qweight.shape) != 2 or len(scales.shape) != 2
+            or qweight.dtype not in ("int32", "uint32")):
+        return None
+    groups, out = scales.shape
+    in_features = qweight.shape[0]
+    if not out or not qweight.shape[1] or out % qweight.shape[1]:
+        return None
+    bits = 32 * qweight.shape[1] // out
+    if bits not in (2, 3, 4, 8):
+        return None
+    group = in_features // groups if groups else in_features
+    return Found(s.base + "weight", f"{bits}-bit AWQ, group {group}", (out, in_features),
+                 out * in_features, (qweight, qzeros, scales))
+
+
+#: The registry, in the order matchers are tried for a shared anchor.
+LAYOUTS: dict[str, Layout] = {
+    layout.key: layout for layout in (
+        Layout("gptq", ".qweight", _gptq, "AutoGPTQ auto_gptq/nn_modules/qlinear/__init__.py"),
+        Layout("awq-gemm", ".qweight", _awq, "AutoAWQ awq/modules/linear/gemm.py"),
+    )
+}
+
+
+def _anchors() -> dict[str, list[Layout]]:
+    out: dict[str, list[Layout]] = {}
+    for layout in LAYOUTS.values():
+        out.setdefault(layout.anchor, []).append(layout)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis
+
+
+def _dtype_label(dtype: str) -> str:
+    return dtype
+
+
+def analyze(inventory: Inventory, config: Mapping[str, Any] | None = None) -> Quantization:
+    """Parameters and bits per weight of ``inventory`` (``config`` is the model's
+    ``quantization_config``; :func:`config_for` finds it beside the file)."""
+    config = {} if config is None else config
+    records: dict[str, TensorRecord] = {}
+    order: list[TensorRecord] = []
+    seen_storage: set[tuple[str, int, tuple[int, ...], str]] = set()
+    for t in inventory.tensors:
+        if t.category not in _LOOKED_AT or t.duplicate_of is not None:
+            continue
+        if t.storage is not None:
+            ident = (t.storage, t.storage_offset, t.shape, t.dtype)
+            if ident in seen_storage:
+                continue  # a second view of the same bytes (tied weights)
+            seen_storage.add(ident)
+        records[t.key] = t
+        order.append(t)
+    anchors = _anchors()
+    suffixes = tuple(anchors)
+    claimed: set[str] = set()
+    found: list[QuantizedWeight] = []
+    for t in order:
+        key = t.key
+        if key in claimed or not key.endswith(suffixes):
+            continue
+        for suffix in suffixes:
+            if not key.endswith(suffix):
+                continue
+            sib = Siblings(key[: len(key) - len(suffix) + 1], records, config)
+            for layout in anchors[suffix]:
+                hit = layout.match(t, sib)
+                if hit is None or any(p.key in claimed for p in (*hit.counted, *hit.uncounted)):
+                    continue
+                parts = (*hit.counted, *hit.uncounted)
+                claimed.update(p.key for p in parts)
+                found.append(QuantizedWeight(
+                    hit.name, layout.key, hit.label, hit.shape, hit.parameters,
+                    sum(_tensor_bytes(p) for p in hit.counted), tuple(p.name for p in parts)))
+                break
+            if key in claimed:
+                break
+    for t in order:
+        if t.key in claimed or t.category is not Category.WEIGHTS:
+            continue
+        found.append(QuantizedWeight(t.name, _plain_layout(t.dtype), _dtype_label(t.dtype),
+                                     t.shape, numel(t.shape), _tensor_bytes(t), (t.name,)))
+    return Quantization(tuple(found), config=config)
+
+
+def _plain_layout(dtype: str) -> str:
+    d = DTYPES.get(dtype) or DTYPES.get(canonical(dtype) or "")
+    return f"dtype:{d.name if d else dtype}"
+
+
+def config_for(inventory: Inventory) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The model's quantization settings from a ``config.json`` beside the checkpoint:
+    ``quantization_config`` (transformers), ``quantization`` (MLX), ``compression_config``
+    (older compressed-tensors). Empty when there is none; a note when it cannot be read."""
+    files = inventory.files
+    if not files:
+        return {}, ()
+    path = inventory.path
+    folder = path if path.is_dir() else Path(files[0].path).parent
+    cfg = folder / "config.json"
+    try:
+        if not cfg.is_file() or cfg.stat().st_size > _CONFIG_LIMIT:
+            return {}, ()
+        data = json.loads(cfg.read_bytes())
+    except (OSError, ValueError) as exc:
+        return {}, (f"{cfg.name} beside the checkpoint was not read: {exc}",)
+    if not isinstance(data, dict):
+        return {}, ()
+    for key in ("quantization_config", "quantization", "compression_config"):
+        value = data.get(key)
+        if isinstance(value, dict):
+            return value, ()
+    return {}, ()
+
+
+def paired(a: Iterable[QuantizedWeight], b: Iterable[QuantizedWeight]
+           ) -> list[tuple[QuantizedWeight, QuantizedWeight]]:
+    """Weights of two checkpoints with the same logical name and shape, where at least one
+    is quantized: a quantized tensor beside its unquantized source."""
+    right = {w.name: w for w in b}
+    out = []
+    for w in a:
+        other = right.get(w.name)
+        if other is None or not (w.layout in LAYOUTS or other.layout in LAYOUTS):
+            continue
+        if w.shape and other.shape and w.shape != other.shape:
+            continue
+        out.append((w, other))
+    return out
+
