@@ -243,6 +243,7 @@ def _findings(report: Report) -> str:
 def render_inspect(report: Report, top: int = 25) -> str:
     """The page for ``modelsize inspect --html``."""
     inv = report.inventory
+    quant = report.quantization
     parts = _category_parts(inv.bytes_by_category)
     cats = [c for c, _ in parts]
     rows = [(t.name, t.category.value, t.dtype, "x".join(map(str, t.shape)) or "scalar",
@@ -250,11 +251,16 @@ def render_inspect(report: Report, top: int = 25) -> str:
     body = (
         f"<h1>{_e(inv.path)}</h1><p class=\"sub\">{_e(inv.format)}, "
         f"{inv.file_bytes:,} bytes ({human_bytes(inv.file_bytes)}), {len(inv.tensors):,} "
-        f"tensors</p><p>{_e(report.summary)}</p>"
+        f"tensors</p><p><b>{_e(quant.headline())}</b></p><p>{_e(report.summary)}</p>"
         f"<h2>Bytes by category</h2>{stacked_bar(parts, inv.file_bytes)}{legend(cats)}"
         + table(("category", "bytes", "share"),
                 [(c, _bytes_cell(n), percent(n, inv.file_bytes)) for c, n in parts],
                 (False, True, True))
+        + "<h2>Weights by storage</h2>"
+        + table(("stored as", "weights", "parameters", "bits per weight", "bytes"),
+                [(g.label, f"{g.weights:,}", f"{g.parameters:,}", f"{g.bits_per_weight:.3f}",
+                  _bytes_cell(g.counted_bytes)) for g in quant.groups],
+                (False, True, True, True, True))
         + f"<h2>Findings</h2>{_findings(report)}"
         f"<h2>Where the bytes are (by module)</h2>{treemap(_groups(report))}"
         f"<h2>Largest tensors</h2>"
@@ -286,7 +292,8 @@ def card_inspect(report: Report) -> str:
                     f"<code>{_e(f.action)}</code></li>" for f in report.findings)
     return _card(f"<b>{_e(inv.path.name)}</b> "
             f"{_e(inv.format)}, {_e(human_bytes(inv.file_bytes))}, {len(inv.tensors):,} "
-            f"tensors{stacked_bar(parts, inv.file_bytes, height=18)}"
+            f"tensors<div>{_e(report.quantization.headline())}</div>"
+            f"{stacked_bar(parts, inv.file_bytes, height=18)}"
             f"{legend(c for c, _ in parts)}<div>{_e(report.summary)}</div>"
             + (f"<ul>{finds}</ul>" if finds else ""))
 
