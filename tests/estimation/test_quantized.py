@@ -175,3 +175,13 @@ def test_storages_of_quantized_weights() -> None:
     parts = storages(w)
     assert sorted(str(p.dtype) for p in parts) == ["torch.float32", "torch.int8", "torch.int8"]
     assert sum(p.nbytes for p in parts) == 512 * 256 + 512 * 4 + 512
+
+
+def test_cli_quantize_refuses_a_meta_model_in_one_line(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    from modelsize.cli import main
+
+    assert main(["estimate", "seed-cnn", "--infer", "--quantize", "int8", "--no-suggest"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["modelsize: --quantize int8: seed-cnn is built on the meta device (no weight "
+                   "values to quantize); give a model folder or a factory"]

@@ -342,3 +342,16 @@ def quantize_copy(model: nn.Module, scheme: str | Scheme) -> nn.Module:
     """:func:`quantize_model` on a deep copy of ``model`` (the caller's model untouched)."""
     s = parse_scheme(scheme)
     return quantize_model(copy.deepcopy(model), s)
+
+
+def quantize_target(target: Any, scheme: str | Scheme) -> Any:
+    """A CLI target (``estimation.targets.Target``) whose model is quantized by
+    :func:`quantize_model` (``--quantize``); a model on the meta device is refused: the
+    quantizers need the weights' values."""
+    import dataclasses
+
+    model = target.model
+    if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
+        raise UsageError(f"--quantize {scheme}: {target.name} is built on the meta device "
+                         "(no weight values to quantize); give a model folder or a factory")
+    return dataclasses.replace(target, model=quantize_model(model, scheme))
