@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the model's weights (default: a config.json's own "
                         "dtype, else float32; a factory's model keeps its own); the report "
                         "names the one used and where it came from")
+    parser.add_argument("--quantize", choices=["int8", "int4", "fp8", "nf4"], default=None,
+                        help="quantize the nn.Linear weights first (weight-only): torchao for "
+                        "int8/int4/fp8, bitsandbytes for nf4; the report names the library")
     parser.add_argument("--accumulate", type=_positive, default=1, metavar="N",
                         help="micro-batches per optimizer step (gradient accumulation)")
     parser.add_argument("--checkpoint", action="append", default=None, metavar="MODULES",
@@ -193,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
     parse_name(optimizer)
     verify_budget = _size(args.verify_budget, "--verify-budget") if args.verify_budget else None
     target = resolve(args.model, args.dtype, args.input)
+    if args.quantize:
+        from modelsize.estimation.quantized import quantize_target
+
+        target = quantize_target(target, args.quantize)
     if args.seq is not None and not target.seq:
         raise UsageError(f"--seq: {target.name} has no sequence dimension ("
                          + (f"it takes {target.kind}" if target.kind else

@@ -90,6 +90,7 @@ def estimate(
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
     generation: Mapping[str, Any] | None = None,
+    quantize: str | None = None,
 ) -> Estimate:
     """The exact peak memory of running ``model`` on ``inputs``, without allocating it.
 
@@ -155,6 +156,13 @@ def estimate(
     ``cpu_offload=True`` splits the rank's bytes between GPU and host (accounted). With
     ``verify=True`` the traced rank is also run for real on the fake process group and
     measured (at full size only).
+
+    ``quantize`` (``"int8"``, ``"int4"``, ``"fp8"``, ``"nf4"``): estimate a copy of ``model``
+    whose ``nn.Linear`` weights are quantized (weight-only) by torchao (int8, int4, fp8) or
+    bitsandbytes (nf4): see :func:`modelsize.estimation.quantized.quantize_model`; the
+    caller's model is not changed. ``Estimate.setup.quantization`` names the scheme and
+    library, as it does for a model that arrives quantized (torchao tensor subclasses,
+    bitsandbytes ``Linear4bit``/``Linear8bitLt``, :mod:`modelsize.estimation.gptq` layers).
     """
     require_torch()
     from modelsize.estimation import core
@@ -164,5 +172,5 @@ def estimate(
         implementation=implementation, accumulate=accumulate, checkpoint=checkpoint,
         steps=steps, optimize_frozen=optimize_frozen, verify=verify,
         verify_budget=verify_budget, name=name, progress=progress, parallel=parallel,
-        new_tokens=new_tokens, generation=generation,
+        new_tokens=new_tokens, generation=generation, quantize=quantize,
     )

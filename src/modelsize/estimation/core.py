@@ -70,10 +70,15 @@ def estimate(
     parallel: Parallel | None = None,
     new_tokens: int | None = None,
     generation: Mapping[str, Any] | None = None,
+    quantize: str | None = None,
 ) -> Estimate:
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if quantize is not None:
+        from modelsize.estimation.quantized import quantize_copy
+
+        model = quantize_copy(model, quantize)
     if mode == "generate" or new_tokens is not None or generation is not None:
         from modelsize.estimation.generate import estimate_api
 
@@ -114,7 +119,8 @@ def estimate(
             if verify:
                 est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
                                                             est, verify_budget))
-            return replace(est, setup=replace(est.setup, dtype=weights_dtype(model)))
+            return replace(est, setup=replace(est.setup, dtype=weights_dtype(model),
+                                              quantization=quantization_label(model)))
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
@@ -128,7 +134,8 @@ def estimate(
     finally:
         start.restore()
     est = summarize(trace, program, label, described, sources)
-    est = replace(est, setup=replace(est.setup, dtype=weights_dtype(model)))
+    est = replace(est, setup=replace(est.setup, dtype=weights_dtype(model),
+                                     quantization=quantization_label(model)))
     if verify:
         batch, resize = resize_batch(inputs)
         known = est.peak_bytes if settings.device == "cpu" else None
@@ -140,6 +147,15 @@ def estimate(
 
 DEFAULT_DEVICE = "cpu"
 DEFAULT_OPTIMIZER = "adamw"
+
+
+def quantization_label(model: nn.Module) -> str:
+    """What :func:`modelsize.estimation.quantized.quantization_of` says of ``model``, as
+    the report shows it (``""`` when no weight is quantized)."""
+    from modelsize.estimation.quantized import quantization_of
+
+    found = quantization_of(model)
+    return found.label() if found is not None else ""
 
 
 def weights_dtype(model: nn.Module) -> str:

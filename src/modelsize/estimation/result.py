@@ -135,6 +135,8 @@ class Setup:
     sources: dict[str, Source] = field(default_factory=dict)
     dtype: str = ""
     """The dtype of the model's floating-point weights (``bfloat16+float32`` when mixed)."""
+    quantization: str = ""
+    """Quantized weights and the library that made them (``nf4 (bitsandbytes Linear4bit)``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -151,6 +153,7 @@ class Setup:
             "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in self.inputs],
             "optimize_frozen": self.optimize_frozen,
             "dtype": self.dtype or None,
+            "quantization": self.quantization or None,
             "sources": {k: str(v) for k, v in self.sources.items()},
         }
 

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, UsageError
+from modelsize.estimation import quantized
 from modelsize.estimation.optimizers import Implementation, OptimizerSpec, make_factory
 from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin, parts
 
@@ -127,6 +128,8 @@ class _FakeCopier:
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """The fake twin of ``t`` (not a view: autocast caches casts of leaves only)."""
+        if quantized.is_wrapper(t):  # a quantized weight's subclass: its inner tensors
+            return quantized.fake_copy(t, self.copy)
         st = t.untyped_storage()
         self._keep.append(t)
         storage = self._storages.get(st._cdata)
@@ -238,6 +241,8 @@ def fake_state(model: nn.Module, copier: _FakeCopier, mode: CountingFakeMode
             fakes[id(p)] = fp
             unique.append(fp)
             mode.track(fp, Origin.PARAMETER)
+            for t in quantized.carry_state(p, fp, copier.copy):  # bitsandbytes' quant_state
+                mode.track(t, Origin.PARAMETER)
         state[name] = fakes[id(p)]
     for name, b in buffers:
         if id(b) not in fakes:
@@ -289,6 +294,8 @@ def run_trace(
     with contextlib.ExitStack() as stack:
         stack.enter_context(training_flags(model, train))
         stack.enter_context(_swapped_state(model, state))
+        stack.enter_context(quantized.layer_states(
+            model, copier.copy, lambda t: mode.track(t, Origin.PARAMETER)))
         stack.enter_context(checkpointed(model, program.checkpoint if train else ()))
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(mode)

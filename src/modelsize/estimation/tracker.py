@@ -46,7 +46,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from modelsize.estimation import kernels, rng
+from modelsize.estimation import kernels, quant_kernels, quantized, rng
 from modelsize.estimation.fake_rules import RULES
 from modelsize.estimation.scratch import ScratchModels
 
@@ -180,6 +180,8 @@ class CountingFakeMode(FakeTensorMode):
     def track(self, tensor: torch.Tensor, origin: Origin) -> Allocation:
         """Count ``tensor``'s storage from now on (no-op if it is already counted); a sparse
         tensor's storages (see :func:`parts`) all, the record of its values returned."""
+        if not isinstance(tensor, FakeTensor) and quantized.is_wrapper(tensor):
+            return [self.track(t, origin) for t in quantized.inner_tensors(tensor)][-1]
         if tensor.layout is not torch.strided:
             recs = [self.track(t, origin) for t in parts(tensor)]
             return recs[-1] if recs else Allocation(0, origin, self.tick, 0, "")
@@ -329,7 +331,8 @@ class CountingFakeMode(FakeTensorMode):
 
     def _op_info(self, func: Any) -> tuple[bool, Any, bool]:
         """Whether ``func`` runs as one kernel, its fake rule, whether it has scratch (once)."""
-        info = (kernels.runs_as_kernel(func, self.device_type), RULES.get(func),
+        info = (kernels.runs_as_kernel(func, self.device_type),
+                RULES.get(func) or quant_kernels.rule(func),
                 self.scratch is not None and self.scratch.covers(func))
         self._ops[func] = info
         return info

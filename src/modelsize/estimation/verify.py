@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from modelsize.estimation import quantized
 from modelsize.estimation.fit import fit
 from modelsize.estimation.optimizers import default_implementation, make_factory
 from modelsize.estimation.result import Verification
@@ -188,7 +189,7 @@ def measure(model: nn.Module, inputs: Inputs, program: Program) -> int:
     args, kwargs = _real_inputs(inputs)
     train = program.mode == "train"
     params = list(work.parameters())
-    tensors = [*params, *work.buffers(),
+    tensors = [*params, *work.buffers(), *quantized.layer_state_tensors(work),
                *(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))]
     before = storage_bytes(tensors)
     loss_fn = program.loss or default_loss
@@ -228,7 +229,7 @@ def run_program(call: Callable[[], Any], params: list[nn.Parameter], program: Pr
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: dict[int, int] = {}
-    for t in tensors:
+    for t in (p for whole in tensors for p in quantized.storages(whole)):
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

@@ -86,6 +86,7 @@ def _what(est: Estimate) -> str:
         what = (f"training step with {s.optimizer}{impl}{_source(est, 'optimizer')}"
                 f"{_frozen(est)}{acc}{ckpt}")
     weights = f", {s.dtype} weights{_source(est, 'dtype')}" if s.dtype else ""
+    weights += f", weights: {s.quantization}" if s.quantization else ""
     amp = f", {s.amp} autocast" if s.amp else ""
     if s.amp and est.parallel is not None and est.parallel.mixed_precision == "policy":
         amp = f", {s.amp} parameters by FSDP2's MixedPrecisionPolicy"

@@ -1,0 +1,357 @@
+"""Quantized weights in a trace: tensor subclasses, bitsandbytes parameters, ``--quantize``.
+
+A quantized weight is not one storage: a torchao ``Int8Tensor`` is a wrapper whose bytes are
+its inner ``qdata`` and ``scale`` tensors, and a bitsandbytes ``Params4bit`` is a ``uint8``
+tensor of packed nibbles whose ``quant_state`` holds the block scales (``absmax``, with a
+second level of ``absmax``/``code``/``offset`` under double quantization) and the 16-value
+codebook. What this module gives the trace and the real run:
+
+* :func:`fake_copy`: the fake twin of a wrapper subclass, rebuilt from fake twins of its
+  inner tensors (``__tensor_flatten__`` / ``__tensor_unflatten__``), so the subclass's own
+  ``__torch_dispatch__`` runs on fake data and every op it makes is counted;
+* :func:`carry_state`: a bitsandbytes parameter's quantization state copied onto its fake
+  twin (fake tensors), so bitsandbytes' own ``forward`` runs unchanged in the trace (without
+  it, ``Linear4bit.forward`` tries to rebuild a ``Params4bit`` around the fake tensor and
+  fails);
+* :func:`storages`: the plain tensors that hold a tensor's bytes, for counting (the trace's
+  parameters, the real run's bytes before the program);
+* :func:`quantize_model`: ``--quantize int8|int4|fp8|nf4`` applied to a model, by torchao or
+  bitsandbytes, named in the result (:func:`scheme_label`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from modelsize.errors import MissingDependencyError, UsageError
+
+
+def is_wrapper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a wrapper tensor subclass whose bytes live in inner tensors."""
+    return bool(is_traceable_wrapper_subclass(t))
+
+
+def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors inside the wrapper ``t`` (recursively), in flatten order."""
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    for name in names:
+        inner = getattr(t, name)
+        if is_wrapper(inner):
+            yield from inner_tensors(inner)
+        else:
+            yield inner
+
+
+def _quant_state(t: torch.Tensor) -> Any:
+    """A bitsandbytes ``QuantState`` attached to ``t``, or None (no import of bitsandbytes)."""
+    return t.__dict__.get("quant_state") if hasattr(t, "__dict__") else None
+
+
+def _state_tensors(state: Any) -> Iterator[torch.Tensor]:
+    for name in ("absmax", "code", "offset"):
+        v = getattr(state, name, None)
+        if isinstance(v, torch.Tensor):
+            yield v
+    state2 = getattr(state, "state2", None)
+    if state2 is not None:
+        yield from _state_tensors(state2)
+
+
+def storages(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes: the inner tensors of a wrapper subclass; a
+    bitsandbytes parameter and its quantization state (4-bit ``quant_state``, 8-bit ``SCB``
+    and ``CB`` where they are not the data itself); else ``t``."""
+    if is_wrapper(t):
+        return list(inner_tensors(t))
+    out = [t]
+    state = _quant_state(t)
+    if state is not None:
+        out += list(_state_tensors(state))
+    for name in ("SCB", "CB"):
+        v = t.__dict__.get(name) if hasattr(t, "__dict__") else None
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+def fake_copy(t: torch.Tensor, copy_plain: Callable[[torch.Tensor], torch.Tensor]
+              ) -> torch.Tensor:
+    """The fake twin of the wrapper subclass ``t``: the same subclass around fake twins
+    (made by ``copy_plain``) of its inner tensors."""
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {}
+    for name in names:
+        v = getattr(t, name)
+        inner[name] = fake_copy(v, copy_plain) if is_wrapper(v) else copy_plain(v)
+    return type(t).__tensor_unflatten__(  # type: ignore[attr-defined, no-any-return]
+        inner, ctx, t.size(), t.stride())
+
+
+def carry_state(real: torch.Tensor, fake: torch.Tensor,
+                copy_plain: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Give the fake twin ``fake`` of a bitsandbytes parameter ``real`` its quantization
+    state, with fake twins of the state's tensors; returns those twins (to be counted).
+    A plain parameter gets nothing."""
+    made: list[torch.Tensor] = []
+    if not hasattr(real, "__dict__"):
+        return made
+    state = _quant_state(real)
+    if state is not None:
+        fake.quant_state = _fake_state(state, copy_plain, made)  # type: ignore[attr-defined]
+        for name in ("blocksize", "compress_statistics", "quant_type", "quant_storage",
+                     "bnb_quantized", "module"):
+            if name in real.__dict__:
+                setattr(fake, name, real.__dict__[name])
+    for name in ("SCB", "CB"):
+        v = real.__dict__.get(name)
+        if isinstance(v, torch.Tensor):
+            twin = fake if v.untyped_storage()._cdata == real.untyped_storage()._cdata \
+                else copy_plain(v)
+            setattr(fake, name, twin)
+            made.append(twin)
+    return made
+
+
+def _fake_state(state: Any, copy_plain: Callable[[torch.Tensor], torch.Tensor],
+                made: list[torch.Tensor]) -> Any:
+    twin = copy.copy(state)
+    for name in ("absmax", "code", "offset"):
+        v = getattr(state, name, None)
+        if isinstance(v, torch.Tensor):
+            setattr(twin, name, copy_plain(v))
+            made.append(getattr(twin, name))
+    if getattr(state, "state2", None) is not None:
+        twin.state2 = _fake_state(state.state2, copy_plain, made)
+    return twin
+
+
+class Scheme(str, Enum):
+    """``--quantize``: weight-only quantization of a model's linear layers."""
+
+    INT8 = "int8"
+    INT4 = "int4"
+    FP8 = "fp8"
+    NF4 = "nf4"
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a model's weights were quantized, for the report."""
+
+    scheme: str
+    library: str
+    layer: str
+
+    def label(self) -> str:
+        """``nf4 (bitsandbytes Linear4bit)``."""
+        return f"{self.scheme} ({self.library} {self.layer})"
+
+
+def parse_scheme(scheme: str | Scheme) -> Scheme:
+    """A user string to a :class:`Scheme` (one clean error otherwise)."""
+    if isinstance(scheme, Scheme):
+        return scheme
+    try:
+        return Scheme(str(scheme).lower())
+    except ValueError:
+        choices = ", ".join(s.value for s in Scheme)
+        raise UsageError(f"unknown quantization {scheme!r}: expected one of {choices}") from None
+
+
+def _require(module: str, scheme: Scheme) -> None:
+    try:
+        __import__(module)
+    except ImportError as exc:
+        raise MissingDependencyError(module, f"--quantize {scheme.value}", extra="quant") from exc
+
+
+def quantize_model(model: nn.Module, scheme: str | Scheme) -> nn.Module:
+    """``model`` with the weights of its ``nn.Linear`` layers quantized (weight-only), in
+    place, and returned; what was applied is :func:`quantization_of` the result.
+
+    ``int8``, ``int4``, ``fp8``: torchao's ``quantize_`` with ``Int8WeightOnlyConfig``,
+    ``IntxWeightOnlyConfig(int4, PerGroup(128))`` (the int4 layout whose kernel runs on CPU:
+    int4 values kept one per byte, torchao 0.18's packed ``Int4WeightOnlyConfig`` layouts
+    need CUDA or mslk) and
+    ``Float8WeightOnlyConfig``: each weight becomes a torchao tensor subclass. ``nf4``:
+    each ``nn.Linear`` becomes a bitsandbytes ``Linear4bit`` (NF4, blocks of 64, double
+    quantization and the compute dtype of the original weight, as transformers'
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True)`` builds it), quantized from the weight's values.
+    Works on its own: LoRA adapters (``estimation.lora``) can be applied on the result.
+    """
+    s = parse_scheme(scheme)
+    if s is Scheme.NF4:
+        _require("bitsandbytes", s)
+        _to_linear4bit(model)
+        quant = Quantization(s.value, "bitsandbytes", "Linear4bit")
+    else:
+        _require("torchao", s)
+        from torchao.quantization import quantize_
+
+        quantize_(model, _torchao_config(s))
+        layer = {Scheme.INT8: "Int8WeightOnlyConfig", Scheme.INT4: "IntxWeightOnlyConfig",
+                 Scheme.FP8: "Float8WeightOnlyConfig"}[s]
+        quant = Quantization(s.value, "torchao", layer)
+    model.__dict__["_modelsize_quantization"] = quant
+    return model
+
+
+def quantization_of(model: nn.Module) -> Quantization | None:
+    """What :func:`quantize_model` applied to ``model``, or what its layers show (torchao
+    subclasses, bitsandbytes layers), or None for a model with no quantized weight."""
+    given = model.__dict__.get("_modelsize_quantization")
+    if isinstance(given, Quantization):
+        return given
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind in ("Linear4bit", "LinearNF4", "LinearFP4"):
+            qtype = getattr(getattr(m, "weight", None), "quant_type", "4bit")
+            return Quantization(str(qtype), "bitsandbytes", kind)
+        if kind == "Linear8bitLt":
+            return Quantization("int8", "bitsandbytes", kind)
+        if kind in _OWN_LAYERS:
+            return Quantization(f"int{getattr(m, 'bits', 4)}", "modelsize", kind)
+        w = m.__dict__.get("_parameters", {}).get("weight")
+        if isinstance(w, torch.Tensor) and is_wrapper(w):
+            return Quantization(_subclass_scheme(w), "torchao", type(w).__name__)
+    return None
+
+
+_OWN_LAYERS = ("GPTQLinear", "AWQLinear")
+
+
+def _subclass_scheme(w: torch.Tensor) -> str:
+    target = getattr(w, "target_dtype", None)  # torchao's Intx tensors: the logical dtype
+    if isinstance(target, torch.dtype):
+        return str(target).removeprefix("torch.")
+    name = type(w).__name__
+    if "Float8" in name:
+        return "fp8"
+    if "Int4" in name:
+        return "int4"
+    dtypes = {t.dtype for t in inner_tensors(w)}
+    return "int8" if torch.int8 in dtypes else name
+
+
+def _torchao_config(s: Scheme) -> Any:
+    from torchao.quantization import (
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+    )
+    from torchao.quantization.granularity import PerGroup
+
+    if s is Scheme.INT8:
+        return Int8WeightOnlyConfig()
+    if s is Scheme.INT4:
+        return IntxWeightOnlyConfig(weight_dtype=torch.int4,  # type: ignore[attr-defined]
+                                     granularity=PerGroup(128))
+    return Float8WeightOnlyConfig()
+
+
+def _to_linear4bit(model: nn.Module) -> None:
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            w = child.weight
+            if w.is_meta:
+                raise UsageError("--quantize nf4 needs the weights' values: the model is on "
+                                 "the meta device")
+            layer = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=w.dtype, compress_statistics=True, quant_type="nf4",
+                device="cpu")
+            layer.weight = bnb.nn.Params4bit(
+                w.detach().to("cpu"), requires_grad=False, compress_statistics=True,
+                quant_type="nf4", blocksize=64, module=layer)
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach().clone(),
+                                          requires_grad=child.bias.requires_grad)
+            layer.weight = layer.weight._quantize("cpu")
+            layer.quant_state = layer.weight.quant_state  # type: ignore[attr-defined]
+            layer.train(child.training)
+            setattr(parent, name, layer)
+
+
+def loaded(name: str) -> bool:
+    """Whether the module ``name`` is already imported (we never import a quantization
+    library just to look for its types)."""
+    return name in sys.modules
+
+
+@contextlib.contextmanager
+def layer_states(model: nn.Module, copy_plain: Callable[[torch.Tensor], torch.Tensor],
+                 track: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    """For the trace, each bitsandbytes ``Linear8bitLt`` gets a copy of its ``state``
+    (``MatmulLtState``) whose int8 weight ``CB`` and row scales ``SCB`` are fake twins
+    (counted with ``track``); the layer's own state is put back afterwards.
+
+    The layer's first forward moves ``weight.CB``/``weight.SCB`` into ``self.state``
+    (``init_8bit_state``) and reads them from there: left alone, the trace would store fake
+    tensors in the caller's model (and a real run of it would then read a fake tensor's
+    data pointer).
+    """
+    saved: list[tuple[nn.Module, Any]] = []
+    for m in model.modules():
+        state = m.__dict__.get("state")
+        if type(state).__name__ != "MatmulLtState":
+            continue
+        twin = copy.copy(state)
+        for name in ("CB", "SCB"):
+            v = getattr(state, name, None)
+            if isinstance(v, torch.Tensor):
+                fake = copy_plain(v)
+                track(fake)
+                setattr(twin, name, fake)
+        saved.append((m, state))
+        m.__dict__["state"] = twin
+    try:
+        yield
+    finally:
+        for m, old in saved:
+            m.__dict__["state"] = old
+
+
+def layer_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors bitsandbytes 8-bit layers keep in ``state`` (not parameters, not
+    buffers): the int8 weight and its row scales once the first forward moved them there."""
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        state = m.__dict__.get("state")
+        if type(state).__name__ == "MatmulLtState":
+            out += [v for v in (getattr(state, n, None) for n in ("CB", "SCB"))
+                    if isinstance(v, torch.Tensor)]
+    return out
+
+
+def quantize_copy(model: nn.Module, scheme: str | Scheme) -> nn.Module:
+    """:func:`quantize_model` on a deep copy of ``model`` (the caller's model untouched)."""
+    s = parse_scheme(scheme)
+    return quantize_model(copy.deepcopy(model), s)
+
+
+def quantize_target(target: Any, scheme: str | Scheme) -> Any:
+    """A CLI target (``estimation.targets.Target``) whose model is quantized by
+    :func:`quantize_model` (``--quantize``); a model on the meta device is refused: the
+    quantizers need the weights' values."""
+    import dataclasses
+
+    model = target.model
+    if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
+        raise UsageError(f"--quantize {scheme}: {target.name} is built on the meta device "
+                         "(no weight values to quantize); give a model folder or a factory")
+    return dataclasses.replace(target, model=quantize_model(model, scheme))
