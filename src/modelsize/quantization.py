@@ -397,13 +397,25 @@ _CT_NAIVE_SPEC = ("compressed-tensors compressed_tensors/compressors/naive_quant
                   "the int-quantized, float-quantized and naive-quantized formats")
 
 
+def _ct_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The compressed-tensors settings: older checkpoints nest them in ``compression_config``
+    as ``{"quantization_config": {...}, "sparsity_config": {...}}``."""
+    inner = config.get("quantization_config")
+    return inner if isinstance(inner, Mapping) and "config_groups" in inner else config
+
+
+def _ct_method_ok(config: Mapping[str, Any], required: bool = False) -> bool:
+    method = _method(_ct_config(config))
+    return method == "compressed-tensors" or (not required and method == "")
+
+
 def _ct_weights_args(config: Mapping[str, Any], module: str,
                      formats: tuple[str, ...]) -> Mapping[str, Any]:
     """The ``weights`` arguments of the ``config_groups`` entry that stores ``module`` in one
     of ``formats``: a group whose ``re:`` target matches the module, else the only group of
     those formats, else those groups' common settings; empty when the config does not say."""
-    if _method(config) not in ("compressed-tensors", "") or not isinstance(
-            config.get("config_groups"), Mapping):
+    config = _ct_config(config)
+    if not _ct_method_ok(config) or not isinstance(config.get("config_groups"), Mapping):
         return {}
     top = config.get("format")
     picked: list[Mapping[str, Any]] = []
@@ -462,7 +474,7 @@ def _ct_pack_quantized(packed: TensorRecord, s: Siblings) -> Found | None:
     else 4 is assumed and said in the label."""
     scale = s.get("weight_scale")
     if (scale is None or packed.dtype != "int32" or len(packed.shape) != 2
-            or _method(s.config) not in ("compressed-tensors", "")):
+            or not _ct_method_ok(s.config)):
         return None
     out, cols = packed.shape
     args = _ct_weights_args(s.config, s.module(), ("pack-quantized",))
@@ -501,7 +513,7 @@ def _ct_fp4_packed(packed: TensorRecord, s: Siblings) -> Found | None:
     scale = s.get("weight_scale")
     if (scale is None or packed.dtype != "uint8" or len(packed.shape) != 2
             or len(scale.shape) != 2 or scale.shape[0] != packed.shape[0] or not scale.shape[1]
-            or _method(s.config) not in ("compressed-tensors", "")):
+            or not _ct_method_ok(s.config)):
         return None
     out, cols = packed.shape
     in_features = cols * 2
@@ -541,7 +553,7 @@ def _ct_int_quantized(weight: TensorRecord, s: Siblings) -> Found | None:
     ``weight_scale`` per tensor, channel ``[out, 1]`` or group, and ``weight_zero_point``
     when asymmetric. Needs no config: an int8 weight with a ``weight_scale`` is no other
     layout's (bitsandbytes int8 keeps ``SCB``)."""
-    if weight.dtype != "int8" or _method(s.config) not in ("compressed-tensors", ""):
+    if weight.dtype != "int8" or not _ct_method_ok(s.config):
         return None
     return _ct_naive(weight, s, "int")
 
@@ -551,7 +563,7 @@ def _ct_float_quantized(weight: TensorRecord, s: Siblings) -> Found | None:
     tensor ``[1]``, channel ``[out, 1]`` or block ``[out / 128, in / 128]``. Only with a
     compressed-tensors config: the bytes are those of any fp8 checkpoint, which the generic
     fp8 layout counts alike; this one names the format."""
-    if not weight.dtype.startswith("float8_") or _method(s.config) != "compressed-tensors":
+    if not weight.dtype.startswith("float8_") or not _ct_method_ok(s.config, required=True):
         return None
     return _ct_naive(weight, s, "float")
 

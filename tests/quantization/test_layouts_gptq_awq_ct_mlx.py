@@ -379,6 +379,31 @@ def test_compressed_tensors_formats(ct_folders, preset, label, bits):
     assert _file_bytes_add_up(report)
 
 
+def test_compressed_tensors_older_compression_config(ct_folders, tmp_path):
+    """Older checkpoints nest the settings as compression_config.quantization_config."""
+    folder, params = ct_folders["W4A16_ASYM"]
+    copy = tmp_path / "old"
+    shutil.copytree(folder, copy)
+    data = json.loads((copy / "config.json").read_text())
+    data["compression_config"] = {"quantization_config": data.pop("quantization_config"),
+                                  "sparsity_config": None}
+    (copy / "config.json").write_text(json.dumps(data))
+    report = modelsize.inspect(copy)
+    first = _weight(report, "0.weight")
+    assert report.parameters == params
+    assert first.label == "4-bit compressed-tensors pack-quantized, group 128"
+
+
+def test_compressed_tensors_without_a_config_assumes_4_bits(ct_folders, tmp_path):
+    folder, params = ct_folders["W4A16"]
+    copy = tmp_path / "bare"
+    copy.mkdir()
+    shutil.copy(folder / "model.safetensors", copy)
+    report = modelsize.inspect(copy)
+    assert report.parameters == params
+    assert _weight(report, "0.weight").label.endswith("(bits assumed: no quantization_config)")
+
+
 def test_compressed_tensors_activation_scales_are_not_parameters(ct_folders):
     folder, params = ct_folders["FP8"]
     report = modelsize.inspect(folder)
@@ -424,8 +449,9 @@ def test_mlx_llama_with_a_per_layer_override():
 
 
 @pytest.mark.parametrize("mode,label,bits", [
-    ("mxfp4", "MXFP4 MLX, group 32", 4 + 8 / 32), ("nvfp4", "NVFP4 MLX, group 16", 4 + 8 / 16)])
-def test_mlx_fp4_modes(tmp_path, mode, label, bits):
+    ("mxfp4", "MXFP4 MLX, group 32", 4 + 8 / 32), ("nvfp4", "NVFP4 MLX, group 16", 4 + 8 / 16),
+    ("mxfp8", "MXFP8 MLX, group 32", 8 + 8 / 32)])
+def test_mlx_fp_modes(tmp_path, mode, label, bits):
     fixture = _mlx_manifest()[mode]
     for with_config in (True, False):
         folder = tmp_path / f"{mode}{with_config}"
