@@ -28,6 +28,7 @@ tensor that identifies it (its *anchor*). Nothing here reads tensor data or impo
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,60 +234,403 @@ def _group_from_config(config: Mapping[str, Any]) -> int | None:
     return None
 
 
+# --- layouts: GPTQ, AWQ, compressed-tensors, MLX (qlay1)
+
+#: Bits of one storage word, by the dtype a packed weight is stored in.
+_WORD_BITS = {"int8": 8, "uint8": 8, "int16": 16, "uint16": 16, "int32": 32, "uint32": 32,
+              "int64": 64, "uint64": 64}
+#: Activation quantization parameters stored beside a weight: claimed, not counted, not
+#: parameters (compressed-tensors ``QuantizationScheme.input_activations``/``output_...``).
+_ACTIVATION_PARAMS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale",
+                      "output_zero_point")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _method(config: Mapping[str, Any]) -> str:
+    value = config.get("quant_method")
+    return value.lower() if isinstance(value, str) else ""
+
+
+def _gptq_format(config: Mapping[str, Any]) -> str:
+    for key in ("checkpoint_format", "format"):
+        value = config.get(key)
+        if isinstance(value, str):
+            return value.lower()
+    return ""
+
+
+def _group_text(group: int | None, in_features: int) -> str:
+    if group is None or group <= 0 or group >= in_features:
+        return "per-channel"
+    return f"group {group}"
+
+
+_GPTQ_SPEC = ("GPTQModel gptqmodel/nn_modules/qlinear/__init__.py: "
+              "PackedGroupedQuantLinear._register_gptq_buffers (shapes), pack_original "
+              "(packing); gptqmodel/quantization/config.py FORMAT (gptq, gptq_v2)")
+
+
 def _gptq(qweight: TensorRecord, s: Siblings) -> Found | None:
-    """GPTQ (AutoGPTQ / GPTQModel ``QuantLinear``, the ``gptq`` packing): ``qweight`` int32
-    ``[in * bits / 32, out]``, ``qzeros`` int32 ``[groups, out * bits / 32]``, ``scales``
-    ``[groups, out]``, optional ``g_idx`` int32 ``[in]`` (act-order)."""
+    """GPTQ (AutoGPTQ, GPTQModel ``QuantLinear``; ``checkpoint_format`` ``gptq`` or
+    ``gptq_v2``, which differ only in what the stored zero points mean, not in their shapes).
+
+    GPTQModel ``PackedGroupedQuantLinear._register_gptq_buffers``: ``qweight``
+    ``[ceil(in * bits / word), out]``, ``qzeros`` ``[ceil(in / group), ceil(out * bits / word)]``
+    and ``scales`` float16 ``[ceil(in / group), out]``, ``g_idx`` int32 ``[in]`` (the group of
+    each input row; act-order permutes it), where the word is the ``pack_dtype`` (int32 by
+    default; int8/16/64 in GPTQModel). ``pack_original`` packs consecutive input rows, low bits
+    first (3 bits: 32 values in three words)."""
     scales, qzeros, g_idx = s.get("scales"), s.get("qzeros"), s.get("g_idx")
-    if (scales is None or qzeros is None or len(qweight.shape) != 2
-            or len(scales.shape) != 2 or len(qzeros.shape) != 2
-            or qweight.dtype not in ("int32", "uint32")):
+    word = _WORD_BITS.get(qweight.dtype)
+    if (scales is None or qzeros is None or word is None or len(qweight.shape) != 2
+            or len(scales.shape) != 2 or len(qzeros.shape) != 2 or qzeros.dtype != qweight.dtype
+            or _method(s.config) in ("awq", "compressed-tensors")):
         return None
     groups, out = scales.shape
-    if qweight.shape[1] != out or out == 0:
+    if qweight.shape[1] != out or not out or qzeros.shape[0] != groups:
         return None  # AWQ packs along the output dimension
-    bits = _bits_from_config(s.config) or (32 * qzeros.shape[1] // out if qzeros.shape[1] else 0)
-    if g_idx is not None and len(g_idx.shape) == 1:
-        in_features = g_idx.shape[0]
-    elif bits:
-        in_features = qweight.shape[0] * 32 // bits
+    if g_idx is not None and len(g_idx.shape) != 1:
+        g_idx = None
+    bits = _bits_from_config(s.config)
+    candidates = [bits] if bits else [2, 4, 8, 3]
+    for b in candidates:
+        in_features = g_idx.shape[0] if g_idx is not None else qweight.shape[0] * word // b
+        if (_ceil_div(out * b, word) == qzeros.shape[1]
+                and _ceil_div(in_features * b, word) == qweight.shape[0]):
+            bits = b
+            break
     else:
         return None
-    if not in_features or not bits:
-        return None
-    group = in_features // groups if groups else in_features
-    desc = s.config.get("desc_act")
-    order = ", act-order" if desc is True else ""
-    label = f"{bits}-bit GPTQ, group {group}{order}"
+    group = _group_from_config(s.config)
+    if group is None or group <= 0:
+        group = _ceil_div(in_features, groups) if groups > 1 else -1
+    version = " v2" if _gptq_format(s.config) == "gptq_v2" else ""
+    order = ", act-order" if s.config.get("desc_act") is True else ""
+    label = f"{bits}-bit GPTQ{version}, {_group_text(group, in_features)}{order}"
     extra = (g_idx,) if g_idx is not None else ()
     return Found(s.base + "weight", label, (out, in_features), out * in_features,
                  (qweight, qzeros, scales), extra)
 
 
-def _awq(qweight: TensorRecord, s: Siblings) -> Found | None:
-    """AWQ GEMM packing (AutoAWQ ``WQLinear_GEMM``): ``qweight`` int32 ``[in, out * bits / 32]``,
-    ``qzeros`` int32 ``[groups, out * bits / 32]``, ``scales`` ``[groups, out]``."""
+def _awq_version(config: Mapping[str, Any]) -> str:
+    value = config.get("version")
+    return value.lower() if isinstance(value, str) else ""
+
+
+_AWQ_GEMM_SPEC = ("AutoAWQ awq/modules/linear/gemm.py: WQLinear_GEMM.__init__ (shapes), "
+                  "WQLinear_GEMM.from_linear (packing, order_map [0, 2, 4, 6, 1, 3, 5, 7])")
+
+
+def _awq_gemm(qweight: TensorRecord, s: Siblings) -> Found | None:
+    """AWQ, GEMM packing (AutoAWQ ``WQLinear_GEMM``, also GPTQModel's ``format: gemm``):
+    ``qweight`` int32 ``[in, out * bits / 32]`` (eight 4-bit output columns a word, in the
+    order 0, 2, 4, 6, 1, 3, 5, 7), ``qzeros`` int32 ``[in / group, out * bits / 32]``,
+    ``scales`` float16 ``[in / group, out]``."""
     scales, qzeros = s.get("scales"), s.get("qzeros")
     if (scales is None or qzeros is None or len(qweight.shape) != 2 or len(scales.shape) != 2
-            or qweight.dtype not in ("int32", "uint32")):
+            or len(qzeros.shape) != 2 or qweight.dtype not in ("int32", "uint32")
+            or _awq_version(s.config) in ("gemv", "gemv_fast")
+            or _method(s.config) in ("gptq", "compressed-tensors")):
         return None
     groups, out = scales.shape
-    in_features = qweight.shape[0]
-    if not out or not qweight.shape[1] or out % qweight.shape[1]:
+    in_features, cols = qweight.shape
+    if not cols or out % cols or qzeros.shape != (groups, cols) or not groups:
         return None
-    bits = 32 * qweight.shape[1] // out
-    if bits not in (2, 3, 4, 8):
+    bits = 32 * cols // out
+    if bits not in (2, 3, 4, 8) or in_features % groups:
         return None
-    group = in_features // groups if groups else in_features
-    return Found(s.base + "weight", f"{bits}-bit AWQ, group {group}", (out, in_features),
-                 out * in_features, (qweight, qzeros, scales))
+    group = _group_from_config(s.config) or in_features // groups
+    return Found(s.base + "weight", f"{bits}-bit AWQ GEMM, {_group_text(group, in_features)}",
+                 (out, in_features), out * in_features, (qweight, qzeros, scales))
+
+
+_AWQ_GEMV_SPEC = ("AutoAWQ awq/modules/linear/gemv.py: WQLinear_GEMV.__init__ (shapes), "
+                  "calculate_zeros_width (padded group columns), WQLinear_GEMV.from_linear")
+
+
+def _awq_zeros_width(in_features: int, group: int) -> int | None:
+    """AutoAWQ ``calculate_zeros_width``: the group count, padded to whole words of eight and
+    to a multiple of 128 / group words."""
+    multiplier = {32: 4, 64: 2}.get(group, 1 if group >= 128 else 0)
+    if not multiplier or in_features % group:
+        return None
+    width = _ceil_div(in_features // group, 8)
+    return _ceil_div(width, multiplier) * multiplier
+
+
+def _awq_gemv(qweight: TensorRecord, s: Siblings) -> Found | None:
+    """AWQ, GEMV packing (AutoAWQ ``WQLinear_GEMV``): ``qweight`` int32 ``[out, in / 8]``
+    (eight consecutive input columns a word, in order), ``qzeros`` int32 ``[out, width]`` and
+    ``scales`` float16 ``[out, width * 8]``, where ``width`` is ``calculate_zeros_width(in,
+    group)``: the groups padded to whole words. The padding is stored, so it is counted."""
+    scales, qzeros = s.get("scales"), s.get("qzeros")
+    if (scales is None or qzeros is None or len(qweight.shape) != 2 or len(scales.shape) != 2
+            or len(qzeros.shape) != 2 or qweight.dtype not in ("int32", "uint32")
+            or _awq_version(s.config) not in ("", "gemv")
+            or _method(s.config) in ("gptq", "compressed-tensors")):
+        return None
+    out, cols = qweight.shape
+    width = qzeros.shape[1]
+    if not out or scales.shape != (out, width * 8) or qzeros.shape[0] != out:
+        return None
+    in_features = cols * 8
+    configured = _group_from_config(s.config)
+    sizes = [configured] if configured else [128, 64, 32, 256]
+    group = next((g for g in sizes if g and _awq_zeros_width(in_features, g) == width), None)
+    if group is None:
+        return None
+    return Found(s.base + "weight", f"4-bit AWQ GEMV, {_group_text(group, in_features)}",
+                 (out, in_features), out * in_features, (qweight, qzeros, scales))
+
+
+# compressed-tensors: each quantized module's tensors, named by the compressor of its format.
+
+_CT_PACK_SPEC = ("compressed-tensors compressed_tensors/compressors/pack_quantized/base.py: "
+                 "PackedQuantizationCompressor.compression_param_names, compress "
+                 "(pack_to_int32 in pack_quantized/helpers.py)")
+_CT_FP4_SPEC = ("compressed-tensors compressed_tensors/compressors/nvfp4/base.py: "
+                "NVFP4PackedCompressor; compressors/mxfp4/base.py: MXFP4PackedCompressor")
+_CT_NAIVE_SPEC = ("compressed-tensors compressed_tensors/compressors/naive_quantized/base.py: "
+                  "the int-quantized, float-quantized and naive-quantized formats")
+
+
+def _ct_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The compressed-tensors settings: older checkpoints nest them in ``compression_config``
+    as ``{"quantization_config": {...}, "sparsity_config": {...}}``."""
+    inner = config.get("quantization_config")
+    return inner if isinstance(inner, Mapping) and "config_groups" in inner else config
+
+
+def _ct_method_ok(config: Mapping[str, Any], required: bool = False) -> bool:
+    method = _method(_ct_config(config))
+    return method == "compressed-tensors" or (not required and method == "")
+
+
+def _ct_weights_args(config: Mapping[str, Any], module: str,
+                     formats: tuple[str, ...]) -> Mapping[str, Any]:
+    """The ``weights`` arguments of the ``config_groups`` entry that stores ``module`` in one
+    of ``formats``: a group whose ``re:`` target matches the module, else the only group of
+    those formats, else those groups' common settings; empty when the config does not say."""
+    config = _ct_config(config)
+    if not _ct_method_ok(config) or not isinstance(config.get("config_groups"), Mapping):
+        return {}
+    top = config.get("format")
+    picked: list[Mapping[str, Any]] = []
+    for group in config["config_groups"].values():
+        if not isinstance(group, Mapping) or not isinstance(group.get("weights"), Mapping):
+            continue
+        fmt = group.get("format") or top
+        if fmt not in formats and not (fmt == "mixed-precision" or fmt is None):
+            continue
+        targets = group.get("targets") or []
+        for target in targets if isinstance(targets, list) else []:
+            if isinstance(target, str) and target.startswith("re:"):
+                try:
+                    if re.match(target[3:], module):
+                        return group["weights"]
+                except re.error:
+                    continue
+        picked.append(group["weights"])
+    if len(picked) == 1:
+        return picked[0]
+    common = {k: v for k, v in picked[0].items() if all(p.get(k) == v for p in picked)} \
+        if picked else {}
+    return common
+
+
+def _ct_granularity(scale: TensorRecord, out: int, in_features: int,
+                    args: Mapping[str, Any]) -> str:
+    """How a compressed-tensors scale covers its weight (``QuantizationStrategy``)."""
+    shape = scale.shape
+    strategy = args.get("strategy")
+    if numel(shape) == 1 or strategy == "tensor":
+        return "per-tensor"
+    if strategy == "block" or (len(shape) == 2 and shape[0] not in (out, 1)):
+        block = args.get("block_structure")
+        if isinstance(block, list) and len(block) == 2:
+            return f"block {block[0]}x{block[1]}"
+        if len(shape) == 2 and shape[0] and shape[1]:
+            return f"block {_ceil_div(out, shape[0])}x{_ceil_div(in_features, shape[1])}"
+    if len(shape) == 2 and shape[1] > 1:
+        group = args.get("group_size")
+        return f"group {group if isinstance(group, int) else in_features // shape[1]}"
+    return "per-channel"
+
+
+def _ct_activations(s: Siblings) -> tuple[TensorRecord, ...]:
+    return tuple(t for t in (s.get(n) for n in _ACTIVATION_PARAMS) if t is not None)
+
+
+def _ct_pack_quantized(packed: TensorRecord, s: Siblings) -> Found | None:
+    """compressed-tensors ``pack-quantized`` (``PackedQuantizationCompressor``): integer weights
+    of 1 to 8 bits packed into int32 ``weight_packed`` ``[out, ceil(in * bits / 32)]``,
+    ``weight_scale`` ``[out, in / group]`` (or ``[out, 1]`` per channel), a packed
+    ``weight_zero_point`` ``[ceil(out * bits / 32), groups]`` when asymmetric, ``weight_shape``
+    (the logical shape as data: not read, not counted) and ``weight_g_idx`` with act-order (not
+    counted). The bits come from ``config_groups``; without a config from ``weight_g_idx``,
+    else 4 is assumed and said in the label."""
+    scale = s.get("weight_scale")
+    if (scale is None or packed.dtype != "int32" or len(packed.shape) != 2
+            or not _ct_method_ok(s.config)):
+        return None
+    out, cols = packed.shape
+    args = _ct_weights_args(s.config, s.module(), ("pack-quantized",))
+    g_idx = s.get("weight_g_idx")
+    bits = args.get("num_bits") if isinstance(args.get("num_bits"), int) else None
+    group = args.get("group_size") if isinstance(args.get("group_size"), int) else None
+    assumed = ""
+    if g_idx is not None and len(g_idx.shape) == 1:
+        in_features = g_idx.shape[0]
+        bits = bits or _ceil_div(cols * 32, in_features)
+    elif (bits and group and group > 0 and len(scale.shape) == 2 and scale.shape[1] > 1
+          and args.get("strategy") in ("group", "tensor_group")):
+        in_features = scale.shape[1] * group  # exact: cols only bounds it for odd bits
+    else:
+        if not bits:
+            bits, assumed = 4, " (bits assumed: no quantization_config)"
+        in_features = cols * 32 // bits
+    if not bits or not in_features or _ceil_div(in_features * bits, 32) > cols:
+        return None
+    zero = s.get("weight_zero_point")
+    counted = (packed, scale) + ((zero,) if zero is not None else ())
+    uncounted = tuple(t for t in (s.get("weight_shape"), g_idx) if t is not None)
+    grain = _ct_granularity(scale, out, in_features, args)
+    order = ", act-order" if g_idx is not None or args.get("actorder") else ""
+    label = f"{bits}-bit compressed-tensors pack-quantized, {grain}{order}{assumed}"
+    return Found(s.base + "weight", label, (out, in_features), out * in_features, counted,
+                 uncounted + _ct_activations(s))
+
+
+def _ct_fp4_packed(packed: TensorRecord, s: Siblings) -> Found | None:
+    """compressed-tensors ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized``: two FP4 (e2m1)
+    values a byte in uint8 ``weight_packed`` ``[out, in / 2]``; ``weight_scale``
+    ``[out, in / group]``: float8_e4m3fn for NVFP4 (group 16) with a float32
+    ``weight_global_scale`` (a second-level scale: counted), uint8 (e8m0 exponents) for MXFP4
+    (group 32)."""
+    scale = s.get("weight_scale")
+    if (scale is None or packed.dtype != "uint8" or len(packed.shape) != 2
+            or len(scale.shape) != 2 or scale.shape[0] != packed.shape[0] or not scale.shape[1]
+            or not _ct_method_ok(s.config)):
+        return None
+    out, cols = packed.shape
+    in_features = cols * 2
+    group = in_features // scale.shape[1]
+    global_scale = s.get("weight_global_scale")
+    if scale.dtype.startswith("float8_e4m3") and global_scale is not None:
+        kind = "NVFP4"
+    elif scale.dtype in ("uint8", "float8_e8m0fnu"):
+        kind = "MXFP4"
+    else:
+        return None
+    counted = (packed, scale) + ((global_scale,) if global_scale is not None else ())
+    label = f"{kind} compressed-tensors {kind.lower()}-pack-quantized, group {group}"
+    return Found(s.base + "weight", label, (out, in_features), out * in_features, counted,
+                 _ct_activations(s))
+
+
+def _ct_naive(weight: TensorRecord, s: Siblings, kind: str) -> Found | None:
+    scale = s.get("weight_scale")
+    if scale is None or len(weight.shape) != 2:
+        return None
+    out, in_features = weight.shape
+    args = _ct_weights_args(s.config, s.module(), (f"{kind}-quantized", "naive-quantized"))
+    zero = s.get("weight_zero_point")
+    counted = (weight, scale) + ((zero,) if zero is not None else ())
+    grain = _ct_granularity(scale, out, in_features, args)
+    if kind == "int":
+        what = "8-bit compressed-tensors int-quantized"
+    else:
+        what = f"fp8 {weight.dtype.removeprefix('float8_')} compressed-tensors float-quantized"
+    return Found(s.base + "weight", f"{what}, {grain}", (out, in_features), out * in_features,
+                 counted, _ct_activations(s))
+
+
+def _ct_int_quantized(weight: TensorRecord, s: Siblings) -> Found | None:
+    """compressed-tensors ``int-quantized`` (``naive-quantized``): int8 ``weight`` with
+    ``weight_scale`` per tensor, channel ``[out, 1]`` or group, and ``weight_zero_point``
+    when asymmetric. Needs no config: an int8 weight with a ``weight_scale`` is no other
+    layout's (bitsandbytes int8 keeps ``SCB``)."""
+    if weight.dtype != "int8" or not _ct_method_ok(s.config):
+        return None
+    return _ct_naive(weight, s, "int")
+
+
+def _ct_float_quantized(weight: TensorRecord, s: Siblings) -> Found | None:
+    """compressed-tensors ``float-quantized``: float8 ``weight`` with ``weight_scale`` per
+    tensor ``[1]``, channel ``[out, 1]`` or block ``[out / 128, in / 128]``. Only with a
+    compressed-tensors config: the bytes are those of any fp8 checkpoint, which the generic
+    fp8 layout counts alike; this one names the format."""
+    if not weight.dtype.startswith("float8_") or not _ct_method_ok(s.config, required=True):
+        return None
+    return _ct_naive(weight, s, "float")
+
+
+_MLX_SPEC = ("MLX python/mlx/nn/layers/quantized.py (QuantizedLinear, QuantizedEmbedding: "
+             "weight, scales, biases) and mlx.core.quantize's table of modes; mlx-lm "
+             "mlx_lm/utils.py quantize_model (config.json 'quantization', per-layer entries)")
+#: MLX's modes without biases: (bits x group size) -> (mode, bits, group).
+_MLX_FP_MODES = {4 * 32: ("mxfp4", 4, 32), 4 * 16: ("nvfp4", 4, 16), 8 * 32: ("mxfp8", 8, 32)}
+
+
+def _mlx(scales: TensorRecord, s: Siblings) -> Found | None:
+    """MLX (``mlx.nn.QuantizedLinear``/``QuantizedEmbedding``): uint32 ``weight``
+    ``[out, in * bits / 32]``, ``scales`` ``[out, in / group]`` and, in the ``affine`` mode,
+    ``biases`` of the same shape, both in the model's float dtype; the ``mxfp4``/``nvfp4``/
+    ``mxfp8`` modes keep uint8 scales and no biases. Bits and group size from config.json's
+    ``quantization`` (mlx-lm), whose per-layer entries (keyed by module path) override it;
+    without one only bits x group size is known, and the likeliest pair (4 bits first, then
+    8; group 64 first) is assumed and the label says so."""
+    weight, biases = s.get("weight"), s.get("biases")
+    if (weight is None or weight.dtype != "uint32" or len(weight.shape) != 2
+            or len(scales.shape) != 2 or scales.shape[0] != weight.shape[0]
+            or not scales.shape[1]):
+        return None
+    if biases is not None and biases.shape != scales.shape:
+        return None
+    out, cols = weight.shape
+    bits_x_group, rest = divmod(cols * 32, scales.shape[1])
+    if rest:
+        return None
+    layer = s.config.get(s.module())
+    settings = layer if isinstance(layer, Mapping) else s.config
+    bits, group = _bits_from_config(settings), _group_from_config(settings)
+    mode = settings.get("mode") if isinstance(settings.get("mode"), str) else None
+    assumed = ""
+    if biases is not None:
+        mode = "affine"
+        if not (bits and group and bits * group == bits_x_group):
+            # Only bits x group is in the shapes: the likeliest pair is assumed, and said.
+            options = [(b, bits_x_group // b) for b in (4, 8, 6, 3, 2, 5, 1)
+                       if bits_x_group % b == 0 and bits_x_group // b in (64, 32, 128)]
+            if not options:
+                return None
+            (bits, group), assumed = options[0], " (bits assumed: no quantization config)"
+    else:
+        if scales.dtype != "uint8" or bits_x_group not in _MLX_FP_MODES:
+            return None
+        mode, bits, group = _MLX_FP_MODES[bits_x_group]
+    in_features = cols * 32 // bits
+    what = f"{bits}-bit MLX affine" if mode == "affine" else f"{mode.upper()} MLX"
+    counted = (weight, scales) + ((biases,) if biases is not None else ())
+    return Found(s.base + "weight", f"{what}, group {group}{assumed}", (out, in_features),
+                 out * in_features, counted)
 
 
 #: The registry, in the order matchers are tried for a shared anchor.
 LAYOUTS: dict[str, Layout] = {
     layout.key: layout for layout in (
-        Layout("gptq", ".qweight", _gptq, "AutoGPTQ auto_gptq/nn_modules/qlinear/__init__.py"),
-        Layout("awq-gemm", ".qweight", _awq, "AutoAWQ awq/modules/linear/gemm.py"),
+        # qlay1: GPTQ, AWQ, compressed-tensors, MLX
+        Layout("gptq", ".qweight", _gptq, _GPTQ_SPEC),
+        Layout("awq-gemm", ".qweight", _awq_gemm, _AWQ_GEMM_SPEC),
+        Layout("awq-gemv", ".qweight", _awq_gemv, _AWQ_GEMV_SPEC),
+        Layout("ct-pack-quantized", ".weight_packed", _ct_pack_quantized, _CT_PACK_SPEC),
+        Layout("ct-fp4-pack-quantized", ".weight_packed", _ct_fp4_packed, _CT_FP4_SPEC),
+        Layout("ct-int-quantized", ".weight", _ct_int_quantized, _CT_NAIVE_SPEC),
+        Layout("ct-float-quantized", ".weight", _ct_float_quantized, _CT_NAIVE_SPEC),
+        Layout("mlx", ".scales", _mlx, _MLX_SPEC),
     )
 }
 

@@ -61,7 +61,7 @@ _EMA_PARTS = frozenset(
      "averaged_model", "averaged_params", "swa_model"}
 )
 #: Integer tensors that hold quantized weights (GPTQ/AWQ/bitsandbytes), not buffers.
-_QUANT_PARTS = frozenset({"qweight", "qzeros", "g_idx", "absmax", "quant_map"})
+_QUANT_PARTS = frozenset({"qweight", "qzeros", "g_idx", "absmax", "quant_map", "scales"})
 
 
 def _words(words: frozenset[str]) -> str:
