@@ -588,6 +588,8 @@ def paired(a: Iterable[QuantizedWeight], b: Iterable[QuantizedWeight]
             continue
         if w.shape and other.shape and w.shape != other.shape:
             continue
+        if not (w.shape and other.shape) and w.parameters != other.parameters:
+            continue  # a packed weight whose shape the file does not say (bitsandbytes 4-bit)
         out.append((w, other))
     return out
 

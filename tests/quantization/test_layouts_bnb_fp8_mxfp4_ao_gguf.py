@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import modelsize  # noqa: E402
+from modelsize.diff import diff  # noqa: E402
 from modelsize.dtypes import DTYPES  # noqa: E402
 from modelsize.formats.gguf import GGML_TYPES  # noqa: E402
 from modelsize.quantization import GGUF_FILE_TYPES  # noqa: E402
@@ -301,3 +302,53 @@ def test_every_ggml_type(tmp_path, gguf):
     assert "(GGUF Q4_K_M)" in report.quantization.headline()
     assert {"q4_K", "iq2_xxs", "tq1_0", "mxfp4"} <= {g.label for g in
                                                       report.quantization.quantized}
+
+
+# -- diff: a quantized weight beside its source --------------------------------------------------
+
+
+def test_diff_pairs_fp8_blocks_with_their_bfloat16_source(tmp_path, capsys):
+    from modelsize.cli import main
+
+    name = "model.layers.0.self_attn.q_proj.weight"
+    dense = torch.zeros(256, 384, dtype=torch.bfloat16)
+    safetensors_torch.save_file({name: dense, "model.norm.weight": torch.ones(384)},
+                                tmp_path / "src.safetensors")
+    safetensors_torch.save_file({name: dense.to(torch.float8_e4m3fn),
+                                 name + "_scale_inv": torch.ones(2, 3),
+                                 "model.norm.weight": torch.ones(384)},
+                                tmp_path / "fp8.safetensors")
+    d = diff(tmp_path / "src.safetensors", tmp_path / "fp8.safetensors")
+    (pair,) = d.quantized
+    assert pair.name == name and pair.a.label == "bfloat16" and pair.b.layout == "fp8-block"
+    assert pair.a.parameters == pair.b.parameters == 256 * 384
+    bits = 8 + 32 * 6 / (256 * 384)
+    assert main(["diff", str(tmp_path / "src.safetensors"), str(tmp_path / "fp8.safetensors")]) == 0
+    text = capsys.readouterr().out
+    assert (f"{name}: bfloat16 256x384 (16 bits) -> fp8 e4m3, block 128x128 "
+            f"({bits:.3f} bits)") in text
+    assert main(["diff", str(tmp_path / "src.safetensors"), str(tmp_path / "fp8.safetensors"),
+                 "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["quantized"]
+    assert entry["b"]["bits_per_weight"] == pytest.approx(bits, abs=1e-4)
+
+
+def test_diff_pairs_bitsandbytes_with_its_source(tmp_path, bnb):
+    src = _source(512, 256, 64)
+    torch.save(src.state_dict(), tmp_path / "src.pt")
+    model = torch.nn.Sequential(*(bnb.nn.Linear4bit(m.in_features, m.out_features,
+                                                    quant_type="nf4") for m in src))
+    model.load_state_dict(src.state_dict())
+    state = model.to("cpu").state_dict()
+    safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()},
+                                tmp_path / "nf4.safetensors")
+    d = diff(tmp_path / "src.pt", tmp_path / "nf4.safetensors")
+    pairs = {p.name: p for p in d.quantized}
+    assert set(pairs) == {"0.weight", "1.weight"}
+    assert pairs["0.weight"].a.shape == (256, 512)
+    assert pairs["0.weight"].b.parameters == 256 * 512
+    assert pairs["0.weight"].b.label.startswith("4-bit bitsandbytes nf4")
+    # A weight of another size is not its source, even where the packed shape is not known.
+    other = _source(512, 128)
+    torch.save(other.state_dict(), tmp_path / "other.pt")
+    assert diff(tmp_path / "other.pt", tmp_path / "nf4.safetensors").quantized == ()
