@@ -10,6 +10,11 @@ also when the checkpoint holds that key twice (``model.fc1.weight`` and ``grads.
 then the tensor of the same category is its pair.
 A matched tensor whose dtype, shape or category differs is *changed*; values are never read.
 
+A quantized checkpoint stores a weight as other tensors (``q_proj.qweight``, ``scales``...):
+each quantized weight is also paired with the weight of the other side that has its logical
+name and shape (:func:`modelsize.quantization.paired`), so ``diff`` shows a bfloat16 source
+beside its 4-bit copy.
+
 Two files of different formats rarely share names: a SavedModel says
 ``variables/3/.ATTRIBUTES/VARIABLE_VALUE`` where its TFLite export says
 ``functional_1/fc1_1/MatMul``. Between formats, the weights and buffers left unmatched are
@@ -28,6 +33,7 @@ from typing import Any
 
 from modelsize.categories import Category
 from modelsize.inventory import Inventory, TensorRecord
+from modelsize.quantization import QuantizedWeight, analyze, config_for, paired
 
 #: Prefixes that wrappers add to every parameter name (DDP / DeepSpeed, torch.compile).
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -64,6 +70,25 @@ class TensorChange:
         }
 
 
+@dataclass(frozen=True)
+class QuantizedPair:
+    """One logical weight on both sides, quantized on at least one."""
+
+    name: str
+    a: QuantizedWeight
+    b: QuantizedWeight
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+
+        def side(w: QuantizedWeight) -> dict[str, Any]:
+            return {"layout": w.layout, "label": w.label, "shape": list(w.shape),
+                    "parameters": w.parameters, "counted_bytes": w.counted_bytes,
+                    "bits_per_weight": round(w.bits_per_weight, 4), "tensors": list(w.tensors)}
+
+        return {"name": self.name, "a": side(self.a), "b": side(self.b)}
+
+
 def _brief(t: TensorRecord) -> dict[str, Any]:
     return {"dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
             "category": t.category.value}
@@ -82,6 +107,8 @@ class Diff:
     renamed: int = 0
     by_layout: int = 0
     """Pairs matched by layout, not by name (files of different formats)."""
+    quantized: tuple[QuantizedPair, ...] = ()
+    """Quantized weights beside their other side's weight of the same logical name and shape."""
 
     def category_delta(self) -> dict[Category, tuple[int, int]]:
         """``{category: (bytes in A, bytes in B)}`` for every category, in display order."""
@@ -125,6 +152,7 @@ class Diff:
             "added": [t.to_dict() for t in self.added],
             "removed": [t.to_dict() for t in self.removed],
             "changed": [c.to_dict() for c in self.changed],
+            "quantized": [q.to_dict() for q in self.quantized],
         }
 
 
@@ -217,7 +245,15 @@ def compare(a: Inventory, b: Inventory) -> Diff:
     changes = [TensorChange(name, x, y) for name, x, y in pairs]
     changed = tuple(c for c in changes if c.changes)
     return Diff(a, b, tuple(only_b), tuple(only_a), changed, len(changes) - len(changed),
-                renamed, by_layout)
+                renamed, by_layout, _quantized_pairs(a, b))
+
+
+def _quantized_pairs(a: Inventory, b: Inventory) -> tuple[QuantizedPair, ...]:
+    """Each side's weights as :mod:`modelsize.quantization` reads them, paired by logical name
+    where one of the two is quantized."""
+    left = analyze(a, config_for(a)[0]).weights
+    right = analyze(b, config_for(b)[0]).weights
+    return tuple(QuantizedPair(x.name, x, y) for x, y in paired(left, right))
 
 
 #: Keys tensors of two formats are matched by, in turn: the same layout, then the same

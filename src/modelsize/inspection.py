@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ class Report:
             config, notes = config_for(self.inventory)
             found = analyze(self.inventory, config)
             if notes:
-                found = Quantization(found.weights, notes=notes, config=found.config)
+                found = replace(found, notes=notes)
             self._quantization.append(found)
         return self._quantization[0]
 

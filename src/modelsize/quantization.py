@@ -99,6 +99,8 @@ class Quantization:
     weights: tuple[QuantizedWeight, ...]
     notes: tuple[str, ...] = ()
     config: Mapping[str, Any] = field(default_factory=dict)
+    title: str = ""
+    """The file's own name for its quantization (``GGUF Q4_K_M``), when it says one."""
     parameters: int = field(init=False)
     counted_bytes: int = field(init=False)
     groups: tuple[WeightGroup, ...] = field(init=False)
@@ -112,7 +114,7 @@ class Quantization:
             acc[0] += 1
             acc[1] += w.parameters
             acc[2] += w.counted_bytes
-            if w.layout in LAYOUTS:
+            if is_quantized(w.layout):
                 quantized.add(key)
         groups = sorted(
             (WeightGroup(label, layout, n, p, b, (layout, label) in quantized)
@@ -138,8 +140,8 @@ class Quantization:
             return "no parameters"
         main = self.quantized[0] if self.quantized else self.groups[0]
         more = len(self.quantized) - 1 if self.quantized else 0
-        what = main.label + (f" and {more} more quantized layout{'s' * (more > 1)}"
-                             if more > 0 else "")
+        what = self.title or main.label + (
+            f" and {more} more quantized layout{'s' * (more > 1)}" if more > 0 else "")
         return (f"{count(self.parameters)} parameters, {self.bits_per_weight:.2f} bits per "
                 f"weight ({what})")
 
@@ -151,7 +153,7 @@ class Quantization:
         """JSON-ready form (per weight lists are left to :meth:`by_name`)."""
         return {"parameters": self.parameters, "counted_bytes": self.counted_bytes,
                 "bits_per_weight": round(self.bits_per_weight, 4),
-                "headline": self.headline(),
+                "headline": self.headline(), "title": self.title,
                 "groups": [g.to_dict() for g in self.groups],
                 "config": dict(self.config), "notes": list(self.notes)}
 
@@ -619,6 +621,180 @@ def _mlx(scales: TensorRecord, s: Siblings) -> Found | None:
                  out * in_features, counted)
 
 
+# --- layouts: bitsandbytes, fp8, MXFP4, torchao, GGUF (qlay2)
+
+
+def _bnb4(blob: TensorRecord, s: Siblings) -> Found | None:
+    """bitsandbytes 4-bit (``Linear4bit`` / ``Params4bit``, nf4 or fp4), as
+    ``QuantState.as_dict(packed=True)`` saves it (bitsandbytes/functional.py): ``weight`` uint8
+    holding two 4-bit codes a byte, ``weight.absmax`` one scale per block (float32, or uint8
+    under double quantization with ``weight.nested_absmax`` float32 per block of those), the
+    codebooks ``weight.quant_map`` / ``weight.nested_quant_map`` and the JSON quant state
+    ``weight.quant_state.bitsandbytes__nf4`` (shape, blocksizes, nested offset). The logical
+    shape is only in that JSON, which is tensor data: the count is two codes a packed byte."""
+    weight, absmax = s.get("weight"), s.get("weight.absmax")
+    if weight is None or absmax is None or weight.dtype not in ("uint8", "int8"):
+        return None
+    kind = blob.name.rsplit("__", 1)[-1]
+    n = 2 * weight.numel
+    nested, nested_map = s.get("weight.nested_absmax"), s.get("weight.nested_quant_map")
+    counted = [weight, absmax] + ([nested] if nested is not None else [])
+    uncounted = [r for r in (s.get("weight.quant_map"), nested_map, blob) if r is not None]
+    block = _pow2(n / absmax.numel) if absmax.numel else 0
+    label = f"4-bit bitsandbytes {kind}, block {block}"
+    if nested is not None:
+        label += ", double quant"
+    return Found(s.base + "weight", label, (), n, tuple(counted), tuple(uncounted))
+
+
+def _pow2(x: float) -> int:
+    """The power of two nearest ``x`` (a block size seen through a ceil division)."""
+    p = 1
+    while p * 2 <= x * 1.5:
+        p *= 2
+    return p
+
+
+def _bnb8(scb: TensorRecord, s: Siblings) -> Found | None:
+    """bitsandbytes LLM.int8() (``Linear8bitLt``, bitsandbytes/nn/modules.py
+    ``_save_to_state_dict``): ``weight`` int8 ``[out, in]`` and ``SCB`` float32 ``[out]``, one
+    absmax per row; ``weight_format`` is a format tag, not counted."""
+    weight = s.get("weight")
+    if (weight is None or weight.dtype != "int8" or len(weight.shape) != 2
+            or scb.numel != weight.shape[0]):
+        return None
+    tag = s.get("weight_format")
+    return Found(s.base + "weight", "8-bit bitsandbytes LLM.int8()", weight.shape,
+                 weight.numel, (weight, scb), (tag,) if tag is not None else ())
+
+
+_FP8 = {"float8_e4m3fn": "e4m3", "float8_e4m3fnuz": "e4m3", "float8_e5m2": "e5m2",
+        "float8_e5m2fnuz": "e5m2"}
+#: Activation scales stored beside an fp8 weight: neither parameters nor counted.
+_ACTIVATION_SCALES = ("input_scale", "activation_scale", "output_scale")
+
+
+def _activation_scales(s: Siblings) -> tuple[TensorRecord, ...]:
+    return tuple(r for r in map(s.get, _ACTIVATION_SCALES) if r is not None)
+
+
+def _fp8_tensor(scale: TensorRecord, s: Siblings) -> Found | None:
+    """fp8 e4m3/e5m2 with a per-tensor or per-channel ``weight_scale`` (AutoFP8 / vLLM
+    ``fp8`` checkpoints; transformers integrations/fbgemm_fp8.py ``[out, 1]``). A
+    compressed-tensors checkpoint names its scales alike and is left to its own layout."""
+    if s.config.get("quant_method") == "compressed-tensors":
+        return None
+    weight = s.get("weight")
+    if weight is None or weight.dtype not in _FP8 or not weight.shape:
+        return None
+    rows = weight.numel // weight.shape[-1] if weight.shape[-1] else 0
+    if scale.numel <= 1:
+        how = "per-tensor scale"
+    elif scale.numel == rows:
+        how = "per-channel scale"
+    else:
+        how = f"{scale.numel} scales"
+    return Found(s.base + "weight", f"fp8 {_FP8[weight.dtype]}, {how}", weight.shape,
+                 weight.numel, (weight, scale), _activation_scales(s))
+
+
+def _fp8_block(scale: TensorRecord, s: Siblings) -> Found | None:
+    """fp8 with per-block ``weight_scale_inv`` (DeepSeek-V3 inference/model.py, transformers
+    integrations/finegrained_fp8.py ``FP8Linear``): ``weight`` float8 ``[out, in]``, one
+    float32 (or e8m0) scale per ``weight_block_size`` tile, 128x128 by default."""
+    weight = s.get("weight")
+    if (weight is None or weight.dtype not in _FP8 or len(weight.shape) < 2
+            or len(scale.shape) != len(weight.shape) or not all(scale.shape)):
+        return None
+    block = s.config.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block)):
+        block = [_tile(weight.shape[-2], scale.shape[-2]), _tile(weight.shape[-1], scale.shape[-1])]
+    label = f"fp8 {_FP8[weight.dtype]}, block {block[0]}x{block[1]}"
+    return Found(s.base + "weight", label, weight.shape, weight.numel, (weight, scale),
+                 _activation_scales(s))
+
+
+def _tile(size: int, tiles: int) -> int:
+    """The tile that cuts ``size`` into ``tiles``: a power of two where one does (a 200-row
+    weight in 2 tiles of 128), else the ceil division."""
+    least = -(-size // tiles)
+    p = 1 << (least - 1).bit_length()
+    return p if -(-size // p) == tiles else least
+
+
+def _mxfp4(blocks: TensorRecord, s: Siblings) -> Found | None:
+    """MXFP4 as gpt-oss stores its experts (transformers integrations/mxfp4.py
+    ``convert_moe_packed_tensors``; OCP Microscaling spec v1.0): ``*_blocks`` uint8
+    ``[..., rows, G, 16]`` (32 e2m1 codes in 16 bytes) and ``*_scales`` uint8 ``[..., rows, G]``
+    (one e8m0 exponent per 32). Unpacked, experts' ``[E, rows, G*32]`` is transposed to
+    ``[E, G*32, rows]``, the shape of the unquantized parameter."""
+    scales = s.get("scales")
+    if (scales is None or blocks.dtype != "uint8" or len(blocks.shape) < 3
+            or blocks.shape[:-1] != scales.shape
+            or scales.dtype not in ("uint8", "float8_e8m0fnu")):
+        return None
+    *prefix, rows, groups, nbytes = blocks.shape
+    cols = groups * nbytes * 2
+    shape = (*prefix, cols, rows) if prefix else (rows, cols)
+    return Found(s.base[:-1], f"MXFP4, block {nbytes * 2}", tuple(shape), blocks.numel * 2,
+                 (blocks, scales))
+
+
+#: Data tensors of torchao's tensor subclasses (``tensor_data_names``): the packed values and
+#: their scales and zero points, all counted.
+_TORCHAO_PARTS = ("scale", "zero_point", "group_scale", "group_zero", "row_scale", "scale_and_zero")
+
+
+def _torchao(qdata: TensorRecord, s: Siblings) -> Found | None:
+    """torchao tensor subclasses saved by ``torch.save(model.state_dict())`` after
+    ``quantize_`` (torchao/quantization/quantize_/workflows: ``Int8Tensor``,
+    ``Float8Tensor``, ``IntxUnpackedToInt8Tensor``, ``Int4Tensor``...): the wrapper records
+    the logical dtype and shape with no storage of its own (tagged with its class by the torch
+    reader), its ``qdata``, ``scale`` and ``zero_point`` are its stored parts."""
+    wrapper = s.records.get(s.module())
+    kind = next((t.split("=", 1)[1] for t in wrapper.tags if t.startswith("subclass=")), "") \
+        if wrapper is not None else ""
+    if wrapper is None or wrapper.storage is not None or not kind:
+        return None
+    parts = [r for r in map(s.get, _TORCHAO_PARTS) if r is not None]
+    label = f"torchao {kind.rsplit('.', 1)[-1]}, {qdata.dtype}"
+    scale = s.get("scale")
+    if scale is not None and len(scale.shape) == len(wrapper.shape) == 2:
+        per = wrapper.shape[1] // scale.shape[1] if scale.shape[1] else 0
+        label += ", per row" if per == wrapper.shape[1] else f", group {per}"
+    return Found(wrapper.name, label, wrapper.shape, wrapper.numel, (qdata, *parts),
+                 (wrapper,))
+
+
+#: llama.cpp's ``enum llama_ftype`` (gguf-py ``LlamaFileType``): ``general.file_type``.
+GGUF_FILE_TYPES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0",
+}
+
+
+def _title(inventory: Inventory) -> str:
+    """A file's own name for its quantization: GGUF's ``general.file_type`` (``Q4_K_M``)."""
+    ftype = inventory.facts.get("gguf.file_type")
+    if ftype is None or not str(ftype).isdigit():
+        return ""
+    name = GGUF_FILE_TYPES.get(int(str(ftype)))
+    return f"GGUF {name}" if name else f"GGUF file type {ftype}"
+
+
+def is_quantized(layout: str) -> bool:
+    """A layout of :data:`LAYOUTS`, or a dtype that packs elements in blocks (ggml's q4_K,
+    float4): each stored value is not one element of its own."""
+    if layout in LAYOUTS:
+        return True
+    d = DTYPES.get(layout.removeprefix("dtype:"))
+    return d is not None and d.block > 1
+
+
 #: The registry, in the order matchers are tried for a shared anchor.
 LAYOUTS: dict[str, Layout] = {
     layout.key: layout for layout in (
@@ -631,6 +807,21 @@ LAYOUTS: dict[str, Layout] = {
         Layout("ct-int-quantized", ".weight", _ct_int_quantized, _CT_NAIVE_SPEC),
         Layout("ct-float-quantized", ".weight", _ct_float_quantized, _CT_NAIVE_SPEC),
         Layout("mlx", ".scales", _mlx, _MLX_SPEC),
+        # qlay2: bitsandbytes, fp8, MXFP4, torchao
+        Layout("bnb-nf4", ".weight.quant_state.bitsandbytes__nf4", _bnb4,
+               "bitsandbytes bitsandbytes/functional.py QuantState.as_dict"),
+        Layout("bnb-fp4", ".weight.quant_state.bitsandbytes__fp4", _bnb4,
+               "bitsandbytes bitsandbytes/functional.py QuantState.as_dict"),
+        Layout("bnb-int8", ".SCB", _bnb8,
+               "bitsandbytes bitsandbytes/nn/modules.py Linear8bitLt._save_to_state_dict"),
+        Layout("fp8-block", ".weight_scale_inv", _fp8_block,
+               "transformers src/transformers/integrations/finegrained_fp8.py FP8Linear"),
+        Layout("fp8", ".weight_scale", _fp8_tensor,
+               "vllm vllm/model_executor/layers/quantization/fp8.py Fp8LinearMethod"),
+        Layout("mxfp4", "_blocks", _mxfp4,
+               "transformers src/transformers/integrations/mxfp4.py convert_moe_packed_tensors"),
+        Layout("torchao", ".qdata", _torchao,
+               "torchao torchao/quantization/quantize_/workflows (Int8Tensor, Float8Tensor...)"),
     )
 }
 
@@ -696,7 +887,7 @@ def analyze(inventory: Inventory, config: Mapping[str, Any] | None = None) -> Qu
             continue
         found.append(QuantizedWeight(t.name, _plain_layout(t.dtype), _dtype_label(t.dtype),
                                      t.shape, numel(t.shape), _tensor_bytes(t), (t.name,)))
-    return Quantization(tuple(found), config=config)
+    return Quantization(tuple(found), config=config, title=_title(inventory))
 
 
 def _plain_layout(dtype: str) -> str:
@@ -737,10 +928,12 @@ def paired(a: Iterable[QuantizedWeight], b: Iterable[QuantizedWeight]
     out = []
     for w in a:
         other = right.get(w.name)
-        if other is None or not (w.layout in LAYOUTS or other.layout in LAYOUTS):
+        if other is None or not (is_quantized(w.layout) or is_quantized(other.layout)):
             continue
         if w.shape and other.shape and w.shape != other.shape:
             continue
+        if not (w.shape and other.shape) and w.parameters != other.parameters:
+            continue  # a packed weight whose shape the file does not say (bitsandbytes 4-bit)
         out.append((w, other))
     return out
 

@@ -249,7 +249,7 @@ class _Tensor:
 
     __slots__ = (
         "blob", "dtype", "extras", "offset", "parameter", "requires_grad", "shape", "storage",
-        "stride",
+        "stride", "subclass",
     )
 
     def __init__(
@@ -270,6 +270,8 @@ class _Tensor:
         self.requires_grad = requires_grad
         self.parameter = False
         self.blob = blob
+        #: The tensor subclass it is rebuilt as (``torchao.quantization.Int8Tensor``), if any.
+        self.subclass = ""
         self.extras: list[tuple[str, object]] = []
 
 
@@ -466,8 +468,11 @@ class _Walker:
             if len(a) < 3 or not isinstance(a[2], tuple):
                 raise _Invalid("_rebuild_from_type_v2 needs (func, type, args, state)")
             inner = self.inner(Call(a[0], a[2]), name)
-            if global_name(a[1]) == "torch.nn.parameter.Parameter":
+            kind = global_name(a[1])
+            if kind == "torch.nn.parameter.Parameter":
                 inner.parameter = True
+            elif kind and kind != "torch.Tensor":
+                inner.subclass = kind
             if len(a) > 3:
                 inner.extras.append(("", a[3]))
             return inner
@@ -592,7 +597,8 @@ class _Walker:
         name = path.name() or "tensor"
         if t.dtype:
             cat = self.category(t, path, ctx)
-            self.declare_one(t, name, cat, ctx.tags, path)
+            tags = (*ctx.tags, f"subclass={t.subclass}") if t.subclass else ctx.tags
+            self.declare_one(t, name, cat, tags, path)
         else:
             # A composite (sparse, nested): every part takes the category of its values.
             values = next((e for k, e in t.extras if k in ("values", "buffer")), None)
@@ -601,9 +607,14 @@ class _Walker:
         if not t.extras:
             return
         sub_ctx = _Ctx(cat, False, ctx.tags, ctx.optimizer)
+        # A wrapper subclass (torchao's Int8Tensor: no storage of its own) keeps its data in
+        # its state: those tensors are parts of this one, of its category and its container.
+        wrapper = bool(t.dtype) and t.storage is None
+        if wrapper:
+            path.top = self.top(path)
         for suffix, extra in reversed(t.extras):
             sub = path.child(suffix) if suffix else path
-            self.todo.append((extra, sub, sub_ctx if suffix else ctx))
+            self.todo.append((extra, sub, sub_ctx if suffix or wrapper else ctx))
 
     def declare_storage(self, ref: StorageRef, path: _Path, ctx: _Ctx) -> None:
         """A storage met outside any tensor, declared as a 1-D tensor over all its elements."""
@@ -615,10 +626,15 @@ class _Walker:
     def container(self, path: _Path) -> str:
         """The root mapping's key above ``path`` (with its dot) when the tensor lies deeper than
         the root's own values: ``model.`` for ``model.fc1.weight`` in ``{"model": state_dict}``."""
+        top = self.top(path)
+        return top.key + "." if isinstance(top, _Path) else ""
+
+    def top(self, path: _Path) -> object:
+        """The ancestor right under the root mapping that makes ``path``'s container, or None."""
         root = self.root_path
         parent = path.parent
         if root is None or parent is None or path is root or parent is root:
-            return ""
+            return None
         # The ancestor right under the root, found once per path node and kept on it.
         chain: list[_Path] = []
         node: _Path | None = parent
@@ -630,7 +646,7 @@ class _Walker:
             node.top = top
         for n in chain:
             n.top = top
-        return top.key + "." if isinstance(top, _Path) else ""
+        return top
 
     def declare_one(
         self, t: _Tensor, name: str, cat: Category, tags: tuple[str, ...], path: _Path

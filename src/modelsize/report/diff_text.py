@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from modelsize.diff import Diff, TensorChange
+from modelsize.diff import Diff, QuantizedPair, TensorChange
 from modelsize.errors import printable
 from modelsize.inventory import Inventory, TensorRecord
+from modelsize.quantization import QuantizedWeight, is_quantized
 from modelsize.report.table import table
 from modelsize.report.units import human_bytes
 
@@ -68,6 +69,24 @@ def _change_rows(changes: tuple[TensorChange, ...]) -> list[str]:
     return lines
 
 
+def _weight(w: QuantizedWeight) -> str:
+    """``bfloat16 4096x4096 (16 bits)``, ``4-bit GPTQ, group 128 (4.25 bits)``."""
+    bits = f"{w.bits_per_weight:.3f}".rstrip("0").rstrip(".")
+    shape = "" if is_quantized(w.layout) or not w.shape else " " + "x".join(map(str, w.shape))
+    return f"{printable(w.label, 60)}{shape} ({bits} bits)"
+
+
+def _quantized_rows(pairs: tuple[QuantizedPair, ...]) -> list[str]:
+    if not pairs:
+        return []
+    lines = ["", f"Quantized weights beside their source ({len(pairs)})"]
+    for p in sorted(pairs, key=lambda p: -max(p.a.parameters, p.b.parameters))[:MAX_ROWS]:
+        lines.append(f"  {printable(p.name, 70)}: {_weight(p.a)} -> {_weight(p.b)}")
+    if len(pairs) > MAX_ROWS:
+        lines.append(f"  ... and {len(pairs) - MAX_ROWS} more")
+    return lines
+
+
 def render_diff(d: Diff) -> str:
     """Bytes by category side by side, then tensors removed, added and changed."""
     lines = [_side("A", d.a), _side("B", d.b), ""]
@@ -89,4 +108,5 @@ def render_diff(d: Diff) -> str:
     lines += _tensor_rows("Only in A (removed)", d.removed)
     lines += _tensor_rows("Only in B (added)", d.added)
     lines += _change_rows(d.changed)
+    lines += _quantized_rows(d.quantized)
     return "\n".join(lines) + "\n"
