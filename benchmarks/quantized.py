@@ -63,6 +63,20 @@ def write_safetensors(path: Path, tensors: list[Tensor]) -> int:
     return 8 + len(raw) + offset
 
 
+def motif_counts() -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """The per-dtype element counts the Hub API published for avlp12/Motif-3-Alis-MLX-8bit
+    (hub-docs issue 2704: U32 78,613,118,976, BF16 9,964,787,842; index
+    ``metadata.total_parameters`` 314,590,621,012), arranged as 8-bit group-64 MLX weights of
+    16,384 inputs (4,096 U32 words a row) plus the unquantized bfloat16 remainder. The
+    architecture is not public in the issue, so the arrangement is ours; the counts are not."""
+    rows = 78_613_118_976 // 4096
+    per = rows // 8
+    for i in range(8):
+        yield f"model.layers.{i}.mlp.experts.proj.weight", (per, 16384), True
+    remainder = 9_964_787_842 - 2 * rows * (16384 // 64)
+    yield "model.norm.weight", (remainder,), False
+
+
 def linears(config: object) -> Iterator[tuple[str, tuple[int, ...], bool]]:
     """Every parameter of the unquantized model: (name, shape, quantized?): the decoder's
     linear weights are quantized, embeddings, norms and the head are not (what GPTQ, AWQ,
@@ -70,6 +84,9 @@ def linears(config: object) -> Iterator[tuple[str, tuple[int, ...], bool]]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if callable(config):
+        yield from config()
+        return
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     for name, p in model.named_parameters():
@@ -108,6 +125,13 @@ def nf4(name: str, out: int, inp: int) -> list[Tensor]:
             (name + ".nested_absmax", "F32", (-(-blocks // 256),)),
             (name + ".nested_quant_map", "F32", (256,)),
             (name + ".quant_state.bitsandbytes__nf4", "U8", (171,))]
+
+
+def fp8_block(name: str, out: int, inp: int) -> list[Tensor]:
+    """fp8 e4m3 with float32 scales per 128x128 block (DeepSeek-V3, transformers
+    ``FP8Linear``)."""
+    return [(name, "F8_E4M3", (out, inp)),
+            (name + "_scale_inv", "F32", (-(-out // 128), -(-inp // 128)))]
 
 
 def mlx(bits: int) -> Callable[[str, int, int], list[Tensor]]:
@@ -149,6 +173,11 @@ def rows() -> list[tuple[str, object, Callable[..., list[Tensor]], str, dict, fl
          {"group_size": 64, "bits": 4}, 4 + 32 / 64, "Q4_K_M"),
         ("Qwen2.5-14B MLX 8-bit g64", qwen25_14b, mlx(8), "BF16",
          {"group_size": 64, "bits": 8}, 8 + 32 / 64, "Q8_0"),
+        ("Motif-3 MLX 8-bit (the Hub's published counts, hub-docs 2704)", motif_counts, mlx(8),
+         "BF16", {"group_size": 64, "bits": 8}, 8 + 32 / 64, "Q8_0"),
+        ("Llama-3-8B fp8 e4m3, 128x128 block scales", llama3_8b, fp8_block, "BF16",
+         {"quant_method": "fp8", "weight_block_size": [128, 128]}, 8 + 32 / (128 * 128),
+         "Q8_0"),
     ]
 
 
@@ -240,6 +269,12 @@ def main() -> None:
         "huggingface.js PR 1770 (an 8B w4a16 model shown as about 2B), llmfit issue 1045 "
         "(w4a16 / AWQ / GPTQ repos rated a fit with 3-6x too little memory: the llmfit column "
         "against the weight bytes column).",
+        "",
+        "The Motif-3 row is built from the per-dtype element counts the Hub API published for "
+        "that repository: its Hub column reproduces the 88,577,906,818 shown there to the "
+        "element; its true column is the count of our arrangement of those tensors, 2,862 more "
+        "than the repository's declared 314,590,621,012 (the real file's split between "
+        "quantized and bfloat16 tensors is not public).",
     ])
     write_section("quantized", text)
     print(text)
