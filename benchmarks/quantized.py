@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import write_section  # noqa: E402
+from _results import write_section
 
 _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "I64": 8, "U8": 1, "I8": 1,
           "F8_E4M3": 1}
@@ -97,19 +97,22 @@ def linears(config: object) -> Iterator[tuple[str, tuple[int, ...], bool]]:
 def gptq(name: str, out: int, inp: int) -> list[Tensor]:
     """4-bit GPTQ, group 128, act-order (GPTQModel ``QuantLinear``)."""
     base = name.removesuffix("weight")
-    return [(base + "qweight", "I32", (inp // 8, out)), (base + "qzeros", "I32", (inp // 128, out // 8)),
+    return [(base + "qweight", "I32", (inp // 8, out)),
+            (base + "qzeros", "I32", (inp // 128, out // 8)),
             (base + "scales", "F16", (inp // 128, out)), (base + "g_idx", "I32", (inp,))]
 
 
 def awq(name: str, out: int, inp: int) -> list[Tensor]:
     """4-bit AWQ GEMM, group 128 (AutoAWQ ``WQLinear_GEMM``)."""
     base = name.removesuffix("weight")
-    return [(base + "qweight", "I32", (inp, out // 8)), (base + "qzeros", "I32", (inp // 128, out // 8)),
+    return [(base + "qweight", "I32", (inp, out // 8)),
+            (base + "qzeros", "I32", (inp // 128, out // 8)),
             (base + "scales", "F16", (inp // 128, out))]
 
 
 def w4a16(name: str, out: int, inp: int) -> list[Tensor]:
-    """compressed-tensors pack-quantized int4, symmetric, group 128 (``PackedQuantizationCompressor``)."""
+    """compressed-tensors pack-quantized int4, symmetric, group 128
+    (``PackedQuantizationCompressor``)."""
     base = name.removesuffix("weight")
     return [(base + "weight_packed", "I32", (out, inp // 8)),
             (base + "weight_scale", "BF16", (out, inp // 128)),
