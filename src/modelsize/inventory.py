@@ -20,6 +20,7 @@ import gc
 import itertools
 import math
 import os
+import re
 import zlib
 from array import array
 from collections import defaultdict
@@ -275,6 +276,21 @@ class _View:
 
 
 _Record = TypeVar("_Record", Region, StorageRecord, TensorRecord)
+
+#: Parts of quantized layouts a loader needs under every module's name even where their bytes
+#: are equal: the NF4 code table of every bitsandbytes layer (``quant_map``), GPTQ's ``g_idx``
+#: without act-order, compressed-tensors' ``weight_shape``. They are never duplicates: dropping
+#: one breaks the load (see :mod:`modelsize.quantization`).
+LAYOUT_PARTS = re.compile(
+    r"(?:^|[./])(?:quant_map|nested_quant_map|quant_state|weight_shape|g_idx|weight_g_idx"
+    r"|weight_format)(?=[./]|$)")
+
+
+def is_layout_part(name: str) -> bool:
+    """Whether ``name`` is one of :data:`LAYOUT_PARTS` (substrings tried first: a million
+    names cost no regex search)."""
+    return (("quant" in name or "shape" in name or "g_idx" in name or "_format" in name)
+            and LAYOUT_PARTS.search(name) is not None)
 
 
 @contextlib.contextmanager
@@ -777,6 +793,8 @@ class InventoryBuilder:
                 itemsize = itemsizes[dtype] = _itemsize(dtype)
             if not st.compressed and st.nbytes <= itemsize:
                 continue  # one element: one value repeated, never a duplicate (see constant)
+            if is_layout_part(first.name):
+                continue
             sig = (st.nbytes, st.logical_nbytes, st.compressed, dtype, first.shape, crc.get(key))
             earlier = first_of.setdefault(sig, key)
             if earlier is not key:
@@ -849,6 +867,7 @@ class TotalsBuilder(InventoryBuilder):
         self._st_category = bytearray()
         self._st_dtype: list[str] = []
         self._st_shape: list[tuple[int, ...]] = []
+        self._layout_parts: set[int] = set()  # storages never duplicates (is_layout_part)
         self._end: dict[int, int] = {}  # per file, where its last storage ends
         #: (dtype as declared, shape) -> (canonical dtype, bytes)
         self._sizes: dict[tuple[str, tuple[int, ...]], tuple[str, int]] = {}
@@ -903,6 +922,8 @@ class TotalsBuilder(InventoryBuilder):
             self._st_category.append(_CATEGORY_INDEX[category])
             self._st_dtype.append(dt_name)
             self._st_shape.append(shape_t)  # type: ignore[arg-type]
+            if is_layout_part(name):
+                self._layout_parts.add(len(self._st_dtype) - 1)
         if self.expect is not None:
             self.expect(self.count, name, dt_name, shape_t)  # type: ignore[arg-type]
         self.count += 1
@@ -977,7 +998,8 @@ class TotalsBuilder(InventoryBuilder):
             itemsize = itemsizes.get(dtype)
             if itemsize is None:
                 itemsize = itemsizes[dtype] = _itemsize(dtype)
-            return nbytes[i] > itemsize  # one element: one value repeated, never a duplicate
+            # one element: one value repeated, never a duplicate; nor are layouts' parts
+            return nbytes[i] > itemsize and i not in self._layout_parts
 
         # Only CRCs met twice can be duplicates: found by sorting the values, their indices
         # then listed (nothing per storage is kept when, as usual, every CRC differs).

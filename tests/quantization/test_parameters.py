@@ -105,3 +105,23 @@ def test_text_and_json_carry_the_counts(tmp_path, capsys):
                                     (3_200, "3.20K"), (512, "512"), (70_553_706_496, "70.6B")])
 def test_counts_read_as_people_say_them(n, text):
     assert count(n) == text
+
+
+def test_layout_parts_equal_across_layers_are_not_duplicates(tmp_path):
+    """Every bitsandbytes layer stores the same NF4 code table, every GPTQ layer without
+    act-order the same g_idx, every compressed-tensors layer of one shape the same
+    weight_shape: a loader needs each under its own name, so `slim --dedupe` must not be
+    offered (it dropped them, and the output no longer loaded)."""
+    code = torch.linspace(-1, 1, 16)
+    tensors = {}
+    for i in range(3):
+        tensors[f"l{i}.weight.quant_map"] = code.clone()
+        tensors[f"l{i}.g_idx"] = torch.arange(256, dtype=torch.int32) // 64
+        tensors[f"l{i}.weight_shape"] = torch.tensor([128, 256])
+        tensors[f"l{i}.weight"] = torch.randn(8, 8)
+    tensors["head.weight"] = tensors["l0.weight"].clone()  # a real duplicate stays one
+    path = tmp_path / "q.safetensors"
+    safetensors_torch.save_file(tensors, path)
+    report = modelsize.inspect(path)
+    dups = [t.name for t in report.inventory.tensors if t.duplicate_of]
+    assert dups == ["l0.weight"]  # safetensors stores names sorted: head.weight comes first

@@ -196,7 +196,8 @@ def test_inspect_json_keys_and_values(tmp_path: Path) -> None:
     assert proc.stdout.endswith("}\n") and proc.stdout.count("\n") == 1
     doc = json.loads(proc.stdout)
     assert list(doc) == ["path", "format", "file_bytes", "files", "bytes_by_category",
-                         "summary", "findings", "unsafe_globals", "tensor_count", "tensors",
+                         "summary", "parameters", "bits_per_weight", "quantization",
+                         "findings", "unsafe_globals", "tensor_count", "tensors",
                          "facts", "notes"]
     size = path.stat().st_size
     data = sum(a.nbytes for a in tensors.values())
