@@ -29,6 +29,7 @@ from modelsize.estimation.result import (
     Source,
     Verification,
 )
+from modelsize.estimation.saved import saved_for_backward
 from modelsize.estimation.trace import Program, Trace, run_trace, user_code
 from modelsize.estimation.tracker import Allocation, Origin
 from modelsize.estimation.verify import RandomState, resize_batch, verify
@@ -261,12 +262,18 @@ def summarize(trace: Trace, program: Program, name: str,
     mode = trace.mode
     peak, tick = mode.peak_bytes, mode.peak_tick
     cats = dict.fromkeys(MemoryCategory, 0)
+    live: list[Allocation] = []
+    acts: list[Allocation] = []
     for rec in mode.allocations:
         if rec.live_at(tick):
+            live.append(rec)
             if communication is not None and communication(rec):
                 cats[MemoryCategory.COMMUNICATION] += rec.nbytes
             else:
-                cats[(category(rec) if category else None) or classify(rec)] += rec.nbytes
+                cat = (category(rec) if category else None) or classify(rec)
+                cats[cat] += rec.nbytes
+                if cat is MemoryCategory.ACTIVATIONS:
+                    acts.append(rec)
     cats[MemoryCategory.TEMPORARIES] += mode.peak_scratch
     phases = tuple(
         PhaseSpan(p.name, p.step, p.micro_batch, p.start, p.end if p.end >= 0 else mode.tick)
@@ -320,6 +327,8 @@ def summarize(trace: Trace, program: Program, name: str,
         trace_seconds=trace.seconds,
         device_estimate=dev,
         notes=tuple(notes),
+        saved_for_backward=(saved_for_backward(acts, live, mode.packed_keepers)
+                            if train else None),
     )
 
 

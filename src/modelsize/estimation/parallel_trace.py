@@ -859,7 +859,8 @@ def _offloaded(est: Estimate, rank: RankTrace, program: Program
                           any(d.name == "cublas_workspace" and d.nbytes
                               for d in est.device_estimate.terms))
     out = replace(est, peak_bytes=peak, phase=phase, categories=cats, scratch_bytes=scratch,
-                  timeline=downsample(gpu, TIMELINE_POINTS), device_estimate=dev)
+                  timeline=downsample(gpu, TIMELINE_POINTS), device_estimate=dev,
+                  saved_for_backward=None)
     return out, (host[at - 1] if at else 0, max(host, default=0))
 
 
@@ -943,6 +944,7 @@ def _accounted(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
     scratch = mode.scratch_at.get(tick, 0)
     return replace(base, peak_bytes=peak + buckets, phase=phase, categories=cats,
                    scratch_bytes=scratch, parallel=info, notes=(*base.notes, note),
+                   saved_for_backward=None,
                    device_estimate=_accounted_device(base.device_estimate, mode, share,
                                                      peak + buckets, scratch, buckets))
 

@@ -371,6 +371,94 @@ class GenerationInfo:
 
 
 @dataclass(frozen=True)
+class SavedTensors:
+    """Tensors of one kind that the training step keeps for the backward at the peak: made
+    in ``module`` by ``op`` (the ATen op that allocated each storage), kept by the autograd
+    nodes ``saved_by``, all of one ``dtype`` and ``shape`` (the tensor each storage was made
+    for); ``count`` storages, ``nbytes`` in all."""
+
+    module: str
+    op: str
+    saved_by: tuple[str, ...]
+    """Node names (``MmBackward0``); a custom Function's ``ctx`` attribute as
+    ``<node>.<attribute>``; ``checkpoint``: the inputs a checkpointed region keeps;
+    ``recomputed``: a checkpointed region's forward run again in the backward; empty: alive
+    but kept by no node (the loss, a model's own references)."""
+    dtype: str
+    shape: tuple[int, ...]
+    count: int
+    nbytes: int
+    kept_in: tuple[str, ...] = ()
+    """The modules whose forward made the nodes of ``saved_by``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"module": self.module, "op": self.op, "saved_by": list(self.saved_by),
+                "kept_in": list(self.kept_in), "dtype": self.dtype, "shape": list(self.shape),
+                "count": self.count, "bytes": self.nbytes}
+
+
+class SavedFindingKind(str, Enum):
+    """What a :class:`SavedFinding` found among the tensors kept for the backward."""
+
+    DEQUANTIZED_WEIGHT = "dequantized_weight"
+    """A floating-point tensor computed from model state alone (no input), among it a
+    quantized, packed weight (an integer or 1-byte float parameter or buffer): a
+    dequantized copy of the weight, which the backward could make again from the packed
+    one (bitsandbytes PR 1935)."""
+    INPUT_FOR_FROZEN_WEIGHT = "input_for_frozen_weight"
+    """An input activation kept only by a custom autograd Function that also keeps a
+    quantized weight: in a linear layer the input serves only the weight's gradient, and a
+    quantized weight gets none (bitsandbytes PR 1270)."""
+    RECOMPUTABLE = "recomputable"
+    """The output of a pointwise op (or a copy) whose input-derived arguments are all kept
+    for the backward too, alive at the peak: the backward could compute it again from them."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class SavedFinding:
+    """Bytes kept for the backward that need not be, and what to do about them."""
+
+    kind: SavedFindingKind
+    module: str
+    """The module to change (one, or the first of several: ``modules`` counts them): where
+    the dequantized copy or the recomputable tensor is made; for an input kept for a frozen
+    weight, the module whose Function keeps it."""
+    op: str
+    saved_by: tuple[str, ...]
+    count: int
+    nbytes: int
+    """Bytes at the peak that the change frees."""
+    modules: int
+    advice: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"kind": self.kind.value, "module": self.module, "op": self.op,
+                "saved_by": list(self.saved_by), "count": self.count, "bytes": self.nbytes,
+                "modules": self.modules, "advice": self.advice}
+
+
+@dataclass(frozen=True)
+class SavedForBackward:
+    """What a training step keeps for the backward at its peak: the activations category,
+    storage by storage, grouped (:class:`SavedTensors`, largest first; they add up to
+    ``nbytes``, the activations at the peak, to the byte), and the findings on them."""
+
+    rows: tuple[SavedTensors, ...]
+    nbytes: int
+    findings: tuple[SavedFinding, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"bytes": self.nbytes, "rows": [r.to_dict() for r in self.rows],
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+@dataclass(frozen=True)
 class Estimate:
     """The exact peak of live tensor bytes of a traced program, and what it is made of.
 
@@ -400,6 +488,9 @@ class Estimate:
     generation: GenerationInfo | None = None
     """``mode="generate"``: the cache by layer kind, the peak's step, how unknown values were
     chosen (:class:`GenerationInfo`)."""
+    saved_for_backward: SavedForBackward | None = None
+    """Training: the activations at the peak by module, op and the autograd node that keeps
+    them, with findings (:class:`SavedForBackward`)."""
 
     def __post_init__(self) -> None:
         from modelsize.errors import AccountingError
@@ -409,6 +500,14 @@ class Estimate:
             raise AccountingError(
                 f"estimate categories add up to {total} bytes, the peak is {self.peak_bytes}"
             )
+        saved = self.saved_for_backward
+        if saved is not None:
+            acts = self.categories.get(MemoryCategory.ACTIVATIONS, 0)
+            rows = sum(r.nbytes for r in saved.rows)
+            if rows != saved.nbytes or saved.nbytes != acts:
+                raise AccountingError(
+                    f"saved-for-backward rows add up to {rows} bytes, the activations at the "
+                    f"peak are {acts}")
 
     def __repr__(self) -> str:
         s = self.setup
@@ -446,6 +545,8 @@ class Estimate:
             "verification": self.verification.to_dict() if self.verification else None,
             "parallel": self.parallel.to_dict() if self.parallel else None,
             "generation": self.generation.to_dict() if self.generation else None,
+            "saved_for_backward": (self.saved_for_backward.to_dict()
+                                   if self.saved_for_backward else None),
         }
 
 

@@ -51,7 +51,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from modelsize.errors import EstimateError, UsageError
 from modelsize.estimation import quantized
 from modelsize.estimation.optimizers import Implementation, OptimizerSpec, make_factory
-from modelsize.estimation.tracker import Allocation, CountingFakeMode, Origin, parts
+from modelsize.estimation.tracker import (
+    Allocation,
+    CountingFakeMode,
+    Origin,
+    parts,
+    record_savers,
+)
 
 _ATEN = torch.ops.aten
 LossFn = Callable[[Any], torch.Tensor]
@@ -146,11 +152,11 @@ def _module_names(mode: CountingFakeMode, model: nn.Module) -> Iterator[None]:
     names = {id(m): name for name, m in model.named_modules()}
 
     def pre(module: nn.Module, args: Any) -> None:
-        mode.modules.append(names.get(id(module), type(module).__name__))
+        mode.enter_module(names.get(id(module), type(module).__name__))
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
         if mode.modules:
-            mode.modules.pop()
+            mode.exit_module()
 
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post, always_call=True)
@@ -358,7 +364,7 @@ def trace_program(mode: CountingFakeMode, program: Program, call: Callable[[], A
             mode.begin_phase("forward", step, micro)
             mode.origin = Origin.FORWARD
             loss = _forward_loss(call, loss_fn)
-            _mark_saved(mode, scalars)
+            _mark_saved(mode, scalars, loss)
             if step == 1 and micro == 1:
                 module_acts = _module_bytes(mode)
             mode.begin_phase("backward", step, micro)
@@ -462,6 +468,8 @@ class _SavedScalars(TorchFunctionMode):
                        and not isinstance(a, bool)]
             if numbers and torch.is_grad_enabled():
                 rec = self.mode.track_virtual(16 if isinstance(numbers[0], complex) else 8)
+                rec.op, rec.saved_by = "wrapped scalar", (out.grad_fn.name(),)
+                rec.dtype = torch.complex128 if rec.nbytes == 16 else torch.float64
                 self.pending.append(rec)
                 out.grad_fn.register_hook(_release(self.mode, rec))
         return out
@@ -807,11 +815,15 @@ def _grad_marker(mode: CountingFakeMode) -> Callable[[torch.Tensor], None]:
     return mark
 
 
-def _mark_saved(mode: CountingFakeMode, scalars: _SavedScalars) -> None:
-    """Forward-made storages still alive when the forward ends are activations."""
+def _mark_saved(mode: CountingFakeMode, scalars: _SavedScalars,
+                loss: torch.Tensor | None = None) -> None:
+    """Forward-made storages still alive when the forward ends are activations; with the
+    ``loss``, each gets the autograd nodes that keep it (:func:`record_savers`)."""
     for rec in (*mode.live.values(), *scalars.pending):
         if rec.origin is Origin.FORWARD and rec.freed < 0:
             rec.saved = True
+    if loss is not None:
+        record_savers(mode, (loss,))
 
 
 def _module_bytes(mode: CountingFakeMode) -> dict[str, int]:

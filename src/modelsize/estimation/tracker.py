@@ -35,8 +35,9 @@ here, as it is to the allocator and its profiler.
 
 from __future__ import annotations
 
+import bisect
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.autograd.function import BackwardCFunction
 
 from modelsize.estimation import kernels, quant_kernels, quantized, rng
 from modelsize.estimation.fake_rules import RULES
@@ -61,6 +63,18 @@ class Origin(str, Enum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     OTHER = "other"
+
+
+#: :attr:`Allocation.state` values
+STATE_NONE, STATE_FLOAT, STATE_PACKED = 0, 1, 2
+
+
+def packed_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds quantized weights: integers (packed nibbles, int8 codes) and
+    1-byte floats (fp8, fp4 pairs); not bool."""
+    if dtype is torch.bool or dtype.is_complex:
+        return False
+    return not dtype.is_floating_point or dtype.itemsize < 2
 
 
 @dataclass(slots=True)
@@ -80,6 +94,25 @@ class Allocation:
     host: bool = False
     """Host memory in a trace for CUDA (the CPU step counters of a foreach optimizer): not
     on the device, counted as 0 bytes."""
+    op: Any = None
+    """The op that allocated the storage (an ``OpOverload``), None for one tracked from
+    outside an op (parameters, inputs, gradients, optimizer state)."""
+    shape: tuple[int, ...] = ()
+    """The shape and dtype of the tensor the storage was made for."""
+    dtype: Any = None
+    state: int = STATE_NONE
+    """What its values derive from: :data:`STATE_NONE` (the inputs), :data:`STATE_FLOAT`
+    (only parameters, buffers and constants), :data:`STATE_PACKED` (among them a quantized,
+    packed weight: an integer or 1-byte float parameter or buffer)."""
+    sources: tuple[Allocation, ...] = ()
+    """A pointwise op's output: the records of its input-derived arguments (what it could
+    be recomputed from)."""
+    saved_by: tuple[str, ...] = ()
+    """The autograd nodes that keep the storage for the backward, as the graph stood when
+    the forward ended (``MmBackward0``; a custom Function's ``ctx`` attribute as
+    ``MatMul4BitBackward.tensors``; ``checkpoint`` for a checkpointed region's inputs)."""
+    kept_in: tuple[str, ...] = ()
+    """The modules whose forward made those nodes."""
 
     def live_at(self, tick: int) -> bool:
         """Whether this storage held memory right after the op at ``tick`` allocated."""
@@ -112,6 +145,16 @@ def parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if layout in (torch.sparse_csc, torch.sparse_bsc):
             return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
     return ()
+
+
+_A = torch.ops.aten
+#: ops that index a table (argument 0) with integer ids: the position of the ids
+_INDEX_ARGS: dict[Any, int] = {
+    _A.embedding.default: 1, _A.index.Tensor: 1, _A.index_select.default: 2,
+    _A.gather.default: 2, _A.take.default: 1, _A._unsafe_index.Tensor: 1,
+}
+#: copies that make a pure function of their one argument (beside the pointwise-tagged ops)
+_COPIES = frozenset({_A._to_copy.default, _A.clone.default})
 
 
 def _tensors(out: Any) -> Iterator[torch.Tensor]:
@@ -174,6 +217,11 @@ class CountingFakeMode(FakeTensorMode):
                           if self.device_type == "cuda" else frozenset())
         self._node: tuple[int, str] | None = None
         self._node_mark = 0
+        self._pointwise_ops: dict[Any, bool] = {}
+        #: custom autograd Functions (node names) that keep a packed weight (record_savers)
+        self.packed_keepers: set[str] = set()
+        #: (the next autograd sequence number, the module) at each change of module
+        self.module_seq: list[tuple[int, str]] = []
 
     # -- registration -----------------------------------------------------------------------
 
@@ -197,7 +245,11 @@ class CountingFakeMode(FakeTensorMode):
             phase=len(self.phases) - 1,
             module=self.modules[-1] if self.modules else "",
             recomputed=origin is Origin.BACKWARD and bool(self.modules),
+            shape=tuple(tensor.shape),
+            dtype=tensor.dtype,
         )
+        if origin is Origin.PARAMETER or origin is Origin.BUFFER:
+            rec.state = STATE_PACKED if packed_dtype(tensor.dtype) else STATE_FLOAT
         self.live[key] = rec
         self.allocations.append(rec)
         self.live_bytes += rec.nbytes
@@ -250,6 +302,30 @@ class CountingFakeMode(FakeTensorMode):
         """End the current phase."""
         if self.phases and self.phases[-1].end < 0:
             self.phases[-1].end = self.tick
+
+    def enter_module(self, name: str) -> None:
+        """``name``'s forward starts: what it allocates is its own."""
+        self.modules.append(name)
+        self._module_changed()
+
+    def exit_module(self) -> None:
+        """The innermost module's forward ends."""
+        self.modules.pop()
+        self._module_changed()
+
+    def _module_changed(self) -> None:
+        # the autograd nodes made from here on (their sequence numbers) are the module's
+        seq = torch._C._autograd._get_sequence_nr()
+        name = self.modules[-1] if self.modules else ""
+        if self.module_seq and self.module_seq[-1][0] == seq:
+            self.module_seq[-1] = (seq, name)
+        else:
+            self.module_seq.append((seq, name))
+
+    def module_of_node(self, node: Any) -> str:
+        """The module whose forward made autograd ``node`` (by its sequence number)."""
+        i = bisect.bisect_right(self.module_seq, (node._sequence_nr(), "\uffff")) - 1
+        return self.module_seq[i][1] if i >= 0 else ""
 
     # -- real-run paths ---------------------------------------------------------------------
 
@@ -327,6 +403,56 @@ class CountingFakeMode(FakeTensorMode):
         storage = old.untyped_storage()  # this wrapper holds one more reference
         return bool(torch._C._storage_Use_Count(storage._cdata) == 2)
 
+    # -- what a forward-made storage derives from --------------------------------------------
+
+    def _derive(self, func: Any, args: Any, kwargs: dict[str, Any],
+                made: list[Allocation]) -> None:
+        """Set :attr:`Allocation.state` (and a pointwise op's ``sources``) of the storages
+        ``func`` just made, from its tensor arguments' records.
+
+        An index argument (the ids of an embedding, the codes of a table lookup) carries its
+        ``packed`` mark only where it has more elements than the table it indexes: decoding
+        codes through a codebook is a dequantization, looking position ids up in an
+        embedding is not.
+        """
+        state = STATE_FLOAT  # no tensor argument: a constant
+        sources: list[Allocation] = []
+        index = _INDEX_ARGS.get(func)
+        table = 0
+        live = self.live
+        for i, a in enumerate((*args, *kwargs.values())):
+            group = a if isinstance(a, (list, tuple)) else (a,)
+            for t in group:
+                if not isinstance(t, FakeTensor) or t.layout is not torch.strided:
+                    continue
+                rec = live.get(t.untyped_storage()._cdata)
+                if rec is None or rec.state == STATE_NONE:
+                    state = STATE_NONE
+                    if rec is not None:
+                        sources.append(rec)
+                    continue
+                if index is not None:
+                    if i == 0:
+                        table = t.numel()
+                    elif i == index and rec.state == STATE_PACKED and t.numel() <= table:
+                        continue  # an embedding's ids
+                if rec.state > state and state != STATE_NONE:
+                    state = rec.state
+        for rec in made:
+            rec.state = state
+        if state == STATE_NONE and sources and self._pointwise(func):
+            src = tuple(sources)
+            for rec in made:
+                rec.sources = src
+
+    def _pointwise(self, func: Any) -> bool:
+        flag = self._pointwise_ops.get(func)
+        if flag is None:
+            tags = getattr(func, "tags", ())
+            flag = torch.Tag.pointwise in tags or func in _COPIES
+            self._pointwise_ops[func] = flag
+        return flag
+
     # -- dispatch ---------------------------------------------------------------------------
 
     def _op_info(self, func: Any) -> tuple[bool, Any, bool]:
@@ -391,6 +517,11 @@ class CountingFakeMode(FakeTensorMode):
                 elif not rec.host and rec.nbytes != st.nbytes():  # resize_ and friends
                     self.live_bytes += st.nbytes() - rec.nbytes
                     rec.nbytes = st.nbytes()
+        if made:
+            for rec in made:
+                rec.op = func
+            if self.origin is Origin.FORWARD:
+                self._derive(func, args, kwargs, made)
         if scratch is not None and scratch_op:
             library = scratch.libraries.get(func)
             if library is not None:
@@ -430,3 +561,133 @@ class CountingFakeMode(FakeTensorMode):
             self.peak_scratch = extra
             self.peak_scratch_op = str(func) if extra else ""
         return out
+
+
+# -- what autograd keeps for the backward ---------------------------------------------------
+
+def record_savers(mode: CountingFakeMode, roots: Iterable[Any]) -> None:
+    """Mark the storages the autograd graph of ``roots`` (tensors) keeps for the backward:
+    each record's :attr:`Allocation.saved_by` gets the names of the nodes that keep it.
+
+    Read from the graph as it stands (call when the forward ends), without unpacking: a
+    saved tensor is read through ``SavedTensor.data``, so no hook runs (a checkpointed
+    region's hooks would recompute it) and no op is dispatched. A custom Function's node also
+    keeps what its forward put on ``ctx`` (``ctx.tensors = (A, B)``), named
+    ``<node>.<attribute>``; a checkpointed region keeps only its inputs, named
+    ``checkpoint`` (with the RNG state it restores). The names of custom Functions that
+    keep a quantized, packed weight (an integer or 1-byte float tensor) go to
+    ``mode.packed_keepers``.
+    """
+    savers: dict[int, list[str]] = {}
+    keepers: dict[int, list[str]] = {}
+    frames: set[int] = set()
+    packed = [False]  # whether the custom Function being read keeps a packed weight
+    where = [""]  # the module of the node being read
+
+    def keep(t: Any, label: str) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        for rec in mode.allocations_of(t):
+            names = savers.setdefault(id(rec), [])
+            if label not in names:
+                names.append(label)
+            modules = keepers.setdefault(id(rec), [])
+            if where[0] not in modules:
+                modules.append(where[0])
+            if rec.state == STATE_PACKED and packed_dtype(rec.dtype):
+                packed[0] = True
+
+    def saved(s: Any, label: str) -> None:
+        if isinstance(s, (list, tuple)):
+            for x in s:
+                saved(x, label)
+            return
+        if not isinstance(s, torch._C._autograd.SavedTensor):
+            keep(s, label)
+            return
+        try:  # a PyTorch without ``data`` and ``unpack_hook`` names nothing
+            data = getattr(s, "data", None)
+            hook = getattr(s, "unpack_hook", None)
+        except RuntimeError:  # released, or saved undefined
+            return
+        if hook is None or isinstance(data, torch.Tensor):
+            keep(data, label)
+            return
+        frame = _checkpoint_frame(hook)
+        if frame is not None and id(frame) not in frames:
+            frames.add(id(frame))
+            for arg in getattr(frame, "saved_args", ()):
+                saved(arg, "checkpoint")
+            for cell in getattr(getattr(frame, "recompute_fn", None), "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(value, torch.Tensor):  # the CPU RNG state it restores
+                    keep(value, "checkpoint")
+
+    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set(stack)
+    while stack:
+        node = stack.pop()
+        name = node.name()
+        where[0] = mode.module_of_node(node)
+        if isinstance(node, BackwardCFunction):
+            packed[0] = False
+            saved(node._raw_saved_tensors, name)
+            for attr, value in vars(node).items():
+                if isinstance(value, (torch.Tensor, list, tuple)):
+                    _ctx_tensors(value, f"{name}.{attr}", keep)
+            if packed[0]:
+                mode.packed_keepers.add(name)
+        else:
+            for attr in _saved_attrs(type(node)):
+                try:
+                    saved(getattr(node, attr), name)
+                except RuntimeError:
+                    continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    by_id = {id(rec): rec for rec in mode.live.values()}
+    for key, names in savers.items():
+        rec = by_id.get(key)
+        if rec is not None:
+            rec.saved_by = tuple(names)
+            rec.kept_in = tuple(keepers[key])
+
+
+def _ctx_tensors(value: Any, label: str, keep: Callable[[Any, str], None]) -> None:
+    if isinstance(value, torch.Tensor):
+        keep(value, label)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, (torch.Tensor, list, tuple)):
+                _ctx_tensors(v, label, keep)
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attrs(cls: type) -> tuple[str, ...]:
+    attrs = _SAVED_ATTRS.get(cls)
+    if attrs is None:
+        attrs = tuple(a for a in dir(cls) if a.startswith("_raw_saved_"))
+        _SAVED_ATTRS[cls] = attrs
+    return attrs
+
+
+def _checkpoint_frame(hook: Any) -> Any:
+    """The ``_CheckpointFrame`` behind a non-reentrant checkpoint's unpack hook, if it is one."""
+    code = getattr(hook, "__code__", None)
+    cells = getattr(hook, "__closure__", None)
+    if code is None or not cells:
+        return None
+    for var, cell in zip(code.co_freevars, cells, strict=False):
+        if var == "frame":
+            try:
+                return cell.cell_contents
+            except ValueError:
+                return None
+    return None

@@ -218,6 +218,9 @@ def sections(est: Estimate, *, suggestions: Sequence[Suggestion] = (),
             mrows.append((f"({len(groups) - modules} more)", size(rest)))
         out.append(Section("modules", "Forward activations by module (alive when the forward "
                            "ends):", tuple(mrows), "lr"))
+    saved = saved_section(est, rows=max(modules, 8) if modules else 0)
+    if saved is not None:
+        out.append(saved)
     if suggestions:
         srows = tuple((sg.change, sg.label, size(sg.peak_bytes),
                        f"{100.0 * (sg.peak_bytes - peak) / peak:+.0f}%") for sg in suggestions)
@@ -241,6 +244,37 @@ def sections(est: Estimate, *, suggestions: Sequence[Suggestion] = (),
         out.append(Section("notes", lines=tuple(f"note: {printable(note, 300)}"
                                                for note in est.notes)))
     return out
+
+
+def saved_section(est: Estimate, rows: int = 8) -> Section | None:
+    """What the training step keeps for the backward at the peak: the largest rows of
+    :attr:`Estimate.saved_for_backward` and their total (the activations), then its
+    findings; None where there is no table or nothing is kept."""
+    saved = est.saved_for_backward
+    if saved is None or not saved.nbytes:
+        return None
+    table_rows: list[tuple[str, ...]] = [("module", "op", "kept by", "tensor", "count",
+                                          "size")]
+    for r in saved.rows[:rows]:
+        tensor = f"{r.dtype} {'x'.join(map(str, r.shape)) or 'scalar'}"
+        by = ", ".join(r.saved_by) or "(no node)"
+        if r.kept_in and r.kept_in != (r.module,):
+            by += f" in {', '.join(r.kept_in)}"
+        table_rows.append((printable(r.module, 40), r.op or "-", printable(by, 60), tensor,
+                           f"{r.count:,}", size(r.nbytes)))
+    if len(saved.rows) > rows:
+        rest = saved.rows[rows:]
+        table_rows.append((f"({len(rest)} more rows)", "", "", "",
+                           f"{sum(r.count for r in rest):,}",
+                           size(sum(r.nbytes for r in rest))))
+    table_rows.append(("total (the activations)", "", "", "",
+                       f"{sum(r.count for r in saved.rows):,}",
+                       f"{size(saved.nbytes)} ({saved.nbytes:,} bytes)"))
+    lines = tuple(f"finding: {printable(f.advice, 600)}; frees {size(f.nbytes)} at the peak"
+                  for f in saved.findings)
+    return Section("saved", "Saved for the backward at the peak (module and op that made "
+                   "each tensor, the autograd node that keeps it):", tuple(table_rows),
+                   "llllrr", header=True, lines=lines)
 
 
 #: sections the text report runs on from the one before, without a blank line

@@ -442,12 +442,16 @@ def render_estimate(est: Estimate, *, description: str = "", batch: int | None =
 
 def card_estimate(est: Estimate) -> str:
     """A compact notebook card for an :class:`Estimate`."""
+    from modelsize.report.estimate_text import saved_section
+
     parts = _estimate_parts(est)
     s = est.setup
+    saved = saved_section(est, rows=5) if getattr(est, "saved_for_backward", None) else None
     return _card(f"<b>{_e(s.model)}</b> "
             f"{_program_word(s.mode)} on {_e(s.device)}: peak "
             f"<b>{_e(human_bytes(est.peak_bytes))}</b> in {_e(est.phase.name)}"
-            f"{stacked_bar(parts, est.peak_bytes, height=18)}{legend(c for c, _ in parts)}")
+            f"{stacked_bar(parts, est.peak_bytes, height=18)}{legend(c for c, _ in parts)}"
+            f"{_section(saved) if saved is not None else ''}")
 
 
 # -- slim and diff -----------------------------------------------------------------------------
