@@ -251,8 +251,8 @@ def compare(a: Inventory, b: Inventory) -> Diff:
 def _quantized_pairs(a: Inventory, b: Inventory) -> tuple[QuantizedPair, ...]:
     """Each side's weights as :mod:`modelsize.quantization` reads them, paired by logical name
     where one of the two is quantized."""
-    left = analyze(a, config_for(a)[0]).weights
-    right = analyze(b, config_for(b)[0]).weights
+    left = analyze(a, config_for(a)[0]).every_weight()
+    right = analyze(b, config_for(b)[0]).every_weight()
     return tuple(QuantizedPair(x.name, x, y) for x, y in paired(left, right))
 
 

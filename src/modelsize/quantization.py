@@ -28,6 +28,7 @@ tensor that identifies it (its *anchor*). Nothing here reads tensor data or impo
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ from modelsize.inventory import Inventory, TensorRecord
 
 #: The categories a layout's parts are looked for in (a reader may file ``g_idx`` as a buffer).
 _LOOKED_AT = (Category.WEIGHTS, Category.BUFFERS)
+#: Dtypes a layout's anchor never has when it is named ``*.weight`` (its packs are integers or
+#: 8-bit floats): such a weight is skipped unmatched.
+_WIDE = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: Largest ``config.json`` read for a ``quantization_config``.
 _CONFIG_LIMIT = 4 << 20
 
@@ -105,6 +109,10 @@ class Quantization:
     counted_bytes: int = field(init=False)
     groups: tuple[WeightGroup, ...] = field(init=False)
 
+    plain: tuple[TensorRecord, ...] = ()
+    """The weights no layout claims, each counted at its own dtype (kept as records: a
+    million of them cost no object each until :meth:`every_weight` is asked for)."""
+
     def __post_init__(self) -> None:
         sums: dict[tuple[str, str], list[int]] = {}
         quantized: set[tuple[str, str]] = set()
@@ -116,6 +124,23 @@ class Quantization:
             acc[2] += w.counted_bytes
             if is_quantized(w.layout):
                 quantized.add(key)
+        by_dtype: dict[str, list[int]] = {}
+        prod = math.prod
+        for t in self.plain:
+            tally = by_dtype.get(t.dtype)
+            if tally is None:
+                tally = by_dtype[t.dtype] = [0, 0, 0]
+            tally[0] += 1
+            tally[1] += prod(t.shape)
+            tally[2] += t.nbytes
+        for dtype, (n, p, b) in by_dtype.items():
+            key = (_plain_layout(dtype), _dtype_label(dtype))
+            acc = sums.setdefault(key, [0, 0, 0])
+            acc[0] += n
+            acc[1] += p
+            acc[2] += b
+            if is_quantized(key[0]):
+                quantized.add(key)
         groups = sorted(
             (WeightGroup(label, layout, n, p, b, (layout, label) in quantized)
              for (layout, label), (n, p, b) in sums.items()),
@@ -123,6 +148,12 @@ class Quantization:
         object.__setattr__(self, "groups", tuple(groups))
         object.__setattr__(self, "parameters", sum(g.parameters for g in groups))
         object.__setattr__(self, "counted_bytes", sum(g.counted_bytes for g in groups))
+
+    def every_weight(self) -> list[QuantizedWeight]:
+        """Every weight: those in a quantized layout, then the others at their dtype."""
+        return [*self.weights, *(
+            QuantizedWeight(t.name, _plain_layout(t.dtype), _dtype_label(t.dtype), t.shape,
+                            numel(t.shape), _tensor_bytes(t), (t.name,)) for t in self.plain)]
 
     @property
     def bits_per_weight(self) -> float:
@@ -147,7 +178,7 @@ class Quantization:
 
     def by_name(self) -> dict[str, QuantizedWeight]:
         """Each weight by its logical name."""
-        return {w.name: w for w in self.weights}
+        return {w.name: w for w in self.every_weight()}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (per weight lists are left to :meth:`by_name`)."""
@@ -847,25 +878,33 @@ def analyze(inventory: Inventory, config: Mapping[str, Any] | None = None) -> Qu
     config = {} if config is None else config
     records: dict[str, TensorRecord] = {}
     order: list[TensorRecord] = []
+    looked_at = _LOOKED_AT
+    tensors = [t for t in inventory.tensors
+               if t.category in looked_at and t.duplicate_of is None]
+    # A tensor charged with fewer bytes than it holds is a view of bytes shared with another
+    # (tied weights) or compressed; only then are views of the same bytes looked for.
+    shared = any(t.stored_nbytes < t.nbytes for t in tensors)
     seen_storage: set[tuple[str, int, tuple[int, ...], str]] = set()
-    for t in inventory.tensors:
-        if t.category not in _LOOKED_AT or t.duplicate_of is not None:
-            continue
-        if t.storage is not None:
+    for t in tensors:
+        if shared and t.storage is not None:
             ident = (t.storage, t.storage_offset, t.shape, t.dtype)
             if ident in seen_storage:
                 continue  # a second view of the same bytes (tied weights)
             seen_storage.add(ident)
-        records[t.key] = t
+        records[t.name if not t.container else t.key] = t
         order.append(t)
+    del seen_storage, tensors
     anchors = _anchors()
     suffixes = tuple(anchors)
+    wide = _WIDE
     claimed: set[str] = set()
     found: list[QuantizedWeight] = []
     for t in order:
-        key = t.key
-        if key in claimed or not key.endswith(suffixes):
+        key = t.name if not t.container else t.key
+        if not key.endswith(suffixes) or key in claimed:
             continue
+        if t.dtype in wide and key.endswith(".weight"):
+            continue  # a float16/32 weight anchors no layout: their anchors are packs, scales
         for suffix in suffixes:
             if not key.endswith(suffix):
                 continue
@@ -882,12 +921,10 @@ def analyze(inventory: Inventory, config: Mapping[str, Any] | None = None) -> Qu
                 break
             if key in claimed:
                 break
-    for t in order:
-        if t.key in claimed or t.category is not Category.WEIGHTS:
-            continue
-        found.append(QuantizedWeight(t.name, _plain_layout(t.dtype), _dtype_label(t.dtype),
-                                     t.shape, numel(t.shape), _tensor_bytes(t), (t.name,)))
-    return Quantization(tuple(found), config=config, title=_title(inventory))
+    weights = Category.WEIGHTS
+    plain = tuple(t for t in order if t.category is weights
+                  and (not claimed or (t.name if not t.container else t.key) not in claimed))
+    return Quantization(tuple(found), config=config, title=_title(inventory), plain=plain)
 
 
 def _plain_layout(dtype: str) -> str:
