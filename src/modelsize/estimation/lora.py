@@ -24,6 +24,8 @@ from modelsize.errors import MissingDependencyError, UsageError
 if TYPE_CHECKING:
     from torch import nn
 
+    from modelsize.estimation.result import Estimate
+
 #: ``targets=all-linear``: peft's shorthand for every linear layer but the output head.
 ALL_LINEAR = "all-linear"
 _KEYS = ("r", "alpha", "targets", "dropout")
@@ -128,6 +130,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
     config = spec.config()
     from peft import get_peft_model
 
+    _flag_quantized(model)
+
     try:
         with warnings.catch_warnings():
             # peft reads transformers' deprecated ``is_gradient_checkpointing`` and warns where
@@ -137,6 +141,17 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
     except ValueError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"--lora {spec}: {first}") from None
+
+
+def _flag_quantized(model: nn.Module) -> None:
+    """``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` on a model with bitsandbytes layers, as
+    transformers sets them when it loads one: peft picks its bitsandbytes LoRA layers
+    (``peft.tuners.lora.bnb``) only for a model so flagged, the generic one otherwise."""
+    kinds = {type(m).__name__ for m in model.modules()
+             if type(m).__module__.startswith("bitsandbytes")}
+    for cls, flag in (("Linear4bit", "is_loaded_in_4bit"), ("Linear8bitLt", "is_loaded_in_8bit")):
+        if cls in kinds and not getattr(model, flag, False):
+            setattr(model, flag, True)
 
 
 def adapted_copy(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
@@ -152,6 +167,13 @@ def adapted_copy(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
             meta = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta")
             memo[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
     return apply_lora(copy.deepcopy(model, memo), spec)
+
+
+def lora_note(est: Estimate, model: nn.Module, spec: LoraSpec) -> Estimate:
+    """``est`` with the note of :func:`describe` added."""
+    from dataclasses import replace
+
+    return replace(est, notes=(*est.notes, describe(model, spec)))
 
 
 def describe(model: nn.Module, spec: LoraSpec) -> str:
