@@ -21,7 +21,7 @@ from tests.estimation import models
 def test_public_api_is_locked() -> None:
     assert sorted(api.__all__) == sorted([
         "CacheGroup", "CacheKind", "DeviceEstimate", "DeviceTerm", "Estimate",
-        "GenerationInfo", "MemoryCategory", "Parallel", "PhaseSpan", "Setup", "Source",
+        "GenerationInfo", "LoraSpec", "MemoryCategory", "Parallel", "PhaseSpan", "Setup", "Source",
         "Strategy", "Verification", "estimate",
     ])
     assert modelsize.Estimate is Estimate

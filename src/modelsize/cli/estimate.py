@@ -17,6 +17,10 @@ _DTYPES = ("float32", "bfloat16", "float16")
 #: defaults to the CPU, where estimates are validated. The report says which one was used.
 DEFAULT_DEVICE = "cuda"
 DEFAULT_OPTIMIZER = "adamw"
+#: ``--gradient-checkpointing`` values: the arguments given to transformers.
+_HF_CHECKPOINTING: dict[str, dict[str, Any]] = {
+    "default": {}, "reentrant": {"use_reentrant": True},
+    "non-reentrant": {"use_reentrant": False}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", action="append", default=None, metavar="MODULES",
                         help="activation checkpointing on these modules: a class name or a "
                         "glob over module names (comma-separated, repeatable)")
+    parser.add_argument("--gradient-checkpointing", nargs="?", const="default", default=None,
+                        choices=list(_HF_CHECKPOINTING),
+                        help="activation checkpointing as transformers switches it on "
+                        "(activation_checkpointing_enable) on a transformers model: "
+                        "transformers' default arguments, or use_reentrant=True (reentrant) or "
+                        "False (non-reentrant)")
+    parser.add_argument("--lora", default=None, metavar="SPEC",
+                        help="train LoRA adapters made by peft's get_peft_model: "
+                        "r=16,alpha=32,targets=q_proj,v_proj (or targets=all-linear; "
+                        "dropout=0.05 optional, 0 by default as in peft); the base is frozen")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help=f"the device to estimate for (default {DEFAULT_DEVICE}: checked on an "
                         "H100 within 0.07%% of max_memory_allocated; cpu: exact to the byte "
@@ -176,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
                          "module:factory); see modelsize estimate --list")
     require_torch()
+    lora = getattr(args, "lora", None)
+    hf_ckpt = getattr(args, "gradient_checkpointing", None)
     if args.generate is not None or getattr(args, "engine", "hf") != "hf":
+        if lora or hf_ckpt:
+            raise UsageError("--lora and --gradient-checkpointing are for a training step "
+                             "(or --infer), not --generate")
         from modelsize.cli import estimate_generate
 
         return estimate_generate.run(args, DEFAULT_DEVICE)
@@ -195,11 +214,22 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or DEFAULT_DEVICE
     parse_name(optimizer)
     verify_budget = _size(args.verify_budget, "--verify-budget") if args.verify_budget else None
+    spec = None
+    if lora:
+        from modelsize.estimation.lora import parse_lora
+
+        spec = parse_lora(lora)
     target = resolve(args.model, args.dtype, args.input)
     if args.quantize:
         from modelsize.estimation.quantized import quantize_target
 
         target = quantize_target(target, args.quantize)
+    if spec is not None:  # after any quantization of target.model: QLoRA is both
+        from dataclasses import replace
+
+        from modelsize.estimation.lora import apply_lora
+
+        target = replace(target, model=apply_lora(target.model, spec))
     if args.seq is not None and not target.seq:
         raise UsageError(f"--seq: {target.name} has no sequence dimension ("
                          + (f"it takes {target.kind}" if target.kind else
@@ -212,13 +242,18 @@ def run(args: argparse.Namespace) -> int:
                ("optimizer", Source.GIVEN if args.optimizer else Source.CLI_DEFAULT),
                ("dtype", target.dtype_source))
     options = Options(args.mode, optimizer, args.impl, args.amp, device, args.accumulate,
-                      checkpoint, args.optimize_frozen, sources)
+                      checkpoint, args.optimize_frozen, sources,
+                      None if hf_ckpt is None else _HF_CHECKPOINTING[hf_ckpt])
     progress = Progress(target.name, sys.stderr.isatty())
     if (args.gpus is not None or args.strategy is not None or args.shard or args.tp
             or args.fsdp_mp or args.cpu_offload or args.fit_dim == "gpus"):
         return _run_parallel(args, target, batch, seq, options, progress)
     try:
         est = trace_target(target, batch, seq, options, progress)
+        if spec is not None:
+            from modelsize.estimation.lora import lora_note
+
+            est = lora_note(est, target.model, spec)
         if args.verify:
             est = verify_target(target, est, batch, seq, options, verify_budget)
         fits = []

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelsize.errors import MissingDependencyError
+from modelsize.estimation.lora import LoraSpec
 from modelsize.estimation.parallel import Parallel, Strategy
 from modelsize.estimation.result import (
     CacheGroup,
@@ -50,6 +51,7 @@ __all__ = [
     "DeviceTerm",
     "Estimate",
     "GenerationInfo",
+    "LoraSpec",
     "MemoryCategory",
     "Parallel",
     "PhaseSpan",
@@ -91,6 +93,8 @@ def estimate(
     new_tokens: int | None = None,
     generation: Mapping[str, Any] | None = None,
     quantize: str | None = None,
+    lora: str | LoraSpec | None = None,
+    gradient_checkpointing: bool | Mapping[str, Any] = False,
 ) -> Estimate:
     """The exact peak memory of running ``model`` on ``inputs``, without allocating it.
 
@@ -118,18 +122,30 @@ def estimate(
     :mod:`modelsize.estimation.generate` says, and named in ``Estimate.generation``.
 
     ``optimizer`` (default ``adamw``): ``sgd``, ``momentum``, ``adam``, ``adamw``, ``adagrad``,
-    ``rmsprop``, or a callable taking the parameters (``torch.optim.AdamW``, a
-    ``functools.partial``...). It is built on the parameters that require grad, as
-    fine-tuning code does (``AdamW(p for p in model.parameters() if p.requires_grad)``);
-    ``optimize_frozen=True`` builds it on all of them (``AdamW(model.parameters())``), which
-    costs state for frozen parameters with optimizers that make it up front (Adagrad).
+    ``rmsprop``, bitsandbytes' ``adamw8bit`` / ``paged_adamw8bit`` (its own optimizer, traced:
+    :mod:`modelsize.estimation.bnb_optim`), or a callable taking the parameters
+    (``torch.optim.AdamW``, a ``functools.partial``...). It is built on the parameters that
+    require grad, as fine-tuning code does
+    (``AdamW(p for p in model.parameters() if p.requires_grad)``); ``optimize_frozen=True``
+    builds it on all of them (``AdamW(model.parameters())``), which costs state for frozen
+    parameters with optimizers that make it up front (Adagrad).
     ``implementation``: ``for-loop``, ``foreach``, ``fused`` or None for PyTorch's default on
     ``device``. ``amp``: ``"bf16"``/``"fp16"`` autocast around the forward and the loss.
     ``checkpoint``: module names (glob patterns) or class names whose forward runs under
-    non-reentrant activation checkpointing. ``device`` (default ``cpu``): ``"cpu"``
-    (validated to the byte against the CPU profiler) or ``"cuda"`` (CUDA's kernel choices,
-    the caching allocator's blocks, the cuBLAS workspaces and the CUDA context as named terms;
-    checked on an H100 with PyTorch 2.11 within 0.07% of ``max_memory_allocated``).
+    non-reentrant activation checkpointing. ``gradient_checkpointing``: checkpointing as
+    transformers switches it on (``activation_checkpointing_enable``; ``True`` with its
+    default arguments, or a dict of them such as ``{"use_reentrant": True}``), on a
+    transformers model or the one a peft model wraps, for the program only.
+
+    ``lora``: ``"r=16,alpha=32,targets=q_proj,v_proj"`` (``targets=all-linear``, optional
+    ``dropout=0.05``) or a :class:`LoraSpec`: peft's ``get_peft_model(model, LoraConfig(...))``
+    applied to a copy of the model whose parameters are meta tensors (the caller's model is
+    not touched): the base frozen, the adapters trainable (named in ``Estimate.notes``).
+
+    ``device`` (default ``cpu``): ``"cpu"`` (validated to the byte against the CPU profiler)
+    or ``"cuda"`` (CUDA's kernel choices, the caching allocator's blocks, the cuBLAS
+    workspaces and the CUDA context as named terms; checked on an H100 with PyTorch 2.11
+    within 0.07% of ``max_memory_allocated``).
     ``Estimate.setup.sources`` says which settings were defaults.
 
     Values the model reads from tensors (``if labels.max() >= vocab:``, ``x[mask]``) are
@@ -172,5 +188,6 @@ def estimate(
         implementation=implementation, accumulate=accumulate, checkpoint=checkpoint,
         steps=steps, optimize_frozen=optimize_frozen, verify=verify,
         verify_budget=verify_budget, name=name, progress=progress, parallel=parallel,
-        new_tokens=new_tokens, generation=generation, quantize=quantize,
+        new_tokens=new_tokens, generation=generation, quantize=quantize, lora=lora,
+        gradient_checkpointing=gradient_checkpointing,
     )

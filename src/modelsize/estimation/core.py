@@ -15,10 +15,12 @@ from modelsize.errors import EstimateError, ModelSizeError, UsageError
 from modelsize.estimation.device import device_estimate
 from modelsize.estimation.optimizers import (
     Implementation,
+    OptimizerName,
     OptimizerSpec,
     default_implementation,
     describe,
     parse_implementation,
+    parse_name,
 )
 from modelsize.estimation.parallel import Parallel
 from modelsize.estimation.result import (
@@ -72,6 +74,8 @@ def estimate(
     new_tokens: int | None = None,
     generation: Mapping[str, Any] | None = None,
     quantize: str | None = None,
+    lora: Any = None,
+    gradient_checkpointing: bool | Mapping[str, Any] | None = False,
 ) -> Estimate:
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
@@ -80,6 +84,14 @@ def estimate(
         from modelsize.estimation.quantized import quantize_copy
 
         model = quantize_copy(model, quantize)
+    extra_notes: list[str] = []
+    if lora is not None:
+        from modelsize.estimation import lora as lora_mod
+
+        spec = lora_mod.parse_lora(lora)
+        name = name or type(model).__name__
+        model = lora_mod.adapted_copy(model, spec)
+        extra_notes.append(lora_mod.describe(model, spec))
     if mode == "generate" or new_tokens is not None or generation is not None:
         from modelsize.estimation.generate import estimate_api
 
@@ -90,7 +102,8 @@ def estimate(
             unused={"optimizer": optimizer is not None, "loss": loss is not None,
                     "implementation": implementation is not None, "accumulate": accumulate != 1,
                     "checkpoint": bool(checkpoint), "steps": steps is not None,
-                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None})
+                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None,
+                    "gradient_checkpointing": bool(gradient_checkpointing)})
     sources = {"device": Source.DEFAULT if device is None else Source.GIVEN,
                "optimizer": Source.DEFAULT if optimizer is None else Source.GIVEN}
     settings = Settings(
@@ -99,8 +112,20 @@ def estimate(
         implementation=implementation, accumulate=accumulate,
         checkpoint=(checkpoint,) if isinstance(checkpoint, str) else tuple(checkpoint),
         steps=steps, optimize_frozen=optimize_frozen,
+        gradient_checkpointing=_hf_checkpointing_kwargs(gradient_checkpointing),
     )
     program = settings.program()
+    if (program.mode == "train" and program.device == "cuda"
+            and isinstance(program.optimizer, str)
+            and parse_name(program.optimizer) is OptimizerName.PAGED_ADAMW8BIT):
+        from modelsize.estimation.bnb_optim import paged_note
+
+        extra_notes.append(paged_note(p.numel() for p in model.parameters()
+                                      if optimize_frozen or p.requires_grad))
+    if program.gradient_checkpointing is not None and program.mode == "train":
+        args = ", ".join(f"{k}={v!r}" for k, v in program.gradient_checkpointing.items())
+        extra_notes.append(f"activation checkpointing as transformers switches it on: "
+                           f"activation_checkpointing_enable({args or 'its defaults'})")
     described = _describe_inputs(inputs)
     start = RandomState.capture()  # model code may draw from NumPy or random: put them back
     label = name or type(model).__name__
@@ -120,8 +145,9 @@ def estimate(
             if verify:
                 est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
                                                             est, verify_budget))
-            return replace(est, setup=replace(est.setup, dtype=weights_dtype(model),
-                                              quantization=quantization_label(model)))
+            return _noted(replace(est, setup=replace(
+                est.setup, dtype=weights_dtype(model),
+                quantization=quantization_label(model))), extra_notes)
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
@@ -143,7 +169,24 @@ def estimate(
         est = replace(est, verification=verification(
             model, inputs, settings, estimated=known, batch=batch, resize=resize,
             budget=verify_budget, start=start))
-    return est
+    return _noted(est, extra_notes)
+
+
+def _noted(est: Estimate, notes: list[str]) -> Estimate:
+    return replace(est, notes=(*est.notes, *notes)) if notes else est
+
+
+def _hf_checkpointing_kwargs(value: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``gradient_checkpointing``: False/None off, True transformers' defaults, a mapping
+    the checkpoint kwargs (``{"use_reentrant": True}``)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise UsageError("gradient_checkpointing must be True, False or a dict of checkpoint "
+                     f"arguments, not {type(value).__name__}")
 
 
 DEFAULT_DEVICE = "cpu"
@@ -184,6 +227,7 @@ class Settings:
     checkpoint: tuple[str, ...]
     steps: int | None
     optimize_frozen: bool
+    gradient_checkpointing: Mapping[str, Any] | None = None
 
     def program(self) -> Program:
         """The validated :class:`Program`."""
@@ -200,6 +244,7 @@ class Settings:
             accumulate=self.accumulate,
             checkpoint=self.checkpoint,
             optimize_frozen=self.optimize_frozen,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
 
     def kwargs(self) -> dict[str, Any]:

@@ -31,6 +31,10 @@ class OptimizerName(str, Enum):
     ADAMW = "adamw"
     ADAGRAD = "adagrad"
     RMSPROP = "rmsprop"
+    ADAMW8BIT = "adamw8bit"
+    """bitsandbytes' ``AdamW8bit``: 1-byte states with a float32 absmax per 256 elements."""
+    PAGED_ADAMW8BIT = "paged_adamw8bit"
+    """bitsandbytes' ``PagedAdamW8bit``: the same bytes, large states in CUDA unified memory."""
 
     def __str__(self) -> str:
         return self.value
@@ -49,13 +53,18 @@ class Implementation(str, Enum):
         return self.value
 
 
+#: bitsandbytes' optimizers (one implementation each: ``--impl`` does not apply).
+BITSANDBYTES = frozenset({OptimizerName.ADAMW8BIT, OptimizerName.PAGED_ADAMW8BIT})
+
 _FUSED_CAPABLE = {OptimizerName.ADAM, OptimizerName.ADAMW, OptimizerName.SGD,
                   OptimizerName.MOMENTUM, OptimizerName.ADAGRAD}
 
 
 def parse_name(name: str) -> OptimizerName:
     """Validate a user string as an :class:`OptimizerName`."""
-    aliases = {"sgd-momentum": "momentum", "sgdm": "momentum", "sgd_momentum": "momentum"}
+    aliases = {"sgd-momentum": "momentum", "sgdm": "momentum", "sgd_momentum": "momentum",
+               "adamw_8bit": "adamw8bit", "adamw-8bit": "adamw8bit",
+               "paged_adamw_8bit": "paged_adamw8bit", "paged-adamw8bit": "paged_adamw8bit"}
     key = aliases.get(name.lower(), name.lower())
     try:
         return OptimizerName(key)
@@ -95,6 +104,10 @@ def make_factory(spec: OptimizerSpec, implementation: Implementation, device_typ
     import torch
 
     name = parse_name(spec)
+    if name in BITSANDBYTES:
+        from modelsize.estimation.bnb_optim import factory
+
+        return factory(name is OptimizerName.PAGED_ADAMW8BIT, lr)
     if impl is Implementation.FUSED and name not in _FUSED_CAPABLE:
         raise UsageError(f"{name} has no fused implementation in torch.optim")
     flags: dict[str, Any] = {"foreach": impl is Implementation.FOREACH}

@@ -70,6 +70,7 @@ from modelsize.estimation.trace import (
     caller,
     checkpointed,
     default_loss,
+    hf_checkpointing,
     trace_program,
     training_flags,
 )
@@ -630,6 +631,8 @@ def run_rank_trace(
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         stack.enter_context(training_flags(work, train))
         stack.enter_context(checkpointed(work, program.checkpoint if train else ()))
+        stack.enter_context(hf_checkpointing(work, program.gradient_checkpointing
+                                             if train else None))
         stack.enter_context(_Collectives(mode, comm))
         offload = stack.enter_context(_OffloadTicks(mode)) if cpu_offload else None
         stack.enter_context(mode)
@@ -691,6 +694,8 @@ def measure_rank(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         stack.enter_context(training_flags(work, train))
         stack.enter_context(checkpointed(work, program.checkpoint if train else (), real=True))
+        stack.enter_context(hf_checkpointing(work, program.gradient_checkpointing
+                                             if train else None))
         layout.apply(work, mesh)
         params = list(work.parameters())
         before = storage_bytes([_local(p) for p in params] + list(work.buffers())

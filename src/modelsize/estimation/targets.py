@@ -374,6 +374,8 @@ class Options:
     optimize_frozen: bool = False
     sources: tuple[tuple[str, Source], ...] = ()
     """Where ``device`` and ``optimizer`` came from (the CLI's defaults differ from the API's)."""
+    gradient_checkpointing: dict[str, Any] | None = None
+    """transformers' checkpointing arguments (``--gradient-checkpointing``), or None."""
 
     def settings(self) -> Settings:
         """The same options as :func:`modelsize.estimation.estimate` takes them."""
@@ -382,7 +384,8 @@ class Options:
         return Settings(mode=self.mode, optimizer=self.optimizer, loss=None, amp=self.amp,
                         device=self.device, implementation=self.implementation,
                         accumulate=self.accumulate, checkpoint=self.checkpoint, steps=None,
-                        optimize_frozen=self.optimize_frozen)
+                        optimize_frozen=self.optimize_frozen,
+                        gradient_checkpointing=self.gradient_checkpointing)
 
 
 def trace_target(target: Target, batch: int, seq: int, options: Options,

@@ -31,6 +31,7 @@ import os
 import sysconfig
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,9 @@ class Program:
     scratch: bool = True
     optimize_frozen: bool = False
     """Build the optimizer on every parameter, not only those that require grad."""
+    gradient_checkpointing: Mapping[str, Any] | None = None
+    """transformers' ``activation_checkpointing_enable(kwargs)`` (``gradient_checkpointing_enable``
+    before 5.0) for the program, with these kwargs (``{}``: transformers' defaults)."""
 
 
 @dataclass
@@ -219,6 +223,106 @@ def checkpointed(model: nn.Module, patterns: Sequence[str],
                 del m.forward
 
 
+def uses_bitsandbytes(optimizer: OptimizerSpec) -> bool:
+    """Whether ``optimizer`` names one of bitsandbytes' optimizers."""
+    from modelsize.estimation.optimizers import BITSANDBYTES, parse_name
+
+    return isinstance(optimizer, str) and parse_name(optimizer) in BITSANDBYTES
+
+
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The outermost transformers ``PreTrainedModel`` in ``model`` (itself, or the model a
+    peft ``PeftModel`` wraps), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+@contextlib.contextmanager
+def hf_checkpointing(model: nn.Module, kwargs: Mapping[str, Any] | None) -> Iterator[None]:
+    """Activation checkpointing switched on as transformers switches it on, for the block.
+
+    ``activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)`` (transformers
+    5; ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)`` before) on the
+    transformers model in ``model``: each ``GradientCheckpointingLayer`` runs under
+    ``torch.utils.checkpoint.checkpoint(**kwargs)`` (transformers' default when ``kwargs`` is
+    empty: ``use_reentrant=False`` since 5.0, ``True`` before), and a model that takes
+    ``input_ids`` gets ``enable_input_require_grads()`` (its embeddings' output requires grad,
+    as a reentrant checkpoint needs for a frozen embedding). Every module's attributes and
+    forward hooks are put back afterwards. ``kwargs`` None: nothing is done.
+    """
+    if kwargs is None:
+        yield
+        return
+    hf = transformers_model(model)
+    if hf is None or not getattr(hf, "supports_gradient_checkpointing", False):
+        what = type(hf or model).__name__
+        raise UsageError(f"gradient checkpointing: {what} is not a transformers model that "
+                         "supports it; checkpoint its blocks with --checkpoint MODULES")
+    saved: list[tuple[nn.Module, dict[str, Any], list[dict[Any, Any]]]] = [
+        (m, dict(vars(m)), [dict(getattr(m, h)) for h in _HOOK_DICTS]) for m in model.modules()]
+    enable: Any = getattr(hf, "activation_checkpointing_enable", None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the deprecated names, pre-5.0
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=dict(kwargs) or None)
+            else:
+                old: Any = hf.gradient_checkpointing_enable
+                old(gradient_checkpointing_kwargs=dict(kwargs) or None)
+        yield
+    finally:
+        for m, attrs, hooks in saved:
+            now = vars(m)
+            for key in [k for k in now if k not in attrs]:
+                del now[key]
+            now.update(attrs)
+            for name, before in zip(_HOOK_DICTS, hooks, strict=True):
+                d = getattr(m, name)
+                d.clear()
+                d.update(before)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks")
+
+
+@contextlib.contextmanager
+def real_run_branches(values: RealValues) -> Iterator[None]:
+    """transformers' ``is_tracing(tensor)`` false for fake tensors whose values the trace
+    knows (:class:`RealValues`).
+
+    transformers takes any fake tensor for a compile or export trace and then takes branches a
+    real run does not: it builds the packed-sequence ids and a causal mask that SDPA's
+    ``is_causal`` would skip (8,192 bytes for a batch of 2 x 64 tokens). Harmless while the
+    mask dies before the peak; a checkpointed layer keeps it as an input until its backward.
+    Where the value is known, the real run's branch is traced (its test reads the twins);
+    where it is not (meta inputs), transformers' traced branch stays.
+    """
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(import_utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x: Any) -> bool:
+        if isinstance(x, FakeTensor) and values.value_of(x) is not None:
+            return False
+        return bool(original(x))
+
+    import_utils.is_fake_tensor = is_fake_tensor
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor = original
+
+
 @contextlib.contextmanager
 def _swapped_state(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
     """The model's parameters and buffers are the fake copies for the whole program.
@@ -303,12 +407,19 @@ def run_trace(
         stack.enter_context(quantized.layer_states(
             model, copier.copy, lambda t: mode.track(t, Origin.PARAMETER)))
         stack.enter_context(checkpointed(model, program.checkpoint if train else ()))
+        stack.enter_context(hf_checkpointing(model, program.gradient_checkpointing
+                                             if train else None))
         stack.enter_context(_module_names(mode, model))
         stack.enter_context(mode)
         stack.enter_context(values)
+        stack.enter_context(real_run_branches(values))
         scalars = _SavedScalars(mode)
         if train and device.type == "cpu":
             stack.enter_context(scalars)
+        if train and device.type == "cpu":
+            from modelsize.estimation.bnb_optim import cpu_kernels
+
+            stack.enter_context(cpu_kernels(uses_bitsandbytes(program.optimizer)))
         if device.type == "cuda":
             from modelsize.estimation.cuda_kernels import CudaKernelChoices
 

@@ -44,6 +44,7 @@ from modelsize.estimation.trace import (
     caller,
     checkpointed,
     default_loss,
+    hf_checkpointing,
     map_inputs,
     training_flags,
 )
@@ -199,6 +200,8 @@ def measure(model: nn.Module, inputs: Inputs, program: Program) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(training_flags(work, train))
         stack.enter_context(checkpointed(work, program.checkpoint if train else (), real=True))
+        stack.enter_context(hf_checkpointing(work, program.gradient_checkpointing
+                                             if train else None))
         call = caller(work, args, kwargs, program.amp)
         events = stack.enter_context(allocator_events())
         run_program(call, params, program, loss_fn, impl)
