@@ -82,14 +82,15 @@ def estimate(
     if mode == "generate" or new_tokens is not None or generation is not None:
         from modelsize.estimation.generate import estimate_api
 
-        return estimate_api(
+        return with_quantization_notes(estimate_api(
             model, inputs, mode=mode, new_tokens=new_tokens, generation=generation,
             device=device, amp=parse_amp(amp), verify=verify, verify_budget=verify_budget,
             name=name, progress=progress,
             unused={"optimizer": optimizer is not None, "loss": loss is not None,
                     "implementation": implementation is not None, "accumulate": accumulate != 1,
                     "checkpoint": bool(checkpoint), "steps": steps is not None,
-                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None})
+                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None}),
+            model, device)
     sources = {"device": Source.DEFAULT if device is None else Source.GIVEN,
                "optimizer": Source.DEFAULT if optimizer is None else Source.GIVEN}
     settings = Settings(
@@ -119,8 +120,9 @@ def estimate(
             if verify:
                 est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
                                                             est, verify_budget))
-            return replace(est, setup=replace(est.setup, dtype=weights_dtype(model),
-                                              quantization=quantization_label(model)))
+            return with_quantization_notes(replace(est, setup=replace(
+                est.setup, dtype=weights_dtype(model),
+                quantization=quantization_label(model))), model, settings.device)
         trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
@@ -134,8 +136,9 @@ def estimate(
     finally:
         start.restore()
     est = summarize(trace, program, label, described, sources)
-    est = replace(est, setup=replace(est.setup, dtype=weights_dtype(model),
-                                     quantization=quantization_label(model)))
+    est = with_quantization_notes(replace(est, setup=replace(
+        est.setup, dtype=weights_dtype(model), quantization=quantization_label(model))),
+        model, settings.device)
     if verify:
         batch, resize = resize_batch(inputs)
         known = est.peak_bytes if settings.device == "cpu" else None
@@ -156,6 +159,14 @@ def quantization_label(model: nn.Module) -> str:
 
     found = quantization_of(model)
     return found.label() if found is not None else ""
+
+
+def with_quantization_notes(est: Estimate, model: nn.Module, device: str | None) -> Estimate:
+    """``est`` with :func:`modelsize.estimation.quantized.notes` of ``model`` added."""
+    from modelsize.estimation.quantized import notes
+
+    more = notes(model, device)
+    return replace(est, notes=(*est.notes, *more)) if more else est
 
 
 def weights_dtype(model: nn.Module) -> str:
