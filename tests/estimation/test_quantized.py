@@ -297,6 +297,31 @@ def test_cuda_estimate_of_bitsandbytes_layers_is_marked_unvalidated() -> None:
     assert not any("unvalidated" in n for n in cpu.notes)
 
 
+def test_cuda_trace_takes_the_cuda_path_of_linear4bit() -> None:
+    # the trace's fake tensors are CPU tensors: on an AVX512-BF16 CPU, Linear4bit would repack
+    # its weight for the CPU kernel (_convert_weight_packed_for_cpu) as CUDA never does
+    from modelsize.estimation.quantized import kernels_for
+
+    model = quantize_model(_net(None, torch.float32, ()), "nf4")
+    layer = model.a
+    layer.support_avx512bf16_for_cpu = True
+    with kernels_for(model, "cuda"):
+        assert layer.support_avx512bf16_for_cpu is False
+    assert layer.support_avx512bf16_for_cpu is True
+    est = modelsize.estimate(model, (torch.randn(8, 256),), mode="infer", device="cuda")
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    assert est.peak_bytes > 0
+
+
+def test_generate_api_names_the_quantization() -> None:
+    from transformers import GenerationConfig  # noqa: F401  (the generate path's dependency)
+
+    model = _tiny_llama("meta")
+    est = modelsize.estimate(model, (torch.zeros(1, 8, dtype=torch.long),), mode="generate",
+                             new_tokens=2, quantize="nf4")
+    assert est.setup.quantization == "nf4 (bitsandbytes Linear4bit)"
+
+
 def test_cli_quantize_a_config_json_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                           ) -> None:
     from modelsize.cli import main

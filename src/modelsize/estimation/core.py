@@ -75,22 +75,24 @@ def estimate(
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if quantize is not None:
-        from modelsize.estimation.quantized import quantize_copy
+    from modelsize.estimation.quantized import kernels_for, quantize_copy
 
+    if quantize is not None:
         model = quantize_copy(model, quantize)
     if mode == "generate" or new_tokens is not None or generation is not None:
         from modelsize.estimation.generate import estimate_api
 
-        return with_quantization_notes(estimate_api(
-            model, inputs, mode=mode, new_tokens=new_tokens, generation=generation,
-            device=device, amp=parse_amp(amp), verify=verify, verify_budget=verify_budget,
-            name=name, progress=progress,
-            unused={"optimizer": optimizer is not None, "loss": loss is not None,
-                    "implementation": implementation is not None, "accumulate": accumulate != 1,
-                    "checkpoint": bool(checkpoint), "steps": steps is not None,
-                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None}),
-            model, device)
+        with kernels_for(model, device):
+            est = estimate_api(
+                model, inputs, mode=mode, new_tokens=new_tokens, generation=generation,
+                device=device, amp=parse_amp(amp), verify=verify, verify_budget=verify_budget,
+                name=name, progress=progress,
+                unused={"optimizer": optimizer is not None, "loss": loss is not None,
+                        "implementation": implementation is not None,
+                        "accumulate": accumulate != 1, "checkpoint": bool(checkpoint),
+                        "steps": steps is not None, "optimize_frozen": optimize_frozen,
+                        "parallel": parallel is not None})
+        return with_quantization_notes(est, model, device)
     sources = {"device": Source.DEFAULT if device is None else Source.GIVEN,
                "optimizer": Source.DEFAULT if optimizer is None else Source.GIVEN}
     settings = Settings(
@@ -123,7 +125,8 @@ def estimate(
             return with_quantization_notes(replace(est, setup=replace(
                 est.setup, dtype=weights_dtype(model),
                 quantization=quantization_label(model))), model, settings.device)
-        trace = run_trace(model, inputs, program, progress)
+        with kernels_for(model, settings.device):
+            trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
@@ -166,7 +169,8 @@ def with_quantization_notes(est: Estimate, model: nn.Module, device: str | None)
     from modelsize.estimation.quantized import notes
 
     more = notes(model, device)
-    return replace(est, notes=(*est.notes, *more)) if more else est
+    setup = replace(est.setup, quantization=est.setup.quantization or quantization_label(model))
+    return replace(est, setup=setup, notes=(*est.notes, *more))
 
 
 def weights_dtype(model: nn.Module) -> str:

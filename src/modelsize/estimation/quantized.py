@@ -470,3 +470,23 @@ def materialized_memo(model: nn.Module) -> dict[int, Any]:
             memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
                 twin, requires_grad=p.requires_grad)
     return memo
+
+
+@contextlib.contextmanager
+def kernels_for(model: nn.Module, device: str | None) -> Iterator[None]:
+    """For an estimate on CUDA, bitsandbytes ``Linear4bit`` layers take their CUDA path in
+    the trace (whose fake tensors are CPU tensors): without this, on a CPU with AVX512-BF16
+    their first inference forward repacks the weight for the CPU kernel
+    (``_convert_weight_packed_for_cpu``, a bfloat16 ``absmax``) and runs ``gemv_4bit``, which
+    the CUDA kernels never do. The layers' flag is put back afterwards."""
+    changed: list[nn.Module] = []
+    if (device or "cpu").startswith("cuda"):
+        for m in model.modules():
+            if m.__dict__.get("support_avx512bf16_for_cpu"):
+                m.__dict__["support_avx512bf16_for_cpu"] = False
+                changed.append(m)
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.__dict__["support_avx512bf16_for_cpu"] = True
