@@ -118,11 +118,18 @@ def run(args: argparse.Namespace, default_device: str) -> int:
 
     _refuse_training_options(args)
     if args.engine == "vllm":
+        if getattr(args, "quantize", None):
+            raise UsageError("--quantize: the hf engine's layers (torchao, bitsandbytes); "
+                             "--engine vllm reads a quantized checkpoint's own layout")
         return run_vllm(args)
     _refuse_engine_options(args)
     if args.generate is None:
         raise UsageError("--engine hf estimates generate(): give --generate N")
     target = resolve(args.model, args.dtype, None)
+    if getattr(args, "quantize", None):
+        from modelsize.estimation.quantized import quantize_target
+
+        target = quantize_target(target, args.quantize)
     check_stored_weights(target, verify=args.verify)
     batch = args.batch or target.batch
     prompt = args.seq or target.seq or 1

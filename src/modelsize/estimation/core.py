@@ -80,9 +80,9 @@ def estimate(
     """See :func:`modelsize.estimation.estimate`."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if quantize is not None:
-        from modelsize.estimation.quantized import quantize_copy
+    from modelsize.estimation.quantized import kernels_for, quantize_copy
 
+    if quantize is not None:
         model = quantize_copy(model, quantize)
     extra_notes: list[str] = []
     if lora is not None:
@@ -95,15 +95,18 @@ def estimate(
     if mode == "generate" or new_tokens is not None or generation is not None:
         from modelsize.estimation.generate import estimate_api
 
-        return estimate_api(
-            model, inputs, mode=mode, new_tokens=new_tokens, generation=generation,
-            device=device, amp=parse_amp(amp), verify=verify, verify_budget=verify_budget,
-            name=name, progress=progress,
-            unused={"optimizer": optimizer is not None, "loss": loss is not None,
-                    "implementation": implementation is not None, "accumulate": accumulate != 1,
-                    "checkpoint": bool(checkpoint), "steps": steps is not None,
-                    "optimize_frozen": optimize_frozen, "parallel": parallel is not None,
-                    "gradient_checkpointing": bool(gradient_checkpointing)})
+        with kernels_for(model, device):
+            est = estimate_api(
+                model, inputs, mode=mode, new_tokens=new_tokens, generation=generation,
+                device=device, amp=parse_amp(amp), verify=verify, verify_budget=verify_budget,
+                name=name, progress=progress,
+                unused={"optimizer": optimizer is not None, "loss": loss is not None,
+                        "implementation": implementation is not None,
+                        "accumulate": accumulate != 1, "checkpoint": bool(checkpoint),
+                        "steps": steps is not None, "optimize_frozen": optimize_frozen,
+                        "parallel": parallel is not None,
+                        "gradient_checkpointing": bool(gradient_checkpointing)})
+        return with_quantization_notes(est, model, device)
     sources = {"device": Source.DEFAULT if device is None else Source.GIVEN,
                "optimizer": Source.DEFAULT if optimizer is None else Source.GIVEN}
     settings = Settings(
@@ -145,10 +148,11 @@ def estimate(
             if verify:
                 est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
                                                             est, verify_budget))
-            return _noted(replace(est, setup=replace(
+            return _noted(with_quantization_notes(replace(est, setup=replace(
                 est.setup, dtype=weights_dtype(model),
-                quantization=quantization_label(model))), extra_notes)
-        trace = run_trace(model, inputs, program, progress)
+                quantization=quantization_label(model))), model, settings.device), extra_notes)
+        with kernels_for(model, settings.device):
+            trace = run_trace(model, inputs, program, progress)
     except ModelSizeError:
         raise
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
@@ -161,8 +165,9 @@ def estimate(
     finally:
         start.restore()
     est = summarize(trace, program, label, described, sources)
-    est = replace(est, setup=replace(est.setup, dtype=weights_dtype(model),
-                                     quantization=quantization_label(model)))
+    est = with_quantization_notes(replace(est, setup=replace(
+        est.setup, dtype=weights_dtype(model), quantization=quantization_label(model))),
+        model, settings.device)
     if verify:
         batch, resize = resize_batch(inputs)
         known = est.peak_bytes if settings.device == "cpu" else None
@@ -200,6 +205,15 @@ def quantization_label(model: nn.Module) -> str:
 
     found = quantization_of(model)
     return found.label() if found is not None else ""
+
+
+def with_quantization_notes(est: Estimate, model: nn.Module, device: str | None) -> Estimate:
+    """``est`` with :func:`modelsize.estimation.quantized.notes` of ``model`` added."""
+    from modelsize.estimation.quantized import notes
+
+    more = notes(model, device)
+    setup = replace(est.setup, quantization=est.setup.quantization or quantization_label(model))
+    return replace(est, setup=setup, notes=(*est.notes, *more))
 
 
 def weights_dtype(model: nn.Module) -> str:

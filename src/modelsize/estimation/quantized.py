@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -146,11 +147,13 @@ class Scheme(str, Enum):
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a model's weights were quantized, for the report."""
+    """How a model's weights were quantized, for the report; ``kept``: the linear layers
+    left unquantized, each with why (``lm_head (transformers' default)``)."""
 
     scheme: str
     library: str
     layer: str
+    kept: tuple[str, ...] = ()
 
     def label(self) -> str:
         """``nf4 (bitsandbytes Linear4bit)``."""
@@ -175,36 +178,82 @@ def _require(module: str, scheme: Scheme) -> None:
         raise MissingDependencyError(module, f"--quantize {scheme.value}", extra="quant") from exc
 
 
-def quantize_model(model: nn.Module, scheme: str | Scheme) -> nn.Module:
+def quantize_model(model: nn.Module, scheme: str | Scheme,
+                   skip: Sequence[str] | None = None) -> nn.Module:
     """``model`` with the weights of its ``nn.Linear`` layers quantized (weight-only), in
     place, and returned; what was applied is :func:`quantization_of` the result.
 
     ``int8``, ``int4``, ``fp8``: torchao's ``quantize_`` with ``Int8WeightOnlyConfig``,
     ``IntxWeightOnlyConfig(int4, PerGroup(128))`` (the int4 layout whose kernel runs on CPU:
     int4 values kept one per byte, torchao 0.18's packed ``Int4WeightOnlyConfig`` layouts
-    need CUDA or mslk) and
+    need CUDA or mslk; a layer whose input features are not a multiple of 128 stays
+    unquantized, as torchao cannot group it) and
     ``Float8WeightOnlyConfig``: each weight becomes a torchao tensor subclass. ``nf4``:
     each ``nn.Linear`` becomes a bitsandbytes ``Linear4bit`` (NF4, blocks of 64, double
     quantization and the compute dtype of the original weight, as transformers'
     ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-    bnb_4bit_use_double_quant=True)`` builds it), quantized from the weight's values.
+    bnb_4bit_use_double_quant=True)`` builds it).
+
+    The layers ``skip`` names (transformers' ``should_convert_module`` patterns) stay
+    unquantized; by default none of a plain module, and for a transformers model what
+    ``from_pretrained`` keeps: the output embeddings, tied weights and the last module
+    (``get_keys_to_not_convert``). A model on the meta device is quantized on meta: the
+    quantizers' own code runs on meta tensors, so the packed data and every scale have the
+    shapes and dtypes a real model's would, with no values and no memory.
     Works on its own: LoRA adapters (``estimation.lora``) can be applied on the result.
     """
     s = parse_scheme(scheme)
+    patterns, why = (tuple(skip), "not converted") if skip is not None else (
+        default_skips(model), "transformers' default")
+    kept = [f"{name} ({why})" for name, m in model.named_modules()
+            if type(m) is nn.Linear and not _converts(name, patterns)]
     if s is Scheme.NF4:
         _require("bitsandbytes", s)
-        _to_linear4bit(model)
-        quant = Quantization(s.value, "bitsandbytes", "Linear4bit")
+        _to_linear4bit(model, patterns)
+        quant = Quantization(s.value, "bitsandbytes", "Linear4bit", tuple(kept))
     else:
         _require("torchao", s)
         from torchao.quantization import quantize_
+        from torchao.quantization.quant_api import _is_linear
 
-        quantize_(model, _torchao_config(s))
+        groups = 128 if s is Scheme.INT4 else 0
+        ungrouped = [f"{name} ({m.in_features} input features, not a multiple of {groups})"
+                     for name, m in model.named_modules()
+                     if groups and type(m) is nn.Linear and _converts(name, patterns)
+                     and m.in_features % groups]
+
+        def wanted(m: nn.Module, fqn: str) -> bool:
+            return bool(_is_linear(m)) and _converts(fqn, patterns) and not (
+                groups and isinstance(m, nn.Linear) and m.in_features % groups)
+
+        quantize_(model, _torchao_config(s), filter_fn=wanted)
         layer = {Scheme.INT8: "Int8WeightOnlyConfig", Scheme.INT4: "IntxWeightOnlyConfig",
                  Scheme.FP8: "Float8WeightOnlyConfig"}[s]
-        quant = Quantization(s.value, "torchao", layer)
+        quant = Quantization(s.value, "torchao", layer, (*kept, *ungrouped))
     model.__dict__["_modelsize_quantization"] = quant
     return model
+
+
+def default_skips(model: nn.Module) -> tuple[str, ...]:
+    """The modules ``from_pretrained`` leaves unquantized in a transformers model
+    (``transformers.quantizers.base.get_keys_to_not_convert``); none for another module."""
+    if not loaded("transformers"):
+        return ()
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return ()
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    return tuple(sorted(get_keys_to_not_convert(model)))
+
+
+def _converts(name: str, patterns: Sequence[str]) -> bool:
+    """transformers' ``should_convert_module`` (``quantizers/quantizers_utils.py``): a
+    pattern matches from the start up to a module boundary, as a regex, or as a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key)
+                   for key in patterns)
 
 
 def quantization_of(model: nn.Module) -> Quantization | None:
@@ -260,28 +309,27 @@ def _torchao_config(s: Scheme) -> Any:
     return Float8WeightOnlyConfig()
 
 
-def _to_linear4bit(model: nn.Module) -> None:
+def _to_linear4bit(model: nn.Module, skip: Sequence[str]) -> None:
     import bitsandbytes as bnb
 
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            if type(child) is not nn.Linear or not _converts(
+                    f"{prefix}.{name}" if prefix else name, skip):
                 continue
             w = child.weight
-            if w.is_meta:
-                raise UsageError("--quantize nf4 needs the weights' values: the model is on "
-                                 "the meta device")
+            device = "meta" if w.is_meta else "cpu"
             layer = bnb.nn.Linear4bit(
                 child.in_features, child.out_features, bias=child.bias is not None,
                 compute_dtype=w.dtype, compress_statistics=True, quant_type="nf4",
-                device="cpu")
+                device=device)
             layer.weight = bnb.nn.Params4bit(
-                w.detach().to("cpu"), requires_grad=False, compress_statistics=True,
+                w.detach().to(device), requires_grad=False, compress_statistics=True,
                 quant_type="nf4", blocksize=64, module=layer)
             if child.bias is not None:
                 layer.bias = nn.Parameter(child.bias.detach().clone(),
                                           requires_grad=child.bias.requires_grad)
-            layer.weight = layer.weight._quantize("cpu")
+            layer.weight = layer.weight._quantize(device)
             layer.quant_state = layer.weight.quant_state  # type: ignore[attr-defined]
             layer.train(child.training)
             setattr(parent, name, layer)
@@ -346,12 +394,99 @@ def quantize_copy(model: nn.Module, scheme: str | Scheme) -> nn.Module:
 
 def quantize_target(target: Any, scheme: str | Scheme) -> Any:
     """A CLI target (``estimation.targets.Target``) whose model is quantized by
-    :func:`quantize_model` (``--quantize``); a model on the meta device is refused: the
-    quantizers need the weights' values."""
+    :func:`quantize_model` (``--quantize``). A model built on the meta device (a built-in or
+    config.json model) is quantized there: the quantizers run on meta tensors, so the
+    quantized layers get the packed data and scales of the real layout, with no values and
+    no memory."""
     import dataclasses
 
-    model = target.model
-    if isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters()):
-        raise UsageError(f"--quantize {scheme}: {target.name} is built on the meta device "
-                         "(no weight values to quantize); give a model folder or a factory")
-    return dataclasses.replace(target, model=quantize_model(model, scheme))
+    plan = getattr(target, "weights", None)
+    if plan is not None and (plan.quant_method or plan.stored):
+        raise UsageError(f"--quantize {scheme}: {target.name} is already quantized "
+                         f"({plan.quant_method or 'stored tensors'}); its own layout is "
+                         "estimated without --quantize")
+    return dataclasses.replace(target, model=quantize_model(target.model, scheme))
+
+
+def notes(model: nn.Module, device: str | None) -> tuple[str, ...]:
+    """What the report says of ``model``'s quantized layers: the linear layers kept
+    unquantized, and for a CUDA estimate of bitsandbytes layers that the CUDA path is not
+    validated (the trace counts bitsandbytes' CPU and default kernels' allocations,
+    :mod:`modelsize.estimation.quant_kernels`; its CUDA kernels were not run against a GPU:
+    ``benchmarks/gpu/validate_quantized.py`` does that where one is lent)."""
+    found = quantization_of(model)
+    if found is None:
+        return ()
+    out: list[str] = []
+    if found.kept:
+        shown = ", ".join(found.kept[:4]) + (f" and {len(found.kept) - 4} more"
+                                            if len(found.kept) > 4 else "")
+        out.append(f"--quantize {found.scheme}: {len(found.kept)} linear layers kept "
+                   f"unquantized: {shown}")
+    if (device or "cpu").startswith("cuda") and found.library == "bitsandbytes":
+        out.append("bitsandbytes on CUDA: unvalidated; the trace counts the allocations of "
+                   "bitsandbytes' CPU and default kernels (backends/cpu, backends/default), "
+                   "its CUDA kernels were not checked against a GPU run")
+    return tuple(out)
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a quantized weight: a wrapper subclass or a bitsandbytes parameter
+    with a 4-bit quantization state."""
+    return is_wrapper(t) or _quant_state(t) is not None
+
+
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """A real CPU twin of the quantized weight ``t`` (one made on the meta device by
+    :func:`quantize_model`), zero-filled: the same subclass and layout, every inner tensor
+    and quantization-state tensor a zero tensor of its shape and dtype, so a real run
+    (``verify``) allocates what a quantized model's run allocates."""
+
+    def zeros(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(v.shape, dtype=v.dtype) if v.is_meta else v.detach().to("cpu")
+
+    if is_wrapper(t):
+        return fake_copy(t, zeros)
+    state = _quant_state(t)
+    made: list[torch.Tensor] = []
+    twin = type(t).__new__(type(t), zeros(t.data), requires_grad=t.requires_grad,
+                           quant_state=_fake_state(state, zeros, made),
+                           blocksize=t.__dict__.get("blocksize"),
+                           compress_statistics=t.__dict__.get("compress_statistics", True),
+                           quant_type=t.__dict__.get("quant_type", "nf4"),
+                           quant_storage=t.__dict__.get("quant_storage", torch.uint8),
+                           module=t.__dict__.get("module"), bnb_quantized=True)
+    return twin  # type: ignore[no-any-return]
+
+
+def materialized_memo(model: nn.Module) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo that puts a :func:`materialized` twin in place of each
+    quantized parameter of ``model`` on the meta device (bitsandbytes' ``Params4bit``
+    cannot be deep-copied on meta: its ``__deepcopy__`` sets meta data on a CPU tensor)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo and p.is_meta and is_quantized(p):
+            twin = materialized(p)
+            memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
+                twin, requires_grad=p.requires_grad)
+    return memo
+
+
+@contextlib.contextmanager
+def kernels_for(model: nn.Module, device: str | None) -> Iterator[None]:
+    """For an estimate on CUDA, bitsandbytes ``Linear4bit`` layers take their CUDA path in
+    the trace (whose fake tensors are CPU tensors): without this, on a CPU with AVX512-BF16
+    their first inference forward repacks the weight for the CPU kernel
+    (``_convert_weight_packed_for_cpu``, a bfloat16 ``absmax``) and runs ``gemv_4bit``, which
+    the CUDA kernels never do. The layers' flag is put back afterwards."""
+    changed: list[nn.Module] = []
+    if (device or "cpu").startswith("cuda"):
+        for m in model.modules():
+            if m.__dict__.get("support_avx512bf16_for_cpu"):
+                m.__dict__["support_avx512bf16_for_cpu"] = False
+                changed.append(m)
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.__dict__["support_avx512bf16_for_cpu"] = True

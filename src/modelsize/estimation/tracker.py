@@ -445,6 +445,22 @@ class CountingFakeMode(FakeTensorMode):
             for rec in made:
                 rec.sources = src
 
+    def _derive_ruled(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any,
+                      before: int) -> None:
+        """The outputs a rule made op by op (a bitsandbytes kernel written out as the
+        ``torch.empty`` it calls) derive from the rule's op's arguments, not from nothing: a
+        dequantized weight made by ``dequantize_4bit`` comes from the packed weight."""
+        fresh = []
+        for whole in _tensors(out):
+            if isinstance(whole, FakeTensor):
+                for t in parts(whole):
+                    rec = self.live.get(t.untyped_storage()._cdata)
+                    if rec is not None and rec.created > before:
+                        rec.op = func
+                        fresh.append(rec)
+        if fresh:
+            self._derive(func, args, kwargs, fresh)
+
     def _pointwise(self, func: Any) -> bool:
         flag = self._pointwise_ops.get(func)
         if flag is None:
@@ -482,6 +498,7 @@ class CountingFakeMode(FakeTensorMode):
                 func = inplace
                 _, rule, scratch_op = self._ops.get(func) or self._op_info(func)
         self.depth += nested
+        before = self.tick
         try:
             if rule is not None:
                 out = rule(self, func, args, kwargs or {})
@@ -491,6 +508,8 @@ class CountingFakeMode(FakeTensorMode):
             self.depth -= nested
         if not self.counting or self.depth:
             return out
+        if rule is not None and self.origin is Origin.FORWARD and self.tick != before:
+            self._derive_ruled(func, args, kwargs or {}, out, before)
         kwargs = kwargs or {}
         scratch = self.scratch
         pieces: tuple[int, ...] = ()

@@ -275,7 +275,7 @@ def peak_of(events: list[int]) -> int:
 
 def _real_copy(model: nn.Module) -> nn.Module:
     """A deep copy on CPU without ``.grad``; a meta model is materialized with zeros."""
-    work = copy.deepcopy(model)
+    work = copy.deepcopy(model, quantized.materialized_memo(model))
     if any(t.is_meta for t in (*work.parameters(), *work.buffers())):
         _materialize(work)
     elif any(t.device.type != "cpu" for t in (*work.parameters(), *work.buffers())):
