@@ -44,6 +44,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -132,6 +133,7 @@ class Output:
         self._owner: int | None = None
         self._janitor: tuple[int, int] | None = None
         self._anonymous = hasattr(os, "O_TMPFILE")
+        self._syncing: _Fsync | None = None
 
     # -- checks -----------------------------------------------------------------------
     def check(self, names: list[str], needed: int | None = None) -> None:
@@ -259,22 +261,36 @@ class Output:
         return stage if self.directory else stage / self.target.name
 
     def seal(self) -> None:
-        """Flush, fsync and name every file inside the staging folder."""
+        """Flush and name every file inside the staging folder, and start fsyncing them on a
+        thread of their own: verification reads the files back while the disk writes them.
+        :meth:`commit` waits for the fsync (and raises its error) before naming anything."""
         stage = self._stage()
         for name in self.order:
             fh = self.files[name]
             fh.flush()
-            os.fsync(fh.fileno())
             if self._anonymous:
                 dest = stage / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 _link_unnamed(fh.fileno(), dest)
-            fh.close()
+        fds = [self.files[name].fileno() for name in self.order]
+        self._syncing = _Fsync(fds)
+
+    def synced(self) -> None:
+        """Wait for the fsync :meth:`seal` started, raise its error, close the files."""
+        syncing, self._syncing = self._syncing, None
+        try:
+            if syncing is not None:
+                syncing.wait()
+        finally:
+            for fh in self.files.values():
+                with contextlib.suppress(OSError):
+                    fh.close()
 
     def commit(self, main: str | None = None) -> None:
         """Check the input is unchanged, then give the staged files their names (``main``
         last; without ``force`` never over an OUT that appeared meanwhile) and fsync the
         folder."""
+        self.synced()
         ensure_unchanged()
         stage = self._stage()
         with _committing(self.parent):
@@ -343,6 +359,8 @@ class Output:
 
     def discard(self) -> None:
         """Close and remove everything written (the target is untouched)."""
+        with contextlib.suppress(OSError):
+            self.synced()
         for fh in self.files.values():
             with contextlib.suppress(OSError):
                 fh.close()
@@ -359,6 +377,29 @@ class Output:
             with contextlib.suppress(OSError):
                 os.close(self._owner)
             self._owner = None
+
+
+class _Fsync:
+    """``fsync`` of some descriptors, in order, on a thread of its own."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fds,), daemon=True,
+                                       name="modelsize-fsync")
+        self.thread.start()
+
+    def _run(self, fds: list[int]) -> None:
+        try:
+            for fd in fds:
+                os.fsync(fd)
+        except BaseException as exc:  # raised again by wait(), in the caller's thread
+            self.error = exc
+
+    def wait(self) -> None:
+        """Wait for the last fsync; raise the first error met."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 # -- ownership of staging folders ----------------------------------------------------------

@@ -16,9 +16,9 @@ the model. Where they come from:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +27,7 @@ from modelsize.dtypes import DTYPES
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.inputs import reading
 from modelsize.inventory import Inventory, StorageRecord, TensorRecord
+from modelsize.slimming.checksum import crc_file_range, in_background
 
 #: Bytes read or written at a time: large enough for full disk speed, small enough to bound RSS.
 CHUNK = 8 << 20
@@ -76,23 +77,30 @@ class FileRange:
     def copy_to(self, out_fd: int, advance: Callable[[int], None] | None = None) -> int:
         """Copy the bytes to ``out_fd``'s current position inside the kernel
         (``copy_file_range``: no trip through Python's memory); returns the CRC-32 of the
-        source bytes, read separately. ``OSError`` if the kernel cannot copy between these
-        files (the caller falls back to :meth:`chunks`)."""
+        source bytes, read at the same time by other threads. ``OSError`` if the kernel cannot
+        copy between these files (the caller falls back to :meth:`chunks`)."""
         with reading(self.path) as fd:
-            pos, end = self.offset, self.offset + self.nbytes
-            while pos < end:
-                n = os.copy_file_range(fd, out_fd, min(COPY_STEP, end - pos), pos)
-                if n <= 0:
-                    raise OSError(f"copy_file_range stopped at byte {pos} of {self.path}")
-                pos += n
-                if advance is not None:
-                    advance(n)
-            return _crc_fd(fd, self.offset, self.nbytes, self.path)
+            crc = in_background(
+                lambda: crc_file_range(fd, self.offset, self.nbytes, self.path))
+            try:
+                pos, end = self.offset, self.offset + self.nbytes
+                while pos < end:
+                    n = os.copy_file_range(fd, out_fd, min(COPY_STEP, end - pos), pos)
+                    if n <= 0:
+                        raise OSError(f"copy_file_range stopped at byte {pos} of {self.path}")
+                    pos += n
+                    if advance is not None:
+                        advance(n)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    crc()
+                raise
+            return int(crc())  # type: ignore[call-overload]
 
     def crc(self) -> int:
-        """CRC-32 of the bytes, read into one reused buffer (nothing handed out)."""
+        """CRC-32 of the bytes, read into reused buffers on every core (nothing handed out)."""
         with reading(self.path) as fd:
-            return _crc_fd(fd, self.offset, self.nbytes, self.path)
+            return crc_file_range(fd, self.offset, self.nbytes, self.path)
 
     def chunks(self) -> Iterator[bytes]:
         """Read with ``pread``: no shared file position; an input file through the
@@ -105,19 +113,6 @@ class FileRange:
                 n = min(self.step, end - pos)
                 yield _pread_exact(fd, n, pos, self.path)
                 pos += n
-
-
-def _crc_fd(fd: int, offset: int, nbytes: int, path: Path) -> int:
-    buf = bytearray(min(CHUNK, max(nbytes, 1)))
-    view = memoryview(buf)
-    crc, pos, end = 0, offset, offset + nbytes
-    while pos < end:
-        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
-        if n <= 0:
-            raise CorruptFileError(path, "slim", f"file ends before byte {end}", pos)
-        crc = zlib.crc32(view[:n], crc)
-        pos += n
-    return crc
 
 
 def _gather(buf: bytes | bytearray, base: int, shape: Sequence[int], strides: Sequence[int],

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats
-from modelsize.errors import CorruptFileError, VerificationError, printable
+from modelsize.errors import VerificationError, printable
 from modelsize.inventory import (
     FileInfo,
     Inventory,
@@ -29,13 +29,14 @@ from modelsize.inventory import (
     TensorRecord,
     TotalsBuilder,
 )
+from modelsize.slimming.checksum import crc_ranges
 from modelsize.slimming.loadable import problems_loading
 from modelsize.slimming.plan import Plan
 from modelsize.slimming.source import FileRange, tensor_source
 from modelsize.slimming.source import _storages as storages_of
 from modelsize.slimming.writers.base import Job, Written, WrittenTable
 
-#: Bytes read at a time when the CRCs of many tensors are computed in file order.
+#: Bytes read at a time when two headers are compared.
 _WINDOW = 8 << 20
 
 
@@ -55,9 +56,10 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
 def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[int, int, int]]:
     """``(index, crc, nbytes)`` of each record (:func:`crc_of`), in no particular order.
 
-    Records whose bytes lie plainly in a file (most) are read in file order, a window at a
-    time, through one open file per file: a million small tensors cost a few hundred reads,
-    not a million opens. Nothing is kept per record but its place in the order.
+    Records whose bytes lie plainly in a file (most) are read in file order, neighbours
+    together, through one open file per file and on every core
+    (:func:`~modelsize.slimming.checksum.crc_ranges`): a million small tensors cost a few
+    hundred reads, not a million opens.
     """
     storages = storages_of(inv)  # the map tensor_source keeps for the same inventory
     places: list[int] = []
@@ -69,42 +71,19 @@ def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[i
         else:
             plain.append(i)
             places.append((st.file << 64) | (st.offset + rec.storage_offset))
-    order = sorted(range(len(plain)), key=places.__getitem__)
-    fds: dict[int, int] = {}
-    try:
-        window, w_file, w_start = b"", -1, 0
-        for k in order:
-            i = plain[k]
-            file, offset, nbytes = places[k] >> 64, places[k] & (2**64 - 1), records[i].nbytes
-            path = inv.files[file].path
-            fd = fds.get(file)
-            if fd is None:
-                fd = fds[file] = os.open(path, os.O_RDONLY)
-            if nbytes > _WINDOW:
-                yield i, _crc_range(fd, offset, nbytes, path), nbytes
-                continue
-            if file != w_file or offset < w_start or offset + nbytes > w_start + len(window):
-                window = os.pread(fd, max(_WINDOW, nbytes), offset)
-                w_file, w_start = file, offset
-                if len(window) < nbytes:
-                    raise CorruptFileError(path, inv.format,
-                                           f"file ends before byte {offset + nbytes}", offset)
-            at = offset - w_start
-            yield i, zlib.crc32(memoryview(window)[at : at + nbytes]), nbytes
-    finally:
-        for fd in fds.values():
+    by_file: dict[int, list[int]] = {}
+    for k in range(len(plain)):
+        by_file.setdefault(places[k] >> 64, []).append(k)
+    for file, ks in by_file.items():
+        path = inv.files[file].path
+        ranges = [(places[k] & (2**64 - 1), records[plain[k]].nbytes) for k in ks]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            crcs = crc_ranges(fd, ranges, path, inv.format)
+        finally:
             os.close(fd)
-
-
-def _crc_range(fd: int, offset: int, nbytes: int, path: Path) -> int:
-    crc, pos, end = 0, offset, offset + nbytes
-    while pos < end:
-        data = os.pread(fd, min(_WINDOW, end - pos), pos)
-        if not data:
-            raise CorruptFileError(path, "slim", f"file ends before byte {end}", pos)
-        crc = zlib.crc32(data, crc)
-        pos += len(data)
-    return crc
+        for k, crc, (_, nbytes) in zip(ks, crcs, ranges, strict=True):
+            yield plain[k], crc, nbytes
 
 
 def _find(by_name: Mapping[str, TensorRecord], *names: str) -> TensorRecord | None:
@@ -265,28 +244,15 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
 
 
 def _crcs_in_order(builder: TotalsBuilder, path: Path) -> Iterator[tuple[int, int, int]]:
-    """``(index, crc, nbytes)`` of each storage the builder holds (laid out in file order),
-    read a window at a time through one descriptor."""
+    """``(index, crc, nbytes)`` of each storage the builder holds, read on every core."""
     offsets, sizes = builder.st_offset, builder.st_nbytes
     fd = os.open(path, os.O_RDONLY)
     try:
-        window, w_start = b"", 0
-        crc32 = zlib.crc32
-        for k in range(len(offsets)):
-            offset, nbytes = offsets[k], sizes[k]
-            if nbytes > _WINDOW:
-                yield k, _crc_range(fd, offset, nbytes, path), nbytes
-                continue
-            if offset < w_start or offset + nbytes > w_start + len(window):
-                window = os.pread(fd, _WINDOW, offset)
-                w_start = offset
-                if len(window) < nbytes:
-                    raise CorruptFileError(path, "safetensors",
-                                           f"file ends before byte {offset + nbytes}", offset)
-            at = offset - w_start
-            yield k, crc32(memoryview(window)[at : at + nbytes]), nbytes
+        crcs = crc_ranges(fd, list(zip(offsets, sizes, strict=True)), path, "safetensors")
     finally:
         os.close(fd)
+    for k, crc in enumerate(crcs):
+        yield k, crc, sizes[k]
 
 
 def copy_read_back(inv: Inventory, staged: Path) -> tuple[Inventory, bool] | None:

@@ -203,7 +203,8 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
 
     Small tensors copied as they are from contiguous input bytes (most tensors of a large
     checkpoint) are read from a window of the input, through its open descriptors: a run of
-    them lying one after the other costs one read of up to :data:`_WINDOW` bytes, and each is
+    them lying one after the other costs a few reads of up to :data:`_WINDOW` bytes, into one
+    reused buffer, and each is
     checksummed from that window as it is written, never opened or streamed one by one.
     Anything else (cast, strided, decoded, large) goes through :func:`stream`.
     """
@@ -219,6 +220,7 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
     write = fh.write
     total = pending = 0
     window = memoryview(b"")
+    buffer: memoryview | None = None  # reused: nothing allocated per window
     w_file, w_start, w_end, prev_end = -1, 0, 0, -1
     with contextlib.ExitStack() as files:
         fds: dict[int, int] = {}
@@ -238,13 +240,19 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
                 continue
             file, offset = st.file, st.offset + rec.storage_offset
             if file != w_file or offset < w_start or offset + n > w_end:
-                # Reading one after the other: a large window; else just past this tensor.
-                size = _WINDOW if file == w_file and 0 <= offset - prev_end <= _GAP else _GAP
+                # Reading one after the other: a window twice the last one (the bytes read
+                # stay within twice the run's); else just past this tensor.
+                size = (min(_WINDOW, 2 * (w_end - w_start)) if file == w_file
+                        and 0 <= offset - prev_end <= _GAP else _GAP)
                 fd = fds.get(file)
                 if fd is None:
                     fd = fds[file] = files.enter_context(reading(inv.files[file].path))
-                data = os.pread(fd, max(n, size), offset)
-                if len(data) < n:
+                if buffer is None:
+                    buffer = memoryview(bytearray(_WINDOW + _KERNEL_COPY_MIN))
+                got = os.preadv(fd, [buffer[: max(n, size)]], offset)
+                if got >= n:
+                    data: bytes | memoryview = buffer[:got]
+                else:
                     data = _pread_exact(fd, n, offset, inv.files[file].path)
                 window, w_file, w_start, w_end = memoryview(data), file, offset, offset + len(data)
                 if meter is not None and pending:
