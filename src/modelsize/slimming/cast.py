@@ -8,16 +8,19 @@ and how many finite values overflowed to infinity (``float16`` tops out at 65504
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from modelsize.dtypes import DTYPES
 from modelsize.errors import MissingDependencyError
-from modelsize.slimming.source import TensorSource
+from modelsize.inputs import reading
+from modelsize.slimming.checksum import BUFFER, ordered, thread_buffer
+from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
 
-#: Bytes of input cast at a time (the error's float64 temporaries are a few times this).
-_PIECE = 1 << 20
+#: Bytes of input cast at a time by one thread (its temporaries are a few times this).
+_PIECE = BUFFER
 #: Floating dtypes modelsize casts between.
 CASTABLE: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 
@@ -53,7 +56,12 @@ def _from_float(np: Any, values: Any, dtype: str) -> Any:
     if dtype == "bfloat16":
         f32 = values.astype("<f4", copy=False)
         u32 = f32.view("<u4")
-        rounded = ((u32 + 0x7FFF + ((u32 >> 16) & 1)) >> 16).astype("<u2")
+        t = u32 >> 16  # in place from here: one temporary, not five
+        t &= 1
+        t += 0x7FFF
+        t += u32
+        t >>= 16
+        rounded = t.astype("<u2")
         nan = np.isnan(f32)
         if nan.any():
             rounded[nan] = ((u32[nan] >> 16) | 0x40).astype("<u2")
@@ -82,38 +90,71 @@ class Cast:
         self.np = _np()
 
     def chunks(self) -> Iterator[bytes]:
-        """Cast chunks; :attr:`error` is complete once they are all consumed."""
-        np = self.np
+        """Cast chunks; :attr:`error` is complete once they are all consumed. Pieces of
+        :data:`_PIECE` bytes are cast on every core (NumPy releases the GIL), in order."""
         size = DTYPES[self.src].block_bytes
         step = _PIECE - _PIECE % size
-        for chunk in self.source.chunks():
-            view = memoryview(chunk)
-            with np.errstate(over="ignore", invalid="ignore"):
-                # In pieces: the float64 temporaries of the error stay a few MiB.
-                out = b"".join(self._cast(np, view[i : i + step])
-                               for i in range(0, len(view), step))
+        src = self.source
+        if isinstance(src, FileRange):  # each thread reads its own pieces
+            with reading(src.path) as fd:
+                ranges = ((fd, pos, min(step, src.offset + src.nbytes - pos))
+                          for pos in range(src.offset, src.offset + src.nbytes, step))
+                yield from self._folded(ordered(self._read_cast, ranges))
+            return
+
+        def pieces() -> Iterator[memoryview]:
+            for chunk in src.chunks():
+                view = memoryview(chunk)
+                for i in range(0, len(view), step):
+                    yield view[i : i + step]
+
+        yield from self._folded(ordered(self._cast, pieces()))
+
+    def _read_cast(self, piece: tuple[int, int, int]) -> tuple[bytes, float, float, int]:
+        """:meth:`_cast` of ``nbytes`` at ``offset`` of ``fd``, read into this thread's
+        buffer."""
+        fd, offset, nbytes = piece
+        view = thread_buffer()[:nbytes]
+        got = os.preadv(fd, [view], offset)
+        if got < nbytes:
+            src = self.source
+            assert isinstance(src, FileRange)
+            return self._cast(_pread_exact(fd, nbytes, offset, src.path))
+        return self._cast(view)
+
+    def _folded(self, results: Iterator[tuple[bytes, float, float, int]]) -> Iterator[bytes]:
+        """The cast pieces, their errors folded into :attr:`error`."""
+        for out, max_abs, max_rel, overflow in results:
+            err = self.error
+            err.overflow += overflow
+            if max_abs == max_abs:  # not NaN
+                err.max_abs = max(err.max_abs, max_abs)
+            if max_rel == max_rel:
+                err.max_rel = max(err.max_rel, max_rel)
             yield out
 
-    def _cast(self, np: Any, chunk: bytes | memoryview) -> bytes:
-        """One piece cast, its error folded into :attr:`error` (computed in float32, or
-        float64 for float64 sources: wide enough to hold both sides exactly)."""
-        values = _to_float(np, chunk, self.src)
-        out = _from_float(np, values, self.dst)
-        wide = "<f8" if self.src == "float64" else "<f4"
-        exact = values.astype(wide, copy=False)
-        back = _to_float(np, out, self.dst).astype(wide, copy=False)
-        diff = np.abs(exact - back)
-        bad = ~np.isfinite(diff)
-        if bad.any():  # NaN/inf in the source, or values beyond the target's range
-            over = np.isinf(back) & np.isfinite(exact)
-            self.error.overflow += int(np.count_nonzero(over))
-            diff[bad] = np.nan
-        mag = np.abs(exact)
-        rel = diff / mag  # 0/0 is NaN and ignored below; x/0 cannot occur (0 casts exactly)
-        max_abs = float(np.fmax.reduce(diff)) if diff.size else 0.0
-        max_rel = float(np.fmax.reduce(rel)) if rel.size else 0.0
-        if max_abs == max_abs:  # not NaN
-            self.error.max_abs = max(self.error.max_abs, max_abs)
-        if max_rel == max_rel:
-            self.error.max_rel = max(self.error.max_rel, max_rel)
-        return bytes(out.data)
+    def _cast(self, chunk: bytes | memoryview) -> tuple[bytes, float, float, int]:
+        """One piece cast, with its largest absolute and relative error and its overflows
+        (computed in float32, or float64 for float64 sources: wide enough to hold both sides
+        exactly). Touches nothing shared: pieces are cast on several threads."""
+        np = self.np
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            values = _to_float(np, chunk, self.src)
+            out = _from_float(np, values, self.dst)
+            wide = "<f8" if self.src == "float64" else "<f4"
+            exact = values.astype(wide, copy=False)
+            diff = np.subtract(exact, _to_float(np, out, self.dst), dtype=wide)
+            np.abs(diff, out=diff)
+            overflow = 0
+            max_abs = float(diff.max()) if diff.size else 0.0
+            if max_abs != max_abs or max_abs == float("inf"):
+                # NaN/inf in the source, or values beyond the target's range.
+                back = _to_float(np, out, self.dst)
+                overflow = int(np.count_nonzero(np.isinf(back) & np.isfinite(exact)))
+                diff[~np.isfinite(diff)] = np.nan
+                max_abs = float(np.fmax.reduce(diff))
+            # 0/0 is NaN and ignored by fmax; x/0 cannot occur (0 casts exactly).
+            rel = np.abs(exact)
+            np.divide(diff, rel, out=rel)
+            max_rel = float(np.fmax.reduce(rel)) if rel.size else 0.0
+        return bytes(out.data), max_abs, max_rel, overflow

@@ -11,15 +11,21 @@ never a fresh allocation per read. The pieces of one range are put back together
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from modelsize.errors import CorruptFileError
+
+if TYPE_CHECKING:  # imported when a pool is made (about 20 ms, for slims only)
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+R = TypeVar("R")
 
 #: Bytes read at a time into a thread's buffer (stays in cache for the CRC that follows).
 BUFFER = 1 << 20
@@ -92,22 +98,24 @@ def pool() -> ThreadPoolExecutor | None:
         return None
     with _POOL_LOCK:
         if _POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
             _POOL = ThreadPoolExecutor(cores(), thread_name_prefix="modelsize")
         return _POOL
 
 
-def ordered(fn: Callable[..., object], items: Sequence[object],
-            ahead: int | None = None) -> Iterator[object]:
+def ordered(fn: Callable[[Any], R], items: Iterable[Any], ahead: int | None = None
+            ) -> Iterator[R]:
     """``fn(item)`` for each item, in order, computed by the pool's threads with at most
     ``ahead`` items in flight (memory stays bounded); inline on one core. Pending work is
     cancelled if the consumer stops early (an error, Ctrl-C)."""
     ex = pool()
-    if ex is None or len(items) < 2:
+    if ex is None:
         for item in items:
             yield fn(item)
         return
     ahead = ahead or 2 * cores()
-    futures: deque[Future[object]] = deque()
+    futures: deque[Future[R]] = deque()
     try:
         for item in items:
             futures.append(ex.submit(fn, item))
@@ -120,7 +128,25 @@ def ordered(fn: Callable[..., object], items: Sequence[object],
             f.cancel()
 
 
-def _buffer() -> memoryview:
+_READBACK: ThreadPoolExecutor | None = None
+
+
+def _readback_pool() -> ThreadPoolExecutor | None:
+    """One thread that reads output back while the writer (and the pool) work: never queued
+    behind a cast's pieces, nor they behind it. ``None`` on a single core."""
+    global _READBACK
+    if cores() < 2:
+        return None
+    with _POOL_LOCK:
+        if _READBACK is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _READBACK = ThreadPoolExecutor(1, thread_name_prefix="modelsize-readback")
+        return _READBACK
+
+
+def thread_buffer() -> memoryview:
+    """This thread's reusable buffer of :data:`BUFFER` bytes."""
     view: memoryview | None = getattr(_LOCAL, "view", None)
     if view is None:
         view = _LOCAL.view = memoryview(bytearray(BUFFER))
@@ -159,7 +185,7 @@ def _pieces(ranges: Sequence[tuple[int, int]]) -> list[_Work]:
 def _crc_piece(fd: int, path: Path, fmt: str, work: _Work) -> list[tuple[int, int, int]]:
     """``(range index, crc, nbytes)`` of each part of one piece, read through this thread's
     buffer (each byte read once where the parts lie in order)."""
-    view = _buffer()
+    view = thread_buffer()
     crc32, preadv = zlib.crc32, os.preadv
     _, end, parts = work
     b_start = b_end = 0
@@ -187,11 +213,11 @@ def crc_ranges(fd: int, ranges: Sequence[tuple[int, int]], path: Path,
     crcs = [0] * len(ranges)
     done = [0] * len(ranges)
 
-    def run(work: object) -> object:
-        return _crc_piece(fd, path, fmt, work)  # type: ignore[arg-type]
+    def run(work: _Work) -> list[tuple[int, int, int]]:
+        return _crc_piece(fd, path, fmt, work)
 
     for parts in ordered(run, _pieces(ranges)):
-        for i, crc, n in parts:  # type: ignore[attr-defined]
+        for i, crc, n in parts:
             crcs[i] = crc32_combine(crcs[i], crc, n) if done[i] else crc
             done[i] += n
     return crcs
@@ -200,6 +226,57 @@ def crc_ranges(fd: int, ranges: Sequence[tuple[int, int]], path: Path,
 def crc_file_range(fd: int, offset: int, nbytes: int, path: Path, fmt: str = "slim") -> int:
     """The CRC-32 of one range (:func:`crc_ranges`)."""
     return crc_ranges(fd, [(offset, nbytes)], path, fmt)[0]
+
+
+class EarlyCRCs:
+    """CRC-32s of byte ranges of an output file, read back by the pool's threads as soon as
+    the ranges are written, while the writer goes on with the next ones (verification then
+    finds them done). Nothing is computed on a single core (nothing to overlap with)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.futures: dict[tuple[int, int], list[Future[list[tuple[int, int, int]]]]] = {}
+        self.after: list[Future[object]] = []
+
+    def add(self, offset: int, nbytes: int, then: Callable[[], object] | None = None) -> None:
+        """Start reading back ``nbytes`` at ``offset`` (already written to the descriptor),
+        and run ``then`` on the same thread afterwards."""
+        ex = _readback_pool()
+        if ex is None or not nbytes:
+            return
+        path = Path(f"/proc/self/fd/{self.fd}")
+        self.futures[(offset, nbytes)] = [ex.submit(_crc_piece, self.fd, path, "slim", work)
+                                          for work in _pieces([(offset, nbytes)])]
+        if then is not None:
+            self.after.append(ex.submit(then))
+
+    def crc(self, offset: int, nbytes: int) -> int | None:
+        """The CRC-32 read back for exactly that range (``None``: not read back, or the read
+        failed: the caller reads it itself)."""
+        futures = self.futures.get((offset, nbytes))
+        if not futures:
+            return None
+        crc = 0
+        try:
+            for k, f in enumerate(futures):
+                for _, part, n in f.result():
+                    crc = crc32_combine(crc, part, n) if k else part
+        except Exception:  # read again by the caller, who reports what fails
+            return None
+        return crc
+
+    def close(self) -> None:
+        """Cancel what has not started and wait for what has (the descriptor may then be
+        closed)."""
+        every = [f for futures in self.futures.values() for f in futures] + self.after
+        for f in every:
+            f.cancel()
+        for f in every:
+            if not f.cancelled():
+                with contextlib.suppress(BaseException):
+                    f.exception()
+        self.futures.clear()
+        self.after.clear()
 
 
 def in_background(fn: Callable[[], object]) -> Callable[[], object]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats
@@ -53,13 +53,21 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
     return crc, n
 
 
-def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[int, int, int]]:
+#: ``crc(offset, nbytes)`` of a range of one output file read back early, or ``None``.
+EarlyCRC = Callable[[int, int], "int | None"]
+#: The early read-back of the staged file at a path, if any.
+EarlyFor = Callable[[Path], "EarlyCRC | None"]
+
+
+def crcs_of(inv: Inventory, records: Sequence[TensorRecord], early: EarlyFor | None = None,
+            ) -> Iterator[tuple[int, int, int]]:
     """``(index, crc, nbytes)`` of each record (:func:`crc_of`), in no particular order.
 
     Records whose bytes lie plainly in a file (most) are read in file order, neighbours
     together, through one open file per file and on every core
     (:func:`~modelsize.slimming.checksum.crc_ranges`): a million small tensors cost a few
-    hundred reads, not a million opens.
+    hundred reads, not a million opens. ``early`` gives the CRCs of ranges of an output file
+    read back while it was written (:class:`~modelsize.slimming.output.OutputFile`).
     """
     storages = storages_of(inv)  # the map tensor_source keeps for the same inventory
     places: list[int] = []
@@ -74,8 +82,17 @@ def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[i
     by_file: dict[int, list[int]] = {}
     for k in range(len(plain)):
         by_file.setdefault(places[k] >> 64, []).append(k)
-    for file, ks in by_file.items():
+    for file, all_ks in by_file.items():
         path = inv.files[file].path
+        known = early(path) if early is not None else None
+        ks = []
+        for k in all_ks:
+            crc = (known(places[k] & (2**64 - 1), records[plain[k]].nbytes)
+                   if known is not None else None)
+            if crc is None:
+                ks.append(k)
+            else:
+                yield plain[k], crc, records[plain[k]].nbytes
         ranges = [(places[k] & (2**64 - 1), records[plain[k]].nbytes) for k in ks]
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -96,18 +113,20 @@ def _find(by_name: Mapping[str, TensorRecord], *names: str) -> TensorRecord | No
     return None
 
 
-def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -> Inventory:
+def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path,
+           early: EarlyFor | None = None) -> Inventory:
     """Read ``staged`` back and check it against the plan; returns the output's inventory.
 
     A safetensors file laid out from the plan is read back by the reader's own accounting
     into a :class:`~modelsize.inventory.TotalsBuilder` (:func:`_verify_streamed`): the same
-    checks, without a second inventory of records.
+    checks, without a second inventory of records. ``early``: the CRCs of the output's
+    ranges read back while it was written, where there are (the rest is read here).
     """
     lays = getattr(job, "layouts", None)
     if (isinstance(written, WrittenTable) and lays is not None and len(lays) == 1
             and lays[0].order is not None and not getattr(job, "directory", True)):
         try:
-            return _verify_streamed(plan, lays[0].order, written, staged)
+            return _verify_streamed(plan, lays[0].order, written, staged, early)
         except NotSimpleError:
             pass  # read back in full below (never expected: slim wrote the file)
     out = formats.read(staged)
@@ -132,7 +151,7 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
         names.append(t.name)
         indices.append(index)
         records.append(rec)
-    for i, crc, n in crcs_of(out, records):
+    for i, crc, n in crcs_of(out, records, early):
         w = (written.at(indices[i]) if isinstance(written, WrittenTable)
              else written.get(names[i]))
         if w is None or (crc, n) != (w.crc, w.nbytes):
@@ -166,7 +185,7 @@ def _failed(problems: list[str]) -> VerificationError:
 
 
 def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
-                     staged: Path) -> Inventory:
+                     staged: Path, early: EarlyFor | None = None) -> Inventory:
     """:func:`verify` of a single safetensors file laid out from ``plan`` (``order``: the
     plan's indices in data order): the safetensors reader's own accounting of the file
     (:func:`modelsize.formats.safetensors.account_file`) into a
@@ -226,7 +245,7 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     crcs = array("I", bytes(4 * builder.count))
     if not problems:
         w_crcs, w_nbytes = written.crcs, written.nbytes
-        for k, crc, n in _crcs_in_order(builder, staged):
+        for k, crc, n in _crcs_in_order(builder, staged, early):
             crcs[k] = crc
             i = order[k]
             if crc != w_crcs[i] or n != w_nbytes[i]:
@@ -243,15 +262,25 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     return out
 
 
-def _crcs_in_order(builder: TotalsBuilder, path: Path) -> Iterator[tuple[int, int, int]]:
-    """``(index, crc, nbytes)`` of each storage the builder holds, read on every core."""
+def _crcs_in_order(builder: TotalsBuilder, path: Path, early: EarlyFor | None = None,
+                   ) -> Iterator[tuple[int, int, int]]:
+    """``(index, crc, nbytes)`` of each storage the builder holds: read back early where it
+    was, the rest read here on every core."""
     offsets, sizes = builder.st_offset, builder.st_nbytes
+    known = early(path) if early is not None else None
+    left: list[int] = []
+    for k in range(len(offsets)):
+        crc = known(offsets[k], sizes[k]) if known is not None else None
+        if crc is None:
+            left.append(k)
+        else:
+            yield k, crc, sizes[k]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = crc_ranges(fd, list(zip(offsets, sizes, strict=True)), path, "safetensors")
+        crcs = crc_ranges(fd, [(offsets[k], sizes[k]) for k in left], path, "safetensors")
     finally:
         os.close(fd)
-    for k, crc in enumerate(crcs):
+    for k, crc in zip(left, crcs, strict=True):
         yield k, crc, sizes[k]
 
 

@@ -96,30 +96,39 @@ class Streamed:
 
     def write_to(self, fh: BinaryIO) -> int:
         """Write the bytes at ``fh``'s position; returns how many. A plain copy of a contiguous
-        run of the input goes through the kernel (``copy_file_range``), the CRC-32 taken from
-        the input's bytes; anything else streams through :meth:`chunks`."""
+        run of the input is written straight to the file's descriptor, its CRC-32 taken while
+        each piece is in hand (:meth:`FileRange.copy_to`); anything else streams through
+        :meth:`chunks`."""
         src = self.source()
         if isinstance(src, FileRange) and src.nbytes >= _KERNEL_COPY_MIN:
             fh.flush()
             start = fh.tell()
-            try:
-                crc = src.copy_to(fh.fileno(), self.meter.advance if self.meter else None)
-            except OSError:
-                fh.seek(start)  # the kernel cannot copy between these files: stream instead
-                if self.meter is not None:
-                    self.meter.done = self.meter.done  # progress restarts with the stream
-            else:
-                fh.seek(start + src.nbytes)  # resynchronise the buffered file's position
-                self.written.crc, self.written.nbytes = crc, src.nbytes
-                return src.nbytes
+            crc = src.copy_to(fh.fileno(), self.meter.advance if self.meter else None)
+            fh.seek(start + src.nbytes)  # resynchronise the buffered file's position
+            self.written.crc, self.written.nbytes = crc, src.nbytes
+            _wrote(fh, start, src.nbytes)
+            return src.nbytes
+        large = src.nbytes >= _KERNEL_COPY_MIN and hasattr(fh, "wrote")
+        start = fh.tell() if large else 0
         n = 0
         for chunk in self.chunks():
             fh.write(chunk)
             n += len(chunk)
+        if large:
+            fh.flush()
+            _wrote(fh, start, n)
         return n
 
 
-#: Runs shorter than this are cheaper to copy through Python than to hand to the kernel.
+def _wrote(fh: BinaryIO, offset: int, nbytes: int) -> None:
+    """Tell an output file that ``nbytes`` at ``offset`` are written: it reads them back on
+    other threads while the writer goes on (:class:`~modelsize.slimming.output.OutputFile`)."""
+    wrote = getattr(fh, "wrote", None)
+    if wrote is not None:
+        wrote(offset, nbytes)
+
+
+#: Tensors this large are copied on their own (:meth:`FileRange.copy_to`), never windowed.
 _KERNEL_COPY_MIN = 1 << 20
 
 
