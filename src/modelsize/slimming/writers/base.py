@@ -19,6 +19,7 @@ from typing import BinaryIO, Protocol
 
 from modelsize.findings import slim_target
 from modelsize.slimming.cast import Cast, CastError
+from modelsize.slimming.checksum import crc32_combine
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
@@ -81,12 +82,20 @@ class Streamed:
         """The bytes; CRC, count and cast error land in :attr:`written` as they pass."""
         src = self.source()
         crc, n = 0, 0
-        for chunk in src.chunks():
-            crc = zlib.crc32(chunk, crc)
-            n += len(chunk)
-            if self.meter is not None:
-                self.meter.advance(len(chunk))
-            yield chunk
+        if isinstance(src, Cast):  # checksummed piece by piece where they were cast
+            for cast, piece_crc in src.chunks_with_crc():
+                crc = crc32_combine(crc, piece_crc, len(cast)) if n else piece_crc
+                n += len(cast)
+                if self.meter is not None:
+                    self.meter.advance(len(cast))
+                yield cast
+        else:
+            for chunk in src.chunks():
+                crc = zlib.crc32(chunk, crc)
+                n += len(chunk)
+                if self.meter is not None:
+                    self.meter.advance(len(chunk))
+                yield chunk
         if n != src.nbytes:
             raise ValueError(f"{self.tensor.name}: expected {src.nbytes} bytes, read {n}")
         self.written.crc, self.written.nbytes = crc, n
