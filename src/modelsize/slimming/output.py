@@ -9,6 +9,9 @@ What is guaranteed, for every writer:
   the files then get their names inside a staging folder beside OUT whose own name says what
   it is, ``.OUT.modelsize-partial-PID-XXXX/``; only once verified do they get OUT's name.
   Where ``O_TMPFILE`` is missing the files are written straight into the staging folder.
+  The fsync runs on a thread of its own while verification reads the files back, and the
+  commit waits for it (and raises its error); large ranges are handed to the kernel's
+  writeback as soon as they are written and read back (:class:`OutputFile`).
 * **Nothing left behind.** Any error or ``KeyboardInterrupt`` removes the staging folder and
   the unnamed files. A process killed outright cannot clean up, so each staging folder has a
   janitor: a tiny ``sh`` holding the read end of a pipe whose write end only this process

@@ -9,6 +9,13 @@ before it reads a byte of data (:mod:`modelsize.slimming.loadable`: NumPy's head
 ``.npy``/``.npz``, Keras 3's for ``.keras``), or CRCs of what was written would vouch for a file
 its framework refuses. Anything else is a modelsize bug: the staged output is thrown away and
 nothing is committed.
+
+Where the bytes are read back: tensors of 1 MiB and more are read back from the output file
+by a thread of their own as soon as they are written, while the writer goes on
+(:class:`~modelsize.slimming.output.OutputFile`); here their CRCs are taken at the offsets the
+output's reader declares, and any range that was not read back that way, or was written
+again after, is read here, on every core (:mod:`modelsize.slimming.checksum`), while the
+disk finishes the fsync.
 """
 
 from __future__ import annotations
