@@ -144,9 +144,9 @@ def test_streamed_verification_catches_a_flipped_byte(
     streamed: list[Path] = []
     real_verify = verify._verify_streamed
 
-    def spy(plan: Any, order: Any, written: Any, staged: Path) -> Any:
+    def spy(plan: Any, order: Any, written: Any, staged: Path, *early: Any) -> Any:
         streamed.append(staged)
-        return real_verify(plan, order, written, staged)
+        return real_verify(plan, order, written, staged, *early)
 
     monkeypatch.setattr("modelsize.slimming.writers.safetensors.write_tensors", flipping)
     monkeypatch.setattr(verify, "_verify_streamed", spy)

@@ -170,7 +170,7 @@ def slim(
     def check(staged: Path) -> Inventory:
         try:
             out: Inventory = (own_check(staged) if own_check is not None
-                              else verify(plan, job, written[0], staged))
+                              else verify(plan, job, written[0], staged, output.early_crcs))
         except LimitError as exc:
             # Named as OUT, never as its hidden staging path.
             raise LimitError(target, f"reading the output back to verify it: {exc.reason}",

@@ -9,6 +9,9 @@ What is guaranteed, for every writer:
   the files then get their names inside a staging folder beside OUT whose own name says what
   it is, ``.OUT.modelsize-partial-PID-XXXX/``; only once verified do they get OUT's name.
   Where ``O_TMPFILE`` is missing the files are written straight into the staging folder.
+  The fsync runs on a thread of its own while verification reads the files back, and the
+  commit waits for it (and raises its error); large ranges are handed to the kernel's
+  writeback as soon as they are written and read back (:class:`OutputFile`).
 * **Nothing left behind.** Any error or ``KeyboardInterrupt`` removes the staging folder and
   the unnamed files. A process killed outright cannot clean up, so each staging folder has a
   janitor: a tiny ``sh`` holding the read end of a pipe whose write end only this process
@@ -38,12 +41,15 @@ What is guaranteed, for every writer:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
+import io
 import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +58,7 @@ from typing import Any, BinaryIO, TypeVar
 from modelsize.errors import OutputError, UsageError, printable
 from modelsize.formats.base import real_path, special_kind
 from modelsize.inputs import ensure_unchanged
+from modelsize.slimming.checksum import EarlyCRCs
 
 try:
     import fcntl
@@ -132,6 +139,7 @@ class Output:
         self._owner: int | None = None
         self._janitor: tuple[int, int] | None = None
         self._anonymous = hasattr(os, "O_TMPFILE")
+        self._syncing: _Fsync | None = None
 
     # -- checks -----------------------------------------------------------------------
     def check(self, names: list[str], needed: int | None = None) -> None:
@@ -233,11 +241,11 @@ class Output:
                     raise
                 self._anonymous = False  # the filesystem does not support it
         if self._anonymous:
-            fh = os.fdopen(fd, "w+b")
+            fh = OutputFile(io.FileIO(fd, "r+"))
         else:
             path = self._stage() / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            fh = open(path, "w+b")  # noqa: SIM115 (closed by commit or discard)
+            fh = OutputFile(io.FileIO(path, "w+"))
         self.files[name] = fh
         self.order.append(name)
         return fh
@@ -253,28 +261,55 @@ class Output:
             self._janitor = _spawn_janitor(path)
         return self.staging
 
+    def early_crcs(self, path: Path) -> Callable[[int, int], int | None] | None:
+        """For the staged file at ``path``: ``crc(offset, nbytes)``, the CRC-32 of a range
+        read back while the file was written (``None`` where it was not, or was written again
+        since: verification reads it then)."""
+        stage = self.staging
+        if stage is None:
+            return None
+        for name, fh in self.files.items():
+            if isinstance(fh, OutputFile) and os.path.abspath(stage / name) == os.path.abspath(
+                    path):
+                return fh.read_back
+        return None
+
     def staged_path(self) -> Path:
         """Where the output can be read before it is committed (what verification reads)."""
         stage = self._stage()
         return stage if self.directory else stage / self.target.name
 
     def seal(self) -> None:
-        """Flush, fsync and name every file inside the staging folder."""
+        """Flush and name every file inside the staging folder, and start fsyncing them on a
+        thread of their own: verification reads the files back while the disk writes them.
+        :meth:`commit` waits for the fsync (and raises its error) before naming anything."""
         stage = self._stage()
         for name in self.order:
             fh = self.files[name]
             fh.flush()
-            os.fsync(fh.fileno())
             if self._anonymous:
                 dest = stage / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 _link_unnamed(fh.fileno(), dest)
-            fh.close()
+        fds = [self.files[name].fileno() for name in self.order]
+        self._syncing = _Fsync(fds)
+
+    def synced(self) -> None:
+        """Wait for the fsync :meth:`seal` started, raise its error, close the files."""
+        syncing, self._syncing = self._syncing, None
+        try:
+            if syncing is not None:
+                syncing.wait()
+        finally:
+            for fh in self.files.values():
+                with contextlib.suppress(OSError):
+                    fh.close()
 
     def commit(self, main: str | None = None) -> None:
         """Check the input is unchanged, then give the staged files their names (``main``
         last; without ``force`` never over an OUT that appeared meanwhile) and fsync the
         folder."""
+        self.synced()
         ensure_unchanged()
         stage = self._stage()
         with _committing(self.parent):
@@ -343,6 +378,8 @@ class Output:
 
     def discard(self) -> None:
         """Close and remove everything written (the target is untouched)."""
+        with contextlib.suppress(OSError):
+            self.synced()
         for fh in self.files.values():
             with contextlib.suppress(OSError):
                 fh.close()
@@ -359,6 +396,127 @@ class Output:
             with contextlib.suppress(OSError):
                 os.close(self._owner)
             self._owner = None
+
+
+class OutputFile(io.BufferedRandom):
+    """A file of the output, as writers get it: a buffered file that also reads back, on
+    other threads, the byte ranges a writer reports written straight to its descriptor
+    (:meth:`wrote`), so verification finds their CRC-32 done.
+
+    A range read back early counts only if no byte of it was written again later: the file
+    keeps the ranges rewritten after a seek backwards (a zip member's header patched once its
+    data is written), from the seek to the next one (or to the verification), and a
+    truncation; verification reads any range they touch again. Every write of a writer goes
+    through this object or is reported by :meth:`wrote`.
+    """
+
+    def __init__(self, raw: io.FileIO) -> None:
+        super().__init__(raw)
+        self.early = EarlyCRCs(raw.fileno())
+        self.high = 0  # the end of the furthest range reported written
+        self.rewritten: list[tuple[int, int]] = []
+        self._back: int | None = None  # where the current rewrite started
+        self._merged: tuple[list[int], list[int], int] | None = None  # rewritten, merged
+
+    def _end_rewrite(self) -> None:
+        if self._back is not None:
+            self.rewritten.append((self._back, max(self._back, super().tell())))
+            self._back = None
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Seek; a seek before the end of a range read back starts a rewrite."""
+        self._end_rewrite()
+        pos = super().seek(offset, whence)
+        if pos < self.high:
+            self._back = pos
+        return pos
+
+    def truncate(self, size: int | None = None) -> int:
+        """Truncate; whatever lay past ``size`` counts as rewritten."""
+        end = super().truncate(size)
+        self.rewritten.append((end, 1 << 63))
+        return end
+
+    def wrote(self, offset: int, nbytes: int) -> None:
+        """``nbytes`` at ``offset`` are written (in the file, not in this object's buffer):
+        read them back now, on another thread, then have the kernel start writing them to
+        the disk (the fsync before the commit then finds most of the file there)."""
+        self.high = max(self.high, offset + nbytes)
+        fd = self.fileno()
+        self.early.add(offset, nbytes, then=lambda: _start_writeback(fd, offset, nbytes))
+
+    def read_back(self, offset: int, nbytes: int) -> int | None:
+        """The CRC-32 of ``nbytes`` at ``offset`` read back early, if no byte of them was
+        written again since (``None``: read them)."""
+        if (offset, nbytes) not in self.early.futures:
+            return None
+        self._end_rewrite()
+        if self._merged is None or self._merged[2] != len(self.rewritten):
+            starts: list[int] = []
+            ends: list[int] = []
+            for start, stop in sorted(self.rewritten):
+                if ends and start <= ends[-1]:
+                    ends[-1] = max(ends[-1], stop)
+                else:
+                    starts.append(start)
+                    ends.append(stop)
+            self._merged = (starts, ends, len(self.rewritten))
+        starts, ends, _ = self._merged
+        i = bisect.bisect_left(starts, offset + nbytes) - 1  # the last starting before the end
+        if i >= 0 and ends[i] > offset:
+            return None
+        return self.early.crc(offset, nbytes)
+
+    def close(self) -> None:
+        """Wait for the reads back, then close."""
+        self.early.close()
+        super().close()
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range_fn: Any = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start writing the range's dirty pages to
+    the disk without waiting (Linux; nothing elsewhere). No durability is claimed from it:
+    the commit still waits for ``fsync``."""
+    global _sync_file_range_fn
+    if _sync_file_range_fn is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range_fn = fn
+        except (OSError, AttributeError, ImportError):
+            _sync_file_range_fn = False
+    if _sync_file_range_fn is not False:
+        _sync_file_range_fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+class _Fsync:
+    """``fsync`` of some descriptors, in order, on a thread of its own."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fds,), daemon=True,
+                                       name="modelsize-fsync")
+        self.thread.start()
+
+    def _run(self, fds: list[int]) -> None:
+        try:
+            for fd in fds:
+                os.fsync(fd)
+        except BaseException as exc:  # raised again by wait(), in the caller's thread
+            self.error = exc
+
+    def wait(self) -> None:
+        """Wait for the last fsync; raise the first error met."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 # -- ownership of staging folders ----------------------------------------------------------

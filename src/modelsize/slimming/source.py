@@ -27,11 +27,12 @@ from modelsize.dtypes import DTYPES
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.inputs import reading
 from modelsize.inventory import Inventory, StorageRecord, TensorRecord
+from modelsize.slimming.checksum import crc_file_range
 
 #: Bytes read or written at a time: large enough for full disk speed, small enough to bound RSS.
 CHUNK = 8 << 20
-#: Bytes the kernel copies per ``copy_file_range`` call (progress is reported between calls).
-COPY_STEP = 64 << 20
+#: Bytes copied at a time through Python: read, checksummed and written while in cache.
+_IN_HAND = 256 << 10
 
 #: What a reader that can decode encoded storages provides.
 StorageDecoder = Callable[[Inventory, StorageRecord], Iterator[bytes]]
@@ -74,25 +75,35 @@ class FileRange:
         return max(1, CHUNK // self.itemsize) * self.itemsize
 
     def copy_to(self, out_fd: int, advance: Callable[[int], None] | None = None) -> int:
-        """Copy the bytes to ``out_fd``'s current position inside the kernel
-        (``copy_file_range``: no trip through Python's memory); returns the CRC-32 of the
-        source bytes, read separately. ``OSError`` if the kernel cannot copy between these
-        files (the caller falls back to :meth:`chunks`)."""
+        """Write the bytes at ``out_fd``'s current position and return their CRC-32, taken
+        while they are in hand: each piece is read into a small reused buffer, checksummed
+        while it is in the CPU's cache, and written from it (one read of the input, where
+        ``copy_file_range`` and a separate checksum read it twice: a rewrite's offsets never
+        let the filesystem share blocks anyway)."""
+        view = memoryview(bytearray(_IN_HAND))
+        crc32, preadv, write = zlib.crc32, os.preadv, os.write
+        crc = 0
         with reading(self.path) as fd:
             pos, end = self.offset, self.offset + self.nbytes
             while pos < end:
-                n = os.copy_file_range(fd, out_fd, min(COPY_STEP, end - pos), pos)
-                if n <= 0:
-                    raise OSError(f"copy_file_range stopped at byte {pos} of {self.path}")
-                pos += n
+                got = preadv(fd, [view[: min(_IN_HAND, end - pos)]], pos)
+                if got <= 0:
+                    raise CorruptFileError(self.path, "slim", f"file ends before byte {end}",
+                                           pos)
+                piece = view[:got]
+                crc = crc32(piece, crc)
+                done = 0
+                while done < got:
+                    done += write(out_fd, piece[done:])
+                pos += got
                 if advance is not None:
-                    advance(n)
-            return _crc_fd(fd, self.offset, self.nbytes, self.path)
+                    advance(got)
+        return crc
 
     def crc(self) -> int:
-        """CRC-32 of the bytes, read into one reused buffer (nothing handed out)."""
+        """CRC-32 of the bytes, read into reused buffers on every core (nothing handed out)."""
         with reading(self.path) as fd:
-            return _crc_fd(fd, self.offset, self.nbytes, self.path)
+            return crc_file_range(fd, self.offset, self.nbytes, self.path)
 
     def chunks(self) -> Iterator[bytes]:
         """Read with ``pread``: no shared file position; an input file through the
@@ -105,19 +116,6 @@ class FileRange:
                 n = min(self.step, end - pos)
                 yield _pread_exact(fd, n, pos, self.path)
                 pos += n
-
-
-def _crc_fd(fd: int, offset: int, nbytes: int, path: Path) -> int:
-    buf = bytearray(min(CHUNK, max(nbytes, 1)))
-    view = memoryview(buf)
-    crc, pos, end = 0, offset, offset + nbytes
-    while pos < end:
-        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
-        if n <= 0:
-            raise CorruptFileError(path, "slim", f"file ends before byte {end}", pos)
-        crc = zlib.crc32(view[:n], crc)
-        pos += n
-    return crc
 
 
 def _gather(buf: bytes | bytearray, base: int, shape: Sequence[int], strides: Sequence[int],

@@ -9,6 +9,13 @@ before it reads a byte of data (:mod:`modelsize.slimming.loadable`: NumPy's head
 ``.npy``/``.npz``, Keras 3's for ``.keras``), or CRCs of what was written would vouch for a file
 its framework refuses. Anything else is a modelsize bug: the staged output is thrown away and
 nothing is committed.
+
+Where the bytes are read back: tensors of 1 MiB and more are read back from the output file
+by a thread of their own as soon as they are written, while the writer goes on
+(:class:`~modelsize.slimming.output.OutputFile`); here their CRCs are taken at the offsets the
+output's reader declares, and any range that was not read back that way, or was written
+again after, is read here, on every core (:mod:`modelsize.slimming.checksum`), while the
+disk finishes the fsync.
 """
 
 from __future__ import annotations
@@ -16,11 +23,11 @@ from __future__ import annotations
 import os
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from modelsize import formats
-from modelsize.errors import CorruptFileError, VerificationError, printable
+from modelsize.errors import VerificationError, printable
 from modelsize.inventory import (
     FileInfo,
     Inventory,
@@ -29,13 +36,14 @@ from modelsize.inventory import (
     TensorRecord,
     TotalsBuilder,
 )
+from modelsize.slimming.checksum import crc_ranges
 from modelsize.slimming.loadable import problems_loading
 from modelsize.slimming.plan import Plan
 from modelsize.slimming.source import FileRange, tensor_source
 from modelsize.slimming.source import _storages as storages_of
 from modelsize.slimming.writers.base import Job, Written, WrittenTable
 
-#: Bytes read at a time when the CRCs of many tensors are computed in file order.
+#: Bytes read at a time when two headers are compared.
 _WINDOW = 8 << 20
 
 
@@ -52,12 +60,21 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
     return crc, n
 
 
-def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[int, int, int]]:
+#: ``crc(offset, nbytes)`` of a range of one output file read back early, or ``None``.
+EarlyCRC = Callable[[int, int], "int | None"]
+#: The early read-back of the staged file at a path, if any.
+EarlyFor = Callable[[Path], "EarlyCRC | None"]
+
+
+def crcs_of(inv: Inventory, records: Sequence[TensorRecord], early: EarlyFor | None = None,
+            ) -> Iterator[tuple[int, int, int]]:
     """``(index, crc, nbytes)`` of each record (:func:`crc_of`), in no particular order.
 
-    Records whose bytes lie plainly in a file (most) are read in file order, a window at a
-    time, through one open file per file: a million small tensors cost a few hundred reads,
-    not a million opens. Nothing is kept per record but its place in the order.
+    Records whose bytes lie plainly in a file (most) are read in file order, neighbours
+    together, through one open file per file and on every core
+    (:func:`~modelsize.slimming.checksum.crc_ranges`): a million small tensors cost a few
+    hundred reads, not a million opens. ``early`` gives the CRCs of ranges of an output file
+    read back while it was written (:class:`~modelsize.slimming.output.OutputFile`).
     """
     storages = storages_of(inv)  # the map tensor_source keeps for the same inventory
     places: list[int] = []
@@ -69,42 +86,28 @@ def crcs_of(inv: Inventory, records: Sequence[TensorRecord]) -> Iterator[tuple[i
         else:
             plain.append(i)
             places.append((st.file << 64) | (st.offset + rec.storage_offset))
-    order = sorted(range(len(plain)), key=places.__getitem__)
-    fds: dict[int, int] = {}
-    try:
-        window, w_file, w_start = b"", -1, 0
-        for k in order:
-            i = plain[k]
-            file, offset, nbytes = places[k] >> 64, places[k] & (2**64 - 1), records[i].nbytes
-            path = inv.files[file].path
-            fd = fds.get(file)
-            if fd is None:
-                fd = fds[file] = os.open(path, os.O_RDONLY)
-            if nbytes > _WINDOW:
-                yield i, _crc_range(fd, offset, nbytes, path), nbytes
-                continue
-            if file != w_file or offset < w_start or offset + nbytes > w_start + len(window):
-                window = os.pread(fd, max(_WINDOW, nbytes), offset)
-                w_file, w_start = file, offset
-                if len(window) < nbytes:
-                    raise CorruptFileError(path, inv.format,
-                                           f"file ends before byte {offset + nbytes}", offset)
-            at = offset - w_start
-            yield i, zlib.crc32(memoryview(window)[at : at + nbytes]), nbytes
-    finally:
-        for fd in fds.values():
+    by_file: dict[int, list[int]] = {}
+    for k in range(len(plain)):
+        by_file.setdefault(places[k] >> 64, []).append(k)
+    for file, all_ks in by_file.items():
+        path = inv.files[file].path
+        known = early(path) if early is not None else None
+        ks = []
+        for k in all_ks:
+            crc = (known(places[k] & (2**64 - 1), records[plain[k]].nbytes)
+                   if known is not None else None)
+            if crc is None:
+                ks.append(k)
+            else:
+                yield plain[k], crc, records[plain[k]].nbytes
+        ranges = [(places[k] & (2**64 - 1), records[plain[k]].nbytes) for k in ks]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            crcs = crc_ranges(fd, ranges, path, inv.format)
+        finally:
             os.close(fd)
-
-
-def _crc_range(fd: int, offset: int, nbytes: int, path: Path) -> int:
-    crc, pos, end = 0, offset, offset + nbytes
-    while pos < end:
-        data = os.pread(fd, min(_WINDOW, end - pos), pos)
-        if not data:
-            raise CorruptFileError(path, "slim", f"file ends before byte {end}", pos)
-        crc = zlib.crc32(data, crc)
-        pos += len(data)
-    return crc
+        for k, crc, (_, nbytes) in zip(ks, crcs, ranges, strict=True):
+            yield plain[k], crc, nbytes
 
 
 def _find(by_name: Mapping[str, TensorRecord], *names: str) -> TensorRecord | None:
@@ -117,18 +120,20 @@ def _find(by_name: Mapping[str, TensorRecord], *names: str) -> TensorRecord | No
     return None
 
 
-def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -> Inventory:
+def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path,
+           early: EarlyFor | None = None) -> Inventory:
     """Read ``staged`` back and check it against the plan; returns the output's inventory.
 
     A safetensors file laid out from the plan is read back by the reader's own accounting
     into a :class:`~modelsize.inventory.TotalsBuilder` (:func:`_verify_streamed`): the same
-    checks, without a second inventory of records.
+    checks, without a second inventory of records. ``early``: the CRCs of the output's
+    ranges read back while it was written, where there are (the rest is read here).
     """
     lays = getattr(job, "layouts", None)
     if (isinstance(written, WrittenTable) and lays is not None and len(lays) == 1
             and lays[0].order is not None and not getattr(job, "directory", True)):
         try:
-            return _verify_streamed(plan, lays[0].order, written, staged)
+            return _verify_streamed(plan, lays[0].order, written, staged, early)
         except NotSimpleError:
             pass  # read back in full below (never expected: slim wrote the file)
     out = formats.read(staged)
@@ -153,7 +158,7 @@ def verify(plan: Plan, job: Job, written: Mapping[str, Written], staged: Path) -
         names.append(t.name)
         indices.append(index)
         records.append(rec)
-    for i, crc, n in crcs_of(out, records):
+    for i, crc, n in crcs_of(out, records, early):
         w = (written.at(indices[i]) if isinstance(written, WrittenTable)
              else written.get(names[i]))
         if w is None or (crc, n) != (w.crc, w.nbytes):
@@ -187,7 +192,7 @@ def _failed(problems: list[str]) -> VerificationError:
 
 
 def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
-                     staged: Path) -> Inventory:
+                     staged: Path, early: EarlyFor | None = None) -> Inventory:
     """:func:`verify` of a single safetensors file laid out from ``plan`` (``order``: the
     plan's indices in data order): the safetensors reader's own accounting of the file
     (:func:`modelsize.formats.safetensors.account_file`) into a
@@ -247,7 +252,7 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     crcs = array("I", bytes(4 * builder.count))
     if not problems:
         w_crcs, w_nbytes = written.crcs, written.nbytes
-        for k, crc, n in _crcs_in_order(builder, staged):
+        for k, crc, n in _crcs_in_order(builder, staged, early):
             crcs[k] = crc
             i = order[k]
             if crc != w_crcs[i] or n != w_nbytes[i]:
@@ -264,29 +269,26 @@ def _verify_streamed(plan: Plan, order: Sequence[int], written: WrittenTable,
     return out
 
 
-def _crcs_in_order(builder: TotalsBuilder, path: Path) -> Iterator[tuple[int, int, int]]:
-    """``(index, crc, nbytes)`` of each storage the builder holds (laid out in file order),
-    read a window at a time through one descriptor."""
+def _crcs_in_order(builder: TotalsBuilder, path: Path, early: EarlyFor | None = None,
+                   ) -> Iterator[tuple[int, int, int]]:
+    """``(index, crc, nbytes)`` of each storage the builder holds: read back early where it
+    was, the rest read here on every core."""
     offsets, sizes = builder.st_offset, builder.st_nbytes
+    known = early(path) if early is not None else None
+    left: list[int] = []
+    for k in range(len(offsets)):
+        crc = known(offsets[k], sizes[k]) if known is not None else None
+        if crc is None:
+            left.append(k)
+        else:
+            yield k, crc, sizes[k]
     fd = os.open(path, os.O_RDONLY)
     try:
-        window, w_start = b"", 0
-        crc32 = zlib.crc32
-        for k in range(len(offsets)):
-            offset, nbytes = offsets[k], sizes[k]
-            if nbytes > _WINDOW:
-                yield k, _crc_range(fd, offset, nbytes, path), nbytes
-                continue
-            if offset < w_start or offset + nbytes > w_start + len(window):
-                window = os.pread(fd, _WINDOW, offset)
-                w_start = offset
-                if len(window) < nbytes:
-                    raise CorruptFileError(path, "safetensors",
-                                           f"file ends before byte {offset + nbytes}", offset)
-            at = offset - w_start
-            yield k, crc32(memoryview(window)[at : at + nbytes]), nbytes
+        crcs = crc_ranges(fd, [(offsets[k], sizes[k]) for k in left], path, "safetensors")
     finally:
         os.close(fd)
+    for k, crc in zip(left, crcs, strict=True):
+        yield k, crc, sizes[k]
 
 
 def copy_read_back(inv: Inventory, staged: Path) -> tuple[Inventory, bool] | None:

@@ -19,6 +19,7 @@ from typing import BinaryIO, Protocol
 
 from modelsize.findings import slim_target
 from modelsize.slimming.cast import Cast, CastError
+from modelsize.slimming.checksum import crc32_combine
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
@@ -81,12 +82,20 @@ class Streamed:
         """The bytes; CRC, count and cast error land in :attr:`written` as they pass."""
         src = self.source()
         crc, n = 0, 0
-        for chunk in src.chunks():
-            crc = zlib.crc32(chunk, crc)
-            n += len(chunk)
-            if self.meter is not None:
-                self.meter.advance(len(chunk))
-            yield chunk
+        if isinstance(src, Cast):  # checksummed piece by piece where they were cast
+            for cast, piece_crc in src.chunks_with_crc():
+                crc = crc32_combine(crc, piece_crc, len(cast)) if n else piece_crc
+                n += len(cast)
+                if self.meter is not None:
+                    self.meter.advance(len(cast))
+                yield cast
+        else:
+            for chunk in src.chunks():
+                crc = zlib.crc32(chunk, crc)
+                n += len(chunk)
+                if self.meter is not None:
+                    self.meter.advance(len(chunk))
+                yield chunk
         if n != src.nbytes:
             raise ValueError(f"{self.tensor.name}: expected {src.nbytes} bytes, read {n}")
         self.written.crc, self.written.nbytes = crc, n
@@ -96,30 +105,39 @@ class Streamed:
 
     def write_to(self, fh: BinaryIO) -> int:
         """Write the bytes at ``fh``'s position; returns how many. A plain copy of a contiguous
-        run of the input goes through the kernel (``copy_file_range``), the CRC-32 taken from
-        the input's bytes; anything else streams through :meth:`chunks`."""
+        run of the input is written straight to the file's descriptor, its CRC-32 taken while
+        each piece is in hand (:meth:`FileRange.copy_to`); anything else streams through
+        :meth:`chunks`."""
         src = self.source()
         if isinstance(src, FileRange) and src.nbytes >= _KERNEL_COPY_MIN:
             fh.flush()
             start = fh.tell()
-            try:
-                crc = src.copy_to(fh.fileno(), self.meter.advance if self.meter else None)
-            except OSError:
-                fh.seek(start)  # the kernel cannot copy between these files: stream instead
-                if self.meter is not None:
-                    self.meter.done = self.meter.done  # progress restarts with the stream
-            else:
-                fh.seek(start + src.nbytes)  # resynchronise the buffered file's position
-                self.written.crc, self.written.nbytes = crc, src.nbytes
-                return src.nbytes
+            crc = src.copy_to(fh.fileno(), self.meter.advance if self.meter else None)
+            fh.seek(start + src.nbytes)  # resynchronise the buffered file's position
+            self.written.crc, self.written.nbytes = crc, src.nbytes
+            _wrote(fh, start, src.nbytes)
+            return src.nbytes
+        large = src.nbytes >= _KERNEL_COPY_MIN and hasattr(fh, "wrote")
+        start = fh.tell() if large else 0
         n = 0
         for chunk in self.chunks():
             fh.write(chunk)
             n += len(chunk)
+        if large:
+            fh.flush()
+            _wrote(fh, start, n)
         return n
 
 
-#: Runs shorter than this are cheaper to copy through Python than to hand to the kernel.
+def _wrote(fh: BinaryIO, offset: int, nbytes: int) -> None:
+    """Tell an output file that ``nbytes`` at ``offset`` are written: it reads them back on
+    other threads while the writer goes on (:class:`~modelsize.slimming.output.OutputFile`)."""
+    wrote = getattr(fh, "wrote", None)
+    if wrote is not None:
+        wrote(offset, nbytes)
+
+
+#: Tensors this large are copied on their own (:meth:`FileRange.copy_to`), never windowed.
 _KERNEL_COPY_MIN = 1 << 20
 
 
@@ -203,7 +221,8 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
 
     Small tensors copied as they are from contiguous input bytes (most tensors of a large
     checkpoint) are read from a window of the input, through its open descriptors: a run of
-    them lying one after the other costs one read of up to :data:`_WINDOW` bytes, and each is
+    them lying one after the other costs a few reads of up to :data:`_WINDOW` bytes, into one
+    reused buffer, and each is
     checksummed from that window as it is written, never opened or streamed one by one.
     Anything else (cast, strided, decoded, large) goes through :func:`stream`.
     """
@@ -219,6 +238,7 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
     write = fh.write
     total = pending = 0
     window = memoryview(b"")
+    buffer: memoryview | None = None  # reused: nothing allocated per window
     w_file, w_start, w_end, prev_end = -1, 0, 0, -1
     with contextlib.ExitStack() as files:
         fds: dict[int, int] = {}
@@ -238,13 +258,19 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
                 continue
             file, offset = st.file, st.offset + rec.storage_offset
             if file != w_file or offset < w_start or offset + n > w_end:
-                # Reading one after the other: a large window; else just past this tensor.
-                size = _WINDOW if file == w_file and 0 <= offset - prev_end <= _GAP else _GAP
+                # Reading one after the other: a window twice the last one (the bytes read
+                # stay within twice the run's); else just past this tensor.
+                size = (min(_WINDOW, 2 * (w_end - w_start)) if file == w_file
+                        and 0 <= offset - prev_end <= _GAP else _GAP)
                 fd = fds.get(file)
                 if fd is None:
                     fd = fds[file] = files.enter_context(reading(inv.files[file].path))
-                data = os.pread(fd, max(n, size), offset)
-                if len(data) < n:
+                if buffer is None:
+                    buffer = memoryview(bytearray(_WINDOW + _KERNEL_COPY_MIN))
+                got = os.preadv(fd, [buffer[: max(n, size)]], offset)
+                if got >= n:
+                    data: bytes | memoryview = buffer[:got]
+                else:
                     data = _pread_exact(fd, n, offset, inv.files[file].path)
                 window, w_file, w_start, w_end = memoryview(data), file, offset, offset + len(data)
                 if meter is not None and pending:
