@@ -521,10 +521,16 @@ def materialized_memo(model: nn.Module) -> dict[int, Any]:
     cannot be deep-copied on meta: its ``__deepcopy__`` sets meta data on a CPU tensor)."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        if id(p) not in memo and p.is_meta and (is_quantized(p) or "SCB" in p.__dict__):
+        if id(p) in memo:
+            continue
+        if p.is_meta and (is_quantized(p) or "SCB" in p.__dict__):
             twin = materialized(p)
-            memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
-                twin, requires_grad=p.requires_grad)
+        elif is_wrapper(p) and not p.is_meta:  # optimum-quanto's QTensors: no deepcopy
+            twin = fake_copy(p, lambda v: v.detach().clone())
+        else:
+            continue
+        memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
+            twin, requires_grad=p.requires_grad)
     return memo
 
 
