@@ -268,3 +268,36 @@ def test_position_ids_are_not_a_quantized_weight() -> None:
     assert states["aten.addmm"] == STATE_NONE
     (emb,) = [r for r in forward if r.op is torch.ops.aten.embedding.default]
     assert emb.saved_by == ("MulBackward0",)
+
+
+def test_dequantized_weights_of_repeated_layers_are_one_finding() -> None:
+    """A GPTQ layer in training keeps its dequantized float weight for the backward (the
+    matmul's MmBackward0): the same module of each of four layers is one finding, with its
+    modules counted, not four."""
+    from modelsize.estimation.quant_layers import GPTQLinear
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(64, 64)
+            self.layers = nn.ModuleList(GPTQLinear(4, 32, 64, 64, bias=False)
+                                        for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x
+
+    model = Net()
+    est = modelsize.estimate(model, (torch.randn(8, 64),), mode="train")
+    _check_sum(est)
+    found = [f for f in est.saved_for_backward.findings
+             if f.kind is SavedFindingKind.DEQUANTIZED_WEIGHT]
+    (finding,) = found
+    # the layers whose copies are alive at the peak (the last one's is freed by its backward
+    # before the peak): one finding, its modules counted
+    assert (finding.module, finding.modules, finding.count) == ("layers.*", 3, 3)
+    assert "layers.* (3 modules) keeps a dequantized float32 copy" in finding.advice
+    # each: the 64 x 64 float16 weight made float32 (.to(x.dtype)) for the matmul
+    assert finding.nbytes == 3 * 64 * 64 * 4

@@ -13,8 +13,10 @@ nothing loaded or executed):
   class keeps in float32 (``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules``
   in float16). The report gives the checkpoint's own dtypes beside what loading makes of
   them (:class:`WeightsPlan`);
-* **quantized weights** (a ``quantization_config``): a quantized layer holds its
-  checkpoint tensors (packed integers, float8, scales, zeros) as stored. The trace runs the
+* **quantized weights** (a ``quantization_config``): for bitsandbytes, torchao, GPTQ and
+  AWQ the quantized layers are built on the meta device as loading builds them
+  (:mod:`modelsize.estimation.quant_checkpoint`), so their kernels are traced. For other
+  methods a quantized layer holds its checkpoint tensors (float8, scales, ...) as stored. The trace runs the
   model with those layers in the compute dtype; their parameters' traced bytes are replaced
   by the checkpoint tensors' bytes (exact); the dequantization kernels' temporaries are not
   traced (named in the report);
@@ -359,8 +361,15 @@ def plan_folder(model: nn.Module, raw: dict[str, Any], ckpt: Checkpoint, dtype: 
     """Apply loading's rules to ``model`` (keep-in-float32 casts) and account for quantized
     tensors held as stored: the :class:`WeightsPlan` of a model folder."""
     kept = keep_fp32(model, dtype)
-    params = dict(model.named_parameters())
     quant = ckpt.quantization
+    built = None
+    if quant:
+        from modelsize.estimation.quant_checkpoint import build_layers
+
+        built = build_layers(model, quant, ckpt.tensors, dtype)
+        if built.done:
+            return _plan_built(model, ckpt, dtype, dtype_from, kind, kept, built)
+    params = dict(model.named_parameters())
     cast: dict[str, list[int]] = {}
     stored = stored_bytes = replaced = replaced_bytes = unused = replaced_numel = 0
     replaced_modules: set[str] = set()
@@ -386,7 +395,7 @@ def plan_folder(model: nn.Module, raw: dict[str, Any], ckpt: Checkpoint, dtype: 
             row = cast.setdefault(t.dtype, [0, 0])
             row[0] += 1
             row[1] += t.nbytes
-    notes = []
+    notes = [built.note()] if built is not None else []
     method = str(quant.get("quant_method", "")) if quant else ""
     if quant:
         notes.append(f"quantized weights ({method or 'quantization_config'}): {stored} checkpoint "
@@ -399,6 +408,49 @@ def plan_folder(model: nn.Module, raw: dict[str, Any], ckpt: Checkpoint, dtype: 
     return WeightsPlan(dtype, dtype_from, kind, ckpt.nbytes, ckpt.by_dtype(),
                        {k: (v[0], v[1]) for k, v in cast.items()}, kept, stored, stored_bytes,
                        replaced, replaced_bytes, method, unused, tuple(notes), replaced_numel)
+
+
+def _plan_built(model: nn.Module, ckpt: Checkpoint, dtype: str, dtype_from: str,
+                kind: SourceKind, kept: tuple[str, ...], built: Any) -> WeightsPlan:
+    """The plan of a checkpoint whose quantized layers were built
+    (:mod:`modelsize.estimation.quant_checkpoint`): the model holds its tensors itself, so
+    nothing is held as stored; checkpoint tensors of a quantized layer that are no tensor of
+    the model (bitsandbytes' serialized quant state, kept as attributes) are named."""
+    from modelsize.estimation.quantized import is_quantized
+
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    layers = {name for name, m in model.named_modules()
+              if type(m).__name__ in built.layers
+              or any(is_quantized(p) for p in m.parameters(recurse=False))}
+    cast: dict[str, list[int]] = {}
+    unused = in_layers = 0
+    for name, t in ckpt.tensors.items():
+        p = state.get(name)
+        if p is None:
+            owner = name
+            while owner and owner not in layers:
+                owner = owner.rpartition(".")[0]
+            if owner:
+                in_layers += 1
+            else:
+                unused += 1
+            continue
+        if t.dtype in _BUILDABLE and p.is_floating_point() and \
+                str(p.dtype).removeprefix("torch.") != t.dtype:
+            row = cast.setdefault(t.dtype, [0, 0])
+            row[0] += 1
+            row[1] += t.nbytes
+    notes = [built.note()]
+    if in_layers:
+        notes.append(f"{in_layers} checkpoint tensors of the quantized layers are parts of their "
+                     "quantized weights (inner tensors, bitsandbytes' quantization state)")
+    if unused:
+        notes.append(f"{unused} checkpoint tensors no parameter of the model takes (not "
+                     "counted)")
+    return WeightsPlan(dtype, dtype_from, kind, ckpt.nbytes, ckpt.by_dtype(),
+                       {k: (v[0], v[1]) for k, v in cast.items()}, kept,
+                       quant_method=built.method, unused=unused, notes=tuple(notes))
 
 
 def with_weights(est: Estimate, plan: WeightsPlan) -> Estimate:

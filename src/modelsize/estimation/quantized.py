@@ -209,7 +209,7 @@ def quantize_model(model: nn.Module, scheme: str | Scheme,
             if type(m) is nn.Linear and not _converts(name, patterns)]
     if s is Scheme.NF4:
         _require("bitsandbytes", s)
-        _to_linear4bit(model, patterns)
+        to_linear4bit(model, patterns)
         quant = Quantization(s.value, "bitsandbytes", "Linear4bit", tuple(kept))
     else:
         _require("torchao", s)
@@ -309,9 +309,20 @@ def _torchao_config(s: Scheme) -> Any:
     return Float8WeightOnlyConfig()
 
 
-def _to_linear4bit(model: nn.Module, skip: Sequence[str]) -> None:
+def to_linear4bit(model: nn.Module, skip: Sequence[str], quant_type: str = "nf4",
+                  double_quant: bool = True, compute_dtype: torch.dtype | None = None,
+                  quant_storage: torch.dtype = torch.uint8) -> None:
+    """Each ``nn.Linear`` of ``model`` not in ``skip`` becomes a bitsandbytes ``Linear4bit``
+    (blocks of 64), quantized where its weight is (the meta device included), as
+    transformers' ``BitsAndBytesConfig(load_in_4bit=True, ...)`` builds it; the compute dtype
+    defaults to the weight's."""
     import bitsandbytes as bnb
+    from bitsandbytes import functional
 
+    # quantize_blockwise caches its dynamic map on the device of the first call: made on
+    # meta, every later real quantization in the process would fail to copy it
+    if "dynamic" not in functional.name2qmap:
+        functional.name2qmap["dynamic"] = functional.create_dynamic_map()
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or not _converts(
@@ -321,11 +332,12 @@ def _to_linear4bit(model: nn.Module, skip: Sequence[str]) -> None:
             device = "meta" if w.is_meta else "cpu"
             layer = bnb.nn.Linear4bit(
                 child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=w.dtype, compress_statistics=True, quant_type="nf4",
-                device=device)
+                compute_dtype=compute_dtype or w.dtype, compress_statistics=double_quant,
+                quant_type=quant_type, quant_storage=quant_storage, device=device)
             layer.weight = bnb.nn.Params4bit(
-                w.detach().to(device), requires_grad=False, compress_statistics=True,
-                quant_type="nf4", blocksize=64, module=layer)
+                w.detach().to(device), requires_grad=False, compress_statistics=double_quant,
+                quant_type=quant_type, quant_storage=quant_storage, blocksize=64,
+                module=layer)
             if child.bias is not None:
                 layer.bias = nn.Parameter(child.bias.detach().clone(),
                                           requires_grad=child.bias.requires_grad)
@@ -333,6 +345,44 @@ def _to_linear4bit(model: nn.Module, skip: Sequence[str]) -> None:
             layer.quant_state = layer.weight.quant_state  # type: ignore[attr-defined]
             layer.train(child.training)
             setattr(parent, name, layer)
+
+
+def to_linear8bit(model: nn.Module, skip: Sequence[str], threshold: float = 6.0) -> None:
+    """Each ``nn.Linear`` of ``model`` not in ``skip`` becomes a bitsandbytes
+    ``Linear8bitLt`` with int8 weights and float32 row scales (``has_fp16_weights=False``,
+    ``threshold``: transformers' ``load_in_8bit`` layer), quantized where its weight is."""
+    import bitsandbytes as bnb
+
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or not _converts(
+                    f"{prefix}.{name}" if prefix else name, skip):
+                continue
+            w = child.weight
+            device = "meta" if w.is_meta else "cpu"
+            layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
+                                        bias=child.bias is not None, has_fp16_weights=False,
+                                        threshold=threshold, device=device)
+            layer.weight = bnb.nn.Int8Params(w.detach().to(device), requires_grad=False,
+                                             has_fp16_weights=False)
+            layer.weight = layer.weight._quantize(device)
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach().clone(),
+                                          requires_grad=child.bias.requires_grad)
+            layer.train(child.training)
+            setattr(parent, name, layer)
+
+
+def quantize_with_torchao(model: nn.Module, config: Any, skip: Sequence[str]) -> None:
+    """torchao's ``quantize_`` with the torchao ``config`` on the linear layers of ``model``
+    not in ``skip`` (on the meta device too)."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.quant_api import _is_linear
+
+    def wanted(m: nn.Module, fqn: str) -> bool:
+        return bool(_is_linear(m)) and _converts(fqn, skip)
+
+    quantize_(model, config, filter_fn=wanted)
 
 
 def loaded(name: str) -> bool:
@@ -447,6 +497,12 @@ def materialized(t: torch.Tensor) -> torch.Tensor:
 
     if is_wrapper(t):
         return fake_copy(t, zeros)
+    scb = t.__dict__.get("SCB") if hasattr(t, "__dict__") else None
+    if isinstance(scb, torch.Tensor):  # bitsandbytes Int8Params: the data is its CB
+        data = zeros(t.data)
+        return type(t).__new__(type(t), data, requires_grad=False,  # type: ignore[no-any-return]
+                               has_fp16_weights=t.__dict__.get("has_fp16_weights", False),
+                               CB=data, SCB=zeros(scb))
     state = _quant_state(t)
     made: list[torch.Tensor] = []
     twin = type(t).__new__(type(t), zeros(t.data), requires_grad=t.requires_grad,
@@ -465,10 +521,16 @@ def materialized_memo(model: nn.Module) -> dict[int, Any]:
     cannot be deep-copied on meta: its ``__deepcopy__`` sets meta data on a CPU tensor)."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        if id(p) not in memo and p.is_meta and is_quantized(p):
+        if id(p) in memo:
+            continue
+        if p.is_meta and (is_quantized(p) or "SCB" in p.__dict__):
             twin = materialized(p)
-            memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
-                twin, requires_grad=p.requires_grad)
+        elif is_wrapper(p) and not p.is_meta:  # optimum-quanto's QTensors: no deepcopy
+            twin = fake_copy(p, lambda v: v.detach().clone())
+        else:
+            continue
+        memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
+            twin, requires_grad=p.requires_grad)
     return memo
 
 

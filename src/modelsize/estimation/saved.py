@@ -106,20 +106,25 @@ def _human(n: int) -> str:
 
 
 def _dequantized(acts: Sequence[Allocation]) -> list[SavedFinding]:
+    """One finding per module pattern (``layers.*.mlp.gate_proj``: the same module of every
+    layer) and keeper."""
     groups: dict[tuple[str, tuple[str, ...]], list[Allocation]] = {}
     for rec in acts:
         if rec.saved_by and rec.state == STATE_PACKED and _float(rec):
-            groups.setdefault((rec.module or "<model>", rec.saved_by), []).append(rec)
+            groups.setdefault((_layer(rec.module), rec.saved_by), []).append(rec)
     out = []
-    for (module, by), recs in groups.items():
+    for (pattern, by), recs in groups.items():
         n = sum(r.nbytes for r in recs)
         first = recs[0]
+        modules = sorted({r.module or "<model>" for r in recs})
+        module = modules[0] if len(modules) == 1 else pattern
+        where = module if len(modules) == 1 else f"{module} ({len(modules)} modules)"
         shape = "x".join(map(str, first.shape))
         dtype = str(first.dtype).removeprefix("torch.")
         out.append(SavedFinding(
             SavedFindingKind.DEQUANTIZED_WEIGHT, module, op_name(first.op), by, len(recs), n,
-            1,
-            f"{module} keeps a dequantized {dtype} copy of a quantized weight for the "
+            len(modules),
+            f"{where} keeps a dequantized {dtype} copy of a quantized weight for the "
             f"backward ({_tensors(len(recs), shape)}, {_human(n)}, made by {op_name(first.op)}, "
             f"kept by {', '.join(by)}): keep only the packed weight and dequantize it again "
             "in the backward (compute the forward's matmul under torch.no_grad() inside a "

@@ -1,0 +1,181 @@
+"""A quantized checkpoint's layers, built on the meta device from its ``quantization_config``.
+
+``from_pretrained`` replaces the linear layers a quantized checkpoint holds with the
+quantization library's layers before it loads the weights. :func:`build_layers` does the
+same on the meta-device model of a model folder or Hub repository
+(:mod:`modelsize.estimation.model_source`), so the trace runs each layer's kernel and counts
+its allocations (the dequantized weight a GPTQ layer makes per call, bitsandbytes' scratch):
+
+* ``bitsandbytes`` ``load_in_4bit``: ``Linear4bit`` with the config's ``bnb_4bit_quant_type``,
+  ``bnb_4bit_use_double_quant``, ``bnb_4bit_compute_dtype`` and ``bnb_4bit_quant_storage``,
+  blocks of 64; ``load_in_8bit``: ``Linear8bitLt`` (``llm_int8_threshold``), int8 weight and
+  row scales (``SCB``); both skip ``llm_int8_skip_modules`` (else transformers' default);
+* ``torchao``: the config's ``quant_type`` (``{"default": <torchao config dict>}``) applied by
+  torchao's ``quantize_`` on the meta tensors;
+* ``gptq`` and ``awq``: modelsize's :class:`~modelsize.estimation.quant_layers.GPTQLinear` and
+  :class:`~modelsize.estimation.quant_layers.AWQLinear` (their libraries' torch kernels);
+
+For GPTQ and AWQ the layers converted are those the checkpoint holds packed
+(``<module>.qweight``), as loading finds them; for bitsandbytes and torchao, every linear
+layer but the config's skip list (else transformers' default: the output embeddings). Other
+methods (``fp8``, ``compressed-tensors``, ...) are not built: their tensors are
+held as stored (:func:`modelsize.estimation.model_source.plan_folder`), for the reason
+:func:`build_layers` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelsize.estimation import quantized
+
+
+@dataclass(frozen=True)
+class Built:
+    """What :func:`build_layers` did: the layers made (``layer -> count``), or why not."""
+
+    method: str
+    layers: dict[str, int]
+    reason: str = ""
+
+    @property
+    def done(self) -> bool:
+        """Whether quantized layers were built."""
+        return bool(self.layers)
+
+    def note(self) -> str:
+        """One line for the report."""
+        if not self.done:
+            return f"quantized layers ({self.method}) not built: {self.reason}"
+        made = ", ".join(f"{n} {k}" for k, n in self.layers.items())
+        return (f"quantized layers built from quantization_config ({self.method}): {made}; "
+                "their kernels' allocations are traced")
+
+
+def build_layers(model: nn.Module, config: Mapping[str, Any],
+                 tensors: Mapping[str, Any], dtype: str) -> Built:
+    """Replace, in place, the linear layers of the meta-device ``model`` that the checkpoint
+    (``tensors``: name -> info with ``dtype``) holds quantized by the layers its
+    ``quantization_config`` (``config``) names; ``dtype``: the model's."""
+    method = str(config.get("quant_method", "")).lower()
+    builder = _BUILDERS.get(method)
+    if builder is None:
+        return Built(method, {}, "no layer class for this method in modelsize (its tensors "
+                     "are counted as stored)")
+    try:
+        return builder(model, config, tensors, dtype)
+    except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError) as exc:
+        return Built(method, {}, f"{type(exc).__name__}: {exc}")
+
+
+def _linears(model: nn.Module, want: Callable[[str, nn.Linear], bool]
+             ) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    out = []
+    for prefix, parent in model.named_modules():
+        for name, child in parent.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if type(child) is nn.Linear and want(full, child):
+                out.append((parent, name, full, child))
+    return out
+
+
+def _count(model: nn.Module, kinds: tuple[type, ...]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, kinds):
+            out[type(m).__name__] = out.get(type(m).__name__, 0) + 1
+    return out
+
+
+def _packed(config: Mapping[str, Any], tensors: Mapping[str, Any], dtype: str,
+            model: nn.Module, awq: bool) -> Built:
+    from modelsize.estimation.quant_layers import AWQLinear, GPTQLinear
+
+    bits = int(config.get("bits", config.get("w_bit", 4)))
+    group = int(config.get("group_size", config.get("q_group_size", 128)))
+    version = str(config.get("version", "gemm")).lower()
+    method = "awq" if awq else "gptq"
+    for parent, name, _, child in _linears(model, lambda n, _: f"{n}.qweight" in tensors):
+        bias = child.bias is not None
+        layer: nn.Module = (
+            AWQLinear(bits, group, child.in_features, child.out_features, bias, version,
+                      device="meta") if awq else
+            GPTQLinear(bits, group, child.in_features, child.out_features, bias, device="meta"))
+        layer.train(child.training)
+        setattr(parent, name, layer)
+    layers = _count(model, (AWQLinear, GPTQLinear))
+    if not layers:
+        raise ValueError(f"no <module>.qweight tensor in the checkpoint for {method}")
+    model.__dict__["_modelsize_quantization"] = quantized.Quantization(
+        f"int{bits}", "modelsize", next(iter(layers)), ())
+    return Built(method, layers)
+
+
+def _gptq(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
+          dtype: str) -> Built:
+    return _packed(config, tensors, dtype, model, awq=False)
+
+
+def _awq(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
+         dtype: str) -> Built:
+    return _packed(config, tensors, dtype, model, awq=True)
+
+
+def _skips(model: nn.Module, config: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    given = config.get(key)
+    if given:
+        return tuple(str(s) for s in given)
+    return quantized.default_skips(model)
+
+
+def _bitsandbytes(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
+                  dtype: str) -> Built:
+    skip = _skips(model, config, "llm_int8_skip_modules")
+    if config.get("load_in_4bit"):
+        compute = config.get("bnb_4bit_compute_dtype") or "float32"
+        storage = config.get("bnb_4bit_quant_storage") or "uint8"
+        quantized.to_linear4bit(
+            model, skip, quant_type=str(config.get("bnb_4bit_quant_type") or "fp4"),
+            double_quant=bool(config.get("bnb_4bit_use_double_quant", False)),
+            compute_dtype=getattr(torch, str(compute).removeprefix("torch.")),
+            quant_storage=getattr(torch, str(storage).removeprefix("torch.")))
+        kind = "Linear4bit"
+    elif config.get("load_in_8bit"):
+        quantized.to_linear8bit(model, skip, float(config.get("llm_int8_threshold", 6.0)))
+        kind = "Linear8bitLt"
+    else:
+        raise ValueError("neither load_in_4bit nor load_in_8bit")
+    layers = {kind: sum(1 for m in model.modules() if type(m).__name__ == kind)}
+    return Built("bitsandbytes", layers)
+
+
+def _torchao(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
+             dtype: str) -> Built:
+    from torchao.core.config import config_from_dict
+
+    quant_type = config.get("quant_type")
+    if not isinstance(quant_type, Mapping) or set(quant_type) != {"default"}:
+        raise ValueError("quant_type is not {'default': <torchao config>} (string and "
+                         "per-module forms are not read)")
+    ao_config = config_from_dict(dict(quant_type["default"]))
+    skip = _skips(model, config, "modules_to_not_convert")
+    quantized.quantize_with_torchao(model, ao_config, skip)
+    made = sum(1 for m in model.modules()
+               if any(quantized.is_wrapper(p) for p in m.parameters(recurse=False)))
+    layers = {type(ao_config).__name__: made}
+    if not any(layers.values()):
+        raise ValueError(f"{type(ao_config).__name__} quantized no layer")
+    return Built("torchao", layers)
+
+
+_BUILDERS: dict[str, Callable[[nn.Module, Mapping[str, Any], Mapping[str, Any], str], Built]] = {
+    "gptq": _gptq,
+    "awq": _awq,
+    "bitsandbytes": _bitsandbytes,
+    "torchao": _torchao,
+}
