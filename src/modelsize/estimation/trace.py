@@ -457,8 +457,10 @@ def _run_trace(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
             for leaf in unique_params:
                 if leaf.requires_grad:
                     leaf.register_post_accumulate_grad_hook(_grad_marker(mode))
+        # (the no_grad replay of generation keeps only what a generation estimate reads:
+        # not the op, shape and sources of a record freed inside a block)
         repeated = BlockReplay(mode, model, values=values, cache_of=find_cache,
-                               enabled=blocks, training=train)
+                               enabled=blocks and train, training=train)
         stack.enter_context(repeated.installed())
         module_acts = trace_program(
             mode, program, call, loss_fn, scalars, progress,
