@@ -545,10 +545,11 @@ class BackwardWatch:
         for (name, p), before in zip(self.params, self.grads, strict=True):
             if id(p.grad) == before:
                 continue
-            rec = mode.allocation_of(p.grad) if p.grad is not None else None
-            if rec is None or id(rec) not in index_of:
+            grad = p.grad
+            rec = mode.allocation_of(grad) if grad is not None else None
+            if grad is None or rec is None or id(rec) not in index_of:
                 raise Refused("a parameter's gradient the backward did not make")
-            left.append((index_of[id(rec)], name, _view(p.grad)))
+            left.append((index_of[id(rec)], name, _view(grad)))
         kept = {i for i, _, _ in left}
         for i, r in enumerate(internal):
             if r.freed < 0 and i not in kept:
@@ -627,6 +628,7 @@ class ReplayedBlock:
         self.record = record
         self.prefix = prefix
         self.params = dict(block.named_parameters())
+        self.block: nn.Module | None = block
         self.inputs = inputs
         self.backward_of = backward_of
         self.held = _Held()
@@ -642,7 +644,8 @@ class ReplayedBlock:
         except Refused as exc:
             raise Mismatch(str(exc)) from None
         params = self.params
-        buffers: dict[str, torch.Tensor] = {}
+        assert self.block is not None
+        buffers: dict[str, torch.Tensor] = dict(self.block.named_buffers())
         nodes = [VirtualNode(n.label, module_name_for(n.module, self.prefix), n.custom,
                              self._items(n.items, buffers)) for n in record.nodes]
         for vn, spec in zip(nodes, record.nodes, strict=True):
@@ -658,25 +661,23 @@ class ReplayedBlock:
             self.mode.counting = True
         self.inputs = {}
         self.root = None
+        self.block = None
         return _rebuild(record.out, out)
 
     def _items(self, items: tuple[tuple[str, Target], ...],
                buffers: dict[str, torch.Tensor]) -> Any:
         held = self.held
         index = {t: i for i, t in enumerate(self.record.held)}
-        block_params = self.params
+        named = {**self.params, **buffers}
 
         def resolve() -> Iterator[tuple[str, Any]]:
             for label, tgt in items:
                 if tgt[0] == "p":
-                    t = block_params.get(tgt[1])
-                    if t is None:
-                        raise Mismatch("a kept buffer")  # buffers are refused when recorded
-                    yield label, t
+                    yield label, named[tgt[1]]
                 else:
-                    t = held.tensors.get(index[tgt])
-                    if t is not None:
-                        yield label, t
+                    kept = held.tensors.get(index[tgt])
+                    if kept is not None:
+                        yield label, kept
 
         return resolve
 
