@@ -47,8 +47,17 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from modelsize.estimation.segments import Mismatch, Path, Recorder, Segment, replay, slots_of
-from modelsize.estimation.tracker import CountingFakeMode
+from modelsize.estimation import train_replay
+from modelsize.estimation.segments import (
+    Mismatch,
+    Path,
+    Recorder,
+    Refused,
+    Segment,
+    replay,
+    slots_of,
+)
+from modelsize.estimation.tracker import CountingFakeMode, Origin
 
 #: Attribute names that hold a block's index (its slot in the cache).
 INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
@@ -69,6 +78,8 @@ class _Block:
     """The last block of its signature in its list (always run for real, as a check)."""
     refused: str = ""
     """Why the block always runs for real ("" where it may be replayed)."""
+    tail: int = 0
+    """How many blocks of its signature follow it in its list."""
 
 
 @dataclass
@@ -167,6 +178,21 @@ def _index_uses(cls: type) -> str:
     return ""
 
 
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are on (a checkpointed region, offloading)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def find_cache(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The transformers cache a block is given, if any (under whatever name)."""
+    for v in (*args, *kwargs.values()):
+        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers")
+               for c in type(v).__mro__):
+            return v
+    return None
+
+
 def _plain(v: Any) -> bool:
     return isinstance(v, (int, float, str, bool, torch.dtype, torch.device)) or v is None
 
@@ -241,8 +267,10 @@ class BlockReplay:
 
     def __init__(self, mode: CountingFakeMode, model: nn.Module, *, values: Any = None,
                  cache_of: Callable[[tuple[Any, ...], Mapping[str, Any]], Any] | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, training: bool = False) -> None:
         self.mode = mode
+        self.training = training
+        self.train_templates: dict[Any, train_replay.TrainTemplate] = {}
         self.model = model
         self.values = values
         self.cache_of = cache_of or (lambda args, kwargs: None)
@@ -267,6 +295,8 @@ class BlockReplay:
             return
         wrapped: list[tuple[nn.Module, bool, Any]] = []
         watched = self._watch_values()
+        if self.training:
+            self.mode.node_log = []
         try:
             for list_name, blocks in self._lists():
                 for block in blocks:
@@ -284,6 +314,7 @@ class BlockReplay:
                     wrapped.append((block, had, original))
             yield
         finally:
+            self.mode.node_log = None
             for name in watched:
                 del vars(self.values)[name]
             for block, had, original in reversed(wrapped):
@@ -336,9 +367,9 @@ class BlockReplay:
         if info is None:
             signatures = [_signature(b) for b in blocks]
             for pos, (b, (sig, index, why)) in enumerate(zip(blocks, signatures, strict=True)):
-                last = all(s != sig for s, _, _ in signatures[pos + 1:])
+                tail = sum(1 for s, _, _ in signatures[pos + 1:] if s == sig)
                 name = f"{list_name}.{pos}" if list_name else str(pos)
-                self.blocks[id(b)] = _Block(name, index, sig, last, why)
+                self.blocks[id(b)] = _Block(name, index, sig, not tail, why, tail)
                 if why and why not in self.summary.refused:
                     self.summary.refused.append(why)
             info = self.blocks[id(block)]
@@ -349,6 +380,8 @@ class BlockReplay:
              kwargs: dict[str, Any]) -> Any:
         """One block call, run for real (and recorded) or replayed."""
         mode = self.mode
+        if torch.is_grad_enabled() and self.training:
+            return self._train_call(block, list_name, blocks, original, args, kwargs)
         if torch.is_grad_enabled() or mode.depth or not mode.counting:
             return original(*args, **kwargs)
         info = self._block(block, list_name, blocks)
@@ -411,6 +444,144 @@ class BlockReplay:
         else:
             template.pending.clear()
         return out
+
+    def _train_call(self, block: nn.Module, list_name: str, blocks: nn.ModuleList,
+                    original: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        """One block call of a training forward (train_replay's docstring)."""
+        mode = self.mode
+        current = mode.phases[-1] if mode.phases else None
+        if (mode.depth or not mode.counting or current is None or current.name != "forward"
+                or mode.origin is not Origin.FORWARD or _saved_tensor_hooks()):
+            return original(*args, **kwargs)
+        info = self._block(block, list_name, blocks)
+        cache = self.cache_of(args, kwargs)
+        if info.refused or (cache is not None and info.index is None):
+            return original(*args, **kwargs)
+        inputs = {"args": args, "kwargs": kwargs}
+        phase = len(mode.phases)
+        if phase != self.phase:
+            self.finish()
+            self.templates.clear()
+            self.train_templates.clear()
+            self.slots.clear()
+            self.phase = phase
+        slots = self.slots.get((phase, info.signature))
+        entry = self.recorder.enter(inputs, cache, index=info.index, full=False, slots=slots)
+        pre, pre_shape = self.recorder.pre(entry)
+        valued, _keep = self._valued(entry)
+        before = entry.state
+        del entry
+        params = list(block.parameters())
+        key = ("train", phase, info.signature, pre_shape, tuple(pre), valued,
+               tuple(p.grad is None for p in params))
+        tpl = self.train_templates.get(key)
+        if tpl is not None and tpl.confirmed and info.tail >= 3:
+            replayed = train_replay.ReplayedBlock(
+                mode, tpl.forward, block, info.name, inputs,
+                functools.partial(self._backward_of, tpl, info.name), root=cache,
+                index=info.index)
+            try:
+                out = replayed.run()
+            except train_replay.Mismatch as exc:
+                raise BlockRetrace(f"{info.name}: {exc}") from None
+            tpl.pending.append(info.name)
+            self.summary.replayed += 1
+            return out
+        start = train_replay.Start.of(mode, params)
+        events = self.value_events
+        out = original(*args, **kwargs)
+        self.summary.real += 1
+        try:
+            if self.value_events != events:
+                raise Refused(f"{type(block).__name__} writes into a tensor with a real value")
+            rec = train_replay.record_forward(mode, block, info.name, inputs, out, start,
+                                              root=cache, index=info.index, slots=slots,
+                                              before=before)
+        except Refused as exc:
+            why = f"{type(block).__name__}: {exc}"
+            if why not in self.summary.refused:
+                self.summary.refused.append(why)
+            if tpl is not None and tpl.pending:
+                raise BlockRetrace(f"{info.name} cannot be compared with the blocks replayed "
+                                   f"before it: {exc}") from None
+            return out
+        if tpl is None:
+            tpl = self.train_templates[key] = train_replay.TrainTemplate(rec)
+            if cache is not None and info.index is not None:
+                self.slots.setdefault((phase, info.signature), slots_of(cache, info.index))
+        elif not tpl.confirmed:
+            tpl.confirmed = rec.key() == tpl.forward.key()
+            tpl.forward = rec
+        elif rec.key() != tpl.forward.key():
+            if tpl.pending:
+                raise BlockRetrace(f"{info.name} differs from the blocks replayed before it "
+                                   f"({tpl.pending[0]}...)")
+        else:
+            tpl.pending.clear()
+        self._watch_backward(tpl, rec, block, info.name, inputs, out, start)
+        return out
+
+    def _watch_backward(self, tpl: train_replay.TrainTemplate,
+                        rec: train_replay.ForwardRecord, block: nn.Module, name: str,
+                        inputs: Mapping[str, Any], out: Any,
+                        start: train_replay.Start) -> None:
+        """Record the backward of a block that ran for real (its twins replay it)."""
+        mode = self.mode
+        found: list[torch.Tensor] = []
+        train_replay._output_spec(out, found)
+        segments_get = train_replay.get
+        held = []
+        for tgt in rec.held:
+            if tgt[0] == "int":
+                held.append(mode.allocations[start.allocs + tgt[1]])
+            else:
+                r = mode.allocation_of(segments_get(inputs, tgt[1]))
+                assert r is not None
+                held.append(r)
+        seqs = (start.seq, torch._C._autograd._get_sequence_nr())
+
+        def done(watch: train_replay.BackwardWatch,
+                 record: train_replay.BackwardRecord | str) -> None:
+            self._backward_done(tpl, name, record)
+
+        train_replay.BackwardWatch(mode, rec, name, block, held, found[0],
+                                   segments_get(inputs, rec.grad_input), seqs, done)
+
+    def _backward_done(self, tpl: train_replay.TrainTemplate, name: str,
+                       record: train_replay.BackwardRecord | str) -> None:
+        if isinstance(record, str):
+            if tpl.backward_pending and not tpl.failed:
+                tpl.failed = f"{name}'s backward cannot be compared: {record}"
+            tpl.backward.clear()
+            return
+        if tpl.backward_template is None:
+            if tpl.backward and tpl.backward[-1].key() == record.key():
+                tpl.backward_template = record
+            tpl.backward[:] = [record]
+        elif record.key() != tpl.backward_template.key():
+            if tpl.backward_pending and not tpl.failed:
+                tpl.failed = (f"{name}'s backward differs from the replayed ones "
+                              f"({tpl.backward_pending[0]}...)")
+        else:
+            tpl.backward_pending.clear()
+
+    def _backward_of(self, tpl: train_replay.TrainTemplate,
+                     name: str) -> train_replay.BackwardRecord:
+        if tpl.backward_template is None:
+            raise BlockRetrace(f"{name}: no backward of a real twin to replay")
+        tpl.backward_pending.append(name)
+        return tpl.backward_template
+
+    def finish_backward(self) -> None:
+        """Replayed forwards and backwards that no real block confirmed: trace again."""
+        for tpl in self.train_templates.values():
+            if tpl.failed:
+                raise BlockRetrace(tpl.failed)
+            if tpl.pending or tpl.backward_pending:
+                names = tpl.pending or tpl.backward_pending
+                raise BlockRetrace(f"{names[0]} and the blocks replayed with it were never "
+                                   "confirmed by a real one")
 
     def finish(self) -> None:
         """Replayed blocks that no real one confirmed: the trace runs again without them."""

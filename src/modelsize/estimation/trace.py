@@ -84,6 +84,9 @@ class Program:
     gradient_checkpointing: Mapping[str, Any] | None = None
     """transformers' ``activation_checkpointing_enable(kwargs)`` (``gradient_checkpointing_enable``
     before 5.0) for the program, with these kwargs (``{}``: transformers' defaults)."""
+    replay_blocks: bool = True
+    """Replay repeated blocks from their real twins (:mod:`.block_replay`; exact, or the
+    trace runs again without)."""
 
 
 @dataclass
@@ -95,6 +98,8 @@ class Trace:
     trainable_count: int
     seconds: float
     module_activations: dict[str, int] = field(default_factory=dict)
+    blocks: str = ""
+    """How repeated blocks were traced (:class:`.block_replay.BlockSummary`)."""
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -377,7 +382,26 @@ def run_trace(
     progress: ProgressFn | None = None,
 ) -> Trace:
     """Trace ``program`` on ``model`` with fake tensors and return the counting mode."""
+    from modelsize.estimation.block_replay import BlockRetrace
+
+    blocks = (program.replay_blocks and not program.checkpoint
+              and program.gradient_checkpointing is None)
+    start = time.perf_counter()
+    if blocks:
+        try:
+            trace = _run_trace(model, inputs, program, progress, True)
+        except BlockRetrace as exc:
+            trace = _run_trace(model, inputs, program, progress, False)
+            trace.blocks = f"traced again without block replay: {exc}"
+        trace.seconds = time.perf_counter() - start
+        return trace
+    return _run_trace(model, inputs, program, progress, False)
+
+
+def _run_trace(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
+               program: Program, progress: ProgressFn | None, blocks: bool) -> Trace:
     from modelsize.estimation import scratch as scratch_models
+    from modelsize.estimation.block_replay import BlockReplay, find_cache
 
     if program.mode not in ("train", "infer"):
         raise UsageError(f"mode must be 'train' or 'infer', not {program.mode!r}")
@@ -433,13 +457,23 @@ def run_trace(
             for leaf in unique_params:
                 if leaf.requires_grad:
                     leaf.register_post_accumulate_grad_hook(_grad_marker(mode))
+        # (the no_grad replay of generation keeps only what a generation estimate reads:
+        # not the op, shape and sources of a record freed inside a block)
+        repeated = BlockReplay(mode, model, values=values, cache_of=find_cache,
+                               enabled=blocks and train, training=train)
+        stack.enter_context(repeated.installed())
         module_acts = trace_program(
             mode, program, call, loss_fn, scalars, progress,
             lambda: make_factory(program.optimizer, program.implementation,
-                                 device.type)(optimized))
+                                 device.type)(optimized),
+            after_backward=repeated.finish_backward)
+        if not train:
+            repeated.finish()
         mode.counting = False
     seconds = time.perf_counter() - start
-    return Trace(mode, n_params, n_train, seconds, module_acts)
+    trace = Trace(mode, n_params, n_train, seconds, module_acts)
+    trace.blocks = repeated.summary.describe()
+    return trace
 
 
 def trace_program(mode: CountingFakeMode, program: Program, call: Callable[[], Any],

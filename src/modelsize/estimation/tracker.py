@@ -222,6 +222,9 @@ class CountingFakeMode(FakeTensorMode):
         self.packed_keepers: set[str] = set()
         #: (the next autograd sequence number, the module) at each change of module
         self.module_seq: list[tuple[int, str]] = []
+        #: (tick, sequence number) of each backward node that dispatches, while not None
+        #: (block_replay checks that a block's backward ran alone)
+        self.node_log: list[tuple[int, int]] | None = None
 
     # -- registration -----------------------------------------------------------------------
 
@@ -362,6 +365,8 @@ class CountingFakeMode(FakeTensorMode):
         key = (node._sequence_nr(), node.name())
         if key != self._node:  # a new node: what it creates from here on is its own
             self._node, self._node_mark = key, self.tick
+            if self.node_log is not None:
+                self.node_log.append((self.tick, key[0]))
         if torch.is_grad_enabled():
             return None
         inplace = kernels.NODE_INPLACE.get((key[1], func))
@@ -649,6 +654,20 @@ def record_savers(mode: CountingFakeMode, roots: Iterable[Any]) -> None:
     seen: set[Any] = set(stack)
     while stack:
         node = stack.pop()
+        if isinstance(node, BackwardCFunction):  # a replayed block: the nodes it stands for
+            node = getattr(node, VIRTUAL_GRAPH, node)
+        if isinstance(node, VirtualNode):
+            where[0] = node.module
+            packed[0] = False
+            for label, t in node.items():
+                saved(t, label)
+            if node.custom and packed[0]:
+                mode.packed_keepers.add(node.label)
+            for nxt in node.nexts:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+            continue
         name = node.name()
         where[0] = mode.module_of_node(node)
         if isinstance(node, BackwardCFunction):
@@ -675,6 +694,26 @@ def record_savers(mode: CountingFakeMode, roots: Iterable[Any]) -> None:
         if rec is not None:
             rec.saved_by = tuple(names)
             rec.kept_in = tuple(keepers[key])
+
+
+#: The attribute of a replayed block's autograd node that gives its :class:`VirtualNode`.
+VIRTUAL_GRAPH = "modelsize_virtual_graph"
+
+
+class VirtualNode:
+    """One autograd node of a block that was replayed, not run (block_replay): its name,
+    module, the tensors it keeps (``items()``: label and tensor) and the nodes after it, as
+    :func:`record_savers` would have read them from the real node."""
+
+    __slots__ = ("custom", "items", "label", "module", "nexts")
+
+    def __init__(self, label: str, module: str, custom: bool,
+                 items: Callable[[], Iterable[tuple[str, Any]]]) -> None:
+        self.label = label
+        self.module = module
+        self.custom = custom
+        self.items = items
+        self.nexts: list[Any] = []
 
 
 def _ctx_tensors(value: Any, label: str, keep: Callable[[Any, str], None]) -> None:
