@@ -16,10 +16,10 @@ nothing loaded or executed):
 * **quantized weights** (a ``quantization_config``): for bitsandbytes, torchao, GPTQ and
   AWQ the quantized layers are built on the meta device as loading builds them
   (:mod:`modelsize.estimation.quant_checkpoint`), so their kernels are traced. For other
-  methods a quantized layer holds its checkpoint tensors (float8, scales, ...) as stored. The trace runs the
-  model with those layers in the compute dtype; their parameters' traced bytes are replaced
-  by the checkpoint tensors' bytes (exact); the dequantization kernels' temporaries are not
-  traced (named in the report);
+  methods a quantized layer holds its checkpoint tensors (float8, scales, ...) as stored.
+  The trace runs the model with those layers in the compute dtype; their parameters' traced
+  bytes are replaced by the checkpoint tensors' bytes (exact); the dequantization kernels'
+  temporaries are not traced (named in the report);
 * **GGUF** (llama.cpp): the architecture and hyperparameters come from the file's metadata,
   mapped to a transformers config for the architectures in :data:`GGUF_ARCHITECTURES`; the
   parameters are the file's tensor data, byte for byte (quantized blocks as stored), in
