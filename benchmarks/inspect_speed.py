@@ -94,13 +94,21 @@ def build_checkpoint(path: Path) -> dict[str, int]:
 
 
 def known_counts(path: Path) -> dict[str, int]:
-    """The byte counts of ``build_checkpoint`` for a checkpoint it wrote, read back by torch."""
+    """The byte counts of ``build_checkpoint`` for a checkpoint it wrote, read back by torch.
+
+    Tied weights (``lm_head.weight`` saved as the embedding's storage) are one set of bytes in
+    the file and one set of parameters: each storage counts once, as ``model.parameters()``
+    counts a shared parameter once.
+    """
     import torch
 
     obj = torch.load(path, weights_only=True, mmap=True)
-    model = obj["model"].values()
-    return {"weights": sum(t.numel() * t.element_size() for t in model),
-            "params": sum(t.numel() for t in model)}
+    storages: dict[int, tuple[int, int]] = {}
+    for t in obj["model"].values():
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = (s.nbytes(), s.nbytes() // t.element_size())
+    return {"weights": sum(n for n, _ in storages.values()),
+            "params": sum(p for _, p in storages.values())}
 
 
 def _env() -> dict[str, str]:

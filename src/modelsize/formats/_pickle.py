@@ -20,8 +20,9 @@ from __future__ import annotations
 import codecs
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
@@ -105,6 +106,11 @@ class Call:
     ``SETITEM(S)`` applied to the object. ``kind`` names the opcode family (``reduce``,
     ``newobj``, ``obj``, ``inst``). Calls compare and hash by identity, like the objects they
     stand for.
+
+    ``items``, ``dictitems`` and ``kwargs`` start as shared empty tuples and mapping (a
+    checkpoint has two calls per tensor, which almost never get any: three empty containers
+    each were a fifth of the memory a pickle of 100,000 tensors took); the parser gives a call
+    lists of its own when it adds to them.
     """
 
     __slots__ = ("args", "dictitems", "func", "items", "kind", "kwargs", "state")
@@ -119,14 +125,17 @@ class Call:
         self.func = func
         self.args = args
         self.state = state
-        self.items: list[object] = []
-        self.dictitems: list[tuple[object, object]] = []
+        self.items: list[object] | tuple[()] = ()
+        self.dictitems: list[tuple[object, object]] | tuple[()] = ()
         self.kind = kind
-        self.kwargs: dict[Any, Any] = {}
+        self.kwargs: Mapping[Any, Any] = _NO_KWARGS
 
     def __repr__(self) -> str:
         return (f"Call(func={self.func!r}, args={self.args!r}, state={self.state!r}, "
                 f"kind={self.kind!r})")
+
+
+_NO_KWARGS: Mapping[Any, Any] = MappingProxyType({})
 
 
 class PersistentId:
@@ -473,6 +482,9 @@ class _Machine:
 
         The cost saturates at ``MAX_HASH_COST + 1``: only whether it exceeds
         :data:`MAX_HASH_COST` matters, and saturating at the end or along the way agrees on it.
+        A flat tuple (none of its items a tuple, frozenset or persistent id: a tensor's size)
+        is not recorded: its depth is 1 and its cost its length plus one (see :func:`_weigh`),
+        so that the record does not keep every such tuple alive.
         """
         depth = cost = 1
         depths = self.depths
@@ -484,9 +496,14 @@ class _Machine:
                     if entry[0] >= depth:
                         depth = entry[0] + 1
                     cost += entry[1]
+                elif type(c) is tuple and c:  # flat: see above (``()`` as it always was)
+                    if depth < 2:
+                        depth = 2
+                    cost += len(c) + 1
         if depth > MAX_DEPTH:
             raise _Fail(f"values nested more than {MAX_DEPTH} levels deep")
-        depths[id(obj)] = (depth, cost if cost <= MAX_HASH_COST else MAX_HASH_COST + 1, obj)
+        if depth > 1 or type(obj) is not tuple or not obj:
+            depths[id(obj)] = (depth, cost if cost <= MAX_HASH_COST else MAX_HASH_COST + 1, obj)
         return obj
 
     def key(self, obj: object) -> object:
@@ -501,7 +518,10 @@ class _Machine:
             return obj
         if t in _HASHED_NESTED:
             entry = self.depths.get(id(obj))
-            if entry is not None and entry[2] is obj and entry[1] > MAX_HASH_COST:
+            if entry is not None and entry[2] is obj:
+                if entry[1] > MAX_HASH_COST:
+                    return UnhashableKey(obj)
+            elif type(obj) is tuple and len(obj) >= MAX_HASH_COST:  # flat, cost len + 1
                 return UnhashableKey(obj)
         try:
             hash(obj)
@@ -587,7 +607,7 @@ class _Machine:
         """
         data, size, view = self.data, self.size, self.view
         table = [getattr(self, f"op_{n.lower()}", None) if n else None for n in _NAMES]
-        memo, metastack, depths = self.memo, self.metastack, self.depths
+        memo, metastack = self.memo, self.metastack
         nested, judge_call, set_items, extend = (
             self.nested, self.judge_call, self.set_items, self.extend
         )
@@ -715,8 +735,7 @@ class _Machine:
                         t: tuple[Any, ...] = (first,)
                         if type(first) in _HASHED_NESTED:
                             stack[-1] = nested(t, t)
-                        else:  # what nested() records for a tuple of one plain value
-                            depths[id(t)] = (1, 2, t)
+                        else:  # flat: nested() records nothing for it
                             stack[-1] = t
                     elif c == 0x86:  # TUPLE2
                         if len(stack) < 2:
@@ -727,7 +746,6 @@ class _Machine:
                         if type(first) in _HASHED_NESTED or type(second) in _HASHED_NESTED:
                             stack[-1] = nested(t, t)
                         else:
-                            depths[id(t)] = (1, 3, t)
                             stack[-1] = t
                     elif c == 0x71:  # BINPUT
                         if pos >= size:
@@ -986,7 +1004,10 @@ class _Machine:
         if isinstance(target, list):
             target.extend(items)
         elif isinstance(target, Call):
-            target.items.extend(items)
+            if isinstance(target.items, list):
+                target.items.extend(items)
+            else:
+                target.items = list(items)
         else:
             raise _Fail(f"cannot append to a {type(target).__name__}")
 
@@ -1000,7 +1021,11 @@ class _Machine:
                 # str and int keys hash cheaply and never fail: no need for key().
                 target[k if type(k) is str or type(k) is int else key(k)] = items[i + 1]
         elif isinstance(target, Call):
-            target.dictitems.extend((items[i], items[i + 1]) for i in range(0, len(items), 2))
+            pairs = [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+            if isinstance(target.dictitems, list):
+                target.dictitems.extend(pairs)
+            else:
+                target.dictitems = pairs
         else:
             raise _Fail(f"cannot set items on a {type(target).__name__}")
 
@@ -1010,7 +1035,7 @@ class _Machine:
         if isinstance(target, set):
             target.update(self.key(x) for x in items)
         elif isinstance(target, Call):
-            target.items.extend(items)
+            self.extend(target, items)
         else:
             raise _Fail(f"cannot add items to a {type(target).__name__}")
 

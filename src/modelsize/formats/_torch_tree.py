@@ -787,7 +787,7 @@ class _Walker:
             yield value.value, path, ctx
 
     def mapping_children(
-        self, items: list[tuple[object, object]], path: _Path, ctx: _Ctx
+        self, items: Sequence[tuple[object, object]], path: _Path, ctx: _Ctx
     ) -> Iterator[tuple[object, _Path, _Ctx]]:
         for k, v in items:
             key = k.value if isinstance(k, UnhashableKey) else k

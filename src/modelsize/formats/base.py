@@ -203,6 +203,13 @@ class Source:
                     self._zip_infos = None
         return self._zip_infos
 
+    def forget_zip_infos(self) -> None:
+        """Let go of the parsed central directory (a reader that took what it needs from it):
+        for an archive of 100,000 members it holds tens of MB. A later :meth:`zip_infos`
+        parses it again."""
+        self._zip_infos = None
+        self._zip_checked = False
+
     def zip_names(self) -> list[str]:
         """Member names of a zip archive from its central directory (empty if unreadable)."""
         return [info.filename for info in self.zip_infos() or ()]
