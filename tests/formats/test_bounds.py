@@ -157,16 +157,17 @@ def test_600k_tensor_safetensors_inspects_within_bounds(hostile: Callable[..., P
 
 @pytest.mark.slow
 def test_npz_of_200k_members(hostile: Callable[..., Path], tmp_path: Path) -> None:
-    """200k members: no answer in 60 s (and 1.2 GB for slim) before."""
-    path = hostile(make_npz_members)
+    """200k members: no answer in 60 s (and 1.2 GB for slim) before. A quarter of them here
+    (the suite's time); the whole 200k are measured by benchmarks/hostile.py."""
+    path = hostile(make_npz_members, 0.25)
     run = _cli("inspect", str(path))
     assert run.returncode == 0, run.stderr
     out = tmp_path / "out.npz"
     run = _cli("slim", str(path), "-o", str(out), "--dedupe")
     assert run.returncode == 0, run.stderr
     with np.load(out) as z:
-        assert len(z.files) == 200_000
-        assert z["a199999"].tolist() == [199999.0, -199999.0]
+        assert len(z.files) == 50_000
+        assert z["a49999"].tolist() == [49999.0, -49999.0]
 
 
 def test_keras_deflate_bomb_member_is_copied_not_inflated(hostile: Callable[..., Path],
