@@ -87,6 +87,9 @@ class Program:
     replay_blocks: bool = True
     """Replay repeated blocks from their real twins (:mod:`.block_replay`; exact, or the
     trace runs again without)."""
+    replay_optimizer: bool = True
+    """Replay the for-loop optimizer step of periodic parameters (:mod:`.optim_replay`;
+    exact, or the trace runs again without)."""
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Trace:
     module_activations: dict[str, int] = field(default_factory=dict)
     blocks: str = ""
     """How repeated blocks were traced (:class:`.block_replay.BlockSummary`)."""
+    optimizer_replay: str = ""
+    """How many parameters' optimizer steps were replayed (:mod:`.optim_replay`)."""
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -383,25 +388,42 @@ def run_trace(
 ) -> Trace:
     """Trace ``program`` on ``model`` with fake tensors and return the counting mode."""
     from modelsize.estimation.block_replay import BlockRetrace
+    from modelsize.estimation.optim_replay import OptimizerRetrace
 
     blocks = (program.replay_blocks and not program.checkpoint
               and program.gradient_checkpointing is None)
+    optim = program.replay_optimizer and program.mode == "train"
     start = time.perf_counter()
-    if blocks:
+    block_note = optim_note = ""
+    while True:
         try:
-            trace = _run_trace(model, inputs, program, progress, True)
+            trace = _run_trace(model, inputs, program, progress, blocks, optim)
+            break
         except BlockRetrace as exc:
-            trace = _run_trace(model, inputs, program, progress, False)
-            trace.blocks = f"traced again without block replay: {exc}"
+            if not blocks:
+                raise
+            blocks = False
+            block_note = f"traced again without block replay: {exc}"
+        except OptimizerRetrace as exc:
+            if not optim:
+                raise
+            optim = False
+            optim_note = f"traced again without optimizer replay: {exc}"
+    if block_note or optim_note:
         trace.seconds = time.perf_counter() - start
-        return trace
-    return _run_trace(model, inputs, program, progress, False)
+    if block_note:
+        trace.blocks = block_note
+    if optim_note:
+        trace.optimizer_replay = optim_note
+    return trace
 
 
 def _run_trace(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
-               program: Program, progress: ProgressFn | None, blocks: bool) -> Trace:
+               program: Program, progress: ProgressFn | None, blocks: bool,
+               optim: bool = False) -> Trace:
     from modelsize.estimation import scratch as scratch_models
     from modelsize.estimation.block_replay import BlockReplay, find_cache
+    from modelsize.estimation.optim_replay import OptimizerReplay
 
     if program.mode not in ("train", "infer"):
         raise UsageError(f"mode must be 'train' or 'infer', not {program.mode!r}")
@@ -462,6 +484,9 @@ def _run_trace(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
         repeated = BlockReplay(mode, model, values=values, cache_of=find_cache,
                                enabled=blocks and train, training=train)
         stack.enter_context(repeated.installed())
+        steps = OptimizerReplay(mode)
+        if optim and train:
+            stack.enter_context(steps.installed())
         module_acts = trace_program(
             mode, program, call, loss_fn, scalars, progress,
             lambda: make_factory(program.optimizer, program.implementation,
@@ -473,6 +498,9 @@ def _run_trace(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
     seconds = time.perf_counter() - start
     trace = Trace(mode, n_params, n_train, seconds, module_acts)
     trace.blocks = repeated.summary.describe()
+    if steps.skipped:
+        trace.optimizer_replay = (f"the optimizer step of {steps.skipped} parameters "
+                                  "replayed")
     return trace
 
 
