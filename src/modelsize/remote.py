@@ -86,6 +86,9 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
     return bool(scheme) and scheme != "file" and scheme.isalnum()
 
 
+_STATS_LOCK = threading.Lock()
+
+
 class RemoteError(InputError):
     """A remote file that cannot be inspected (one line, exit 2)."""
 
@@ -99,11 +102,14 @@ class Stats:
     fetched: int = 0
     requests: int = 0
     budget: int = FETCH_BUDGET
+    #: Files of a repository that the report's reader did not read (name, bytes): listed.
+    others: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"url": self.url, "bytes": self.size, "fetched_bytes": self.fetched,
-                "requests": self.requests}
+                "requests": self.requests,
+                "other_files": [{"path": n, "bytes": b} for n, b in self.others]}
 
 
 class RangeSource:
@@ -132,7 +138,7 @@ class RangeSource:
         self.sink = sink
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._fs: Any = None
-        self._lock = threading.Lock()
+        self._lock = _STATS_LOCK  # one lock: sources of one inspection share their Stats
         self._next = -1  # the block after the last one fetched (sequential read-ahead)
         self._ahead = 1
         self.size = -1
@@ -610,6 +616,8 @@ def hf_endpoint() -> str:
 
 
 def _hf(url: str, root: Path, stats: Stats, fetch: Any) -> Remote:
+    if fetch is mirror:
+        return _hf_repository(url, root, stats)
     rest = url[len("hf://"):].strip("/")
     parts = rest.split("/")
     if len(parts) < 2 or not all(parts[:2]):
@@ -632,6 +640,146 @@ def _hf(url: str, root: Path, stats: Stats, fetch: Any) -> Remote:
     return Remote(url, local, stats, [base + f for f in files])
 
 
+# -- a whole Hub repository, inspected as one model ----------------------------------------------
+
+#: Weight files of a repository, most preferred first: the files of the first kind present
+#: (in the folder asked for) are read by their headers; every other file is listed by size.
+_MODEL_KINDS: tuple[tuple[str, ...], ...] = (
+    (".safetensors",), (".bin",), (".pt", ".pth", ".ckpt"), (".gguf",), (".onnx",),
+    (".keras", ".h5"), (".tflite",), (".index",), (".pkl", ".pickle", ".joblib"),
+    (".npz", ".npy"))
+#: JSON files up to this size are fetched whole (configs, indexes): readers read them.
+_SMALL_JSON = 1 * 2**20
+#: Concurrent requests across a repository's files.
+_FILE_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class HubPath:
+    """``hf://[datasets/|spaces/]ORG/REPO[@REVISION][/PATH]``."""
+
+    kind: str  # "models", "datasets" or "spaces"
+    repo: str
+    revision: str
+    path: str
+
+    @classmethod
+    def parse(cls, url: str) -> HubPath:
+        """Split an ``hf://`` name (``ORG/REPO`` alone is a model repository)."""
+        rest = url[len("hf://"):] if url.lower().startswith("hf://") else url
+        parts = [p for p in rest.split("/") if p]
+        kind = "models"
+        if parts and parts[0] in ("datasets", "spaces", "models") and len(parts) >= 3:
+            kind = parts.pop(0)
+        if len(parts) < 2:
+            raise RemoteError(f"{printable(url)}: expected hf://ORG/REPO[@REVISION][/PATH] "
+                              "(hf://datasets/ORG/REPO for a dataset)")
+        name, _, revision = parts[1].partition("@")
+        return cls(kind, f"{parts[0]}/{name}", urllib.parse.unquote(revision or "main"),
+                   "/".join(parts[2:]))
+
+    def resolve_url(self, name: str) -> str:
+        """The Hub's download URL of file ``name``."""
+        prefix = "" if self.kind == "models" else f"{self.kind}/"
+        return (f"{hf_endpoint()}/{prefix}{self.repo}/resolve/"
+                f"{urllib.parse.quote(self.revision, safe='')}/{urllib.parse.quote(name)}")
+
+    def listing_url(self) -> str:
+        """The API URL listing the repository's files, with their sizes (``blobs=true``)."""
+        return (f"{hf_endpoint()}/api/{self.kind}/{self.repo}/revision/"
+                f"{urllib.parse.quote(self.revision, safe='')}?blobs=true")
+
+    def cached(self, commit: str, name: str) -> Path | None:
+        """The file in the local Hugging Face cache's snapshot of ``commit``, if there."""
+        folder = hf_cache_dir() / f"{self.kind}--{self.repo.replace('/', '--')}"
+        found = folder / "snapshots" / commit / name
+        try:
+            return found if commit and is_regular(found) else None
+        except OSError:
+            return None
+
+
+def is_regular(path: Path) -> bool:
+    """A regular file (a cache's symlink to its blob followed)."""
+    import stat
+
+    return stat.S_ISREG(os.stat(path).st_mode)
+
+
+def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
+    """The repository (or the folder or file of it ``url`` names) in ``root``: the weight
+    files of the preferred kind mirrored by their headers, small JSON files whole, every
+    other file sparse at its listed size; files in the local HF cache linked, not fetched."""
+    hub = HubPath.parse(url)
+    raw = hub_get(hub.listing_url(), stats, limit=64 * 2**20)
+    try:
+        doc = json.loads(raw)
+        listed = {s["rfilename"]: s.get("size") for s in doc.get("siblings", [])
+                  if isinstance(s.get("rfilename"), str)}
+        commit = str(doc.get("sha") or "")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise RemoteError(f"{printable(url)}: the Hub's listing is not JSON with siblings"
+                          ) from None
+    headers = hub_headers()
+    if hub.path and hub.path in listed:  # one file
+        name = hub.path.rsplit("/", 1)[-1]
+        local = root / _safe_name(name)
+        cached = hub.cached(commit, hub.path)
+        remote_url = hub.resolve_url(hub.path)
+        if cached is not None:
+            local.symlink_to(cached)
+            return Remote(url, local, stats, [remote_url])
+        folder = hub.path.rsplit("/", 1)[0] + "/" if "/" in hub.path else ""
+        urls = [remote_url]
+        for sibling in mirror(remote_url, local, stats, headers):
+            dest = _beside(root, sibling, url)
+            urls.append(hub.resolve_url(folder + sibling))
+            sized(urls[-1], dest, stats, headers, listed.get(folder + sibling))
+        return Remote(url, local, stats, urls)
+    prefix = hub.path.strip("/") + "/" if hub.path else ""
+    names = sorted(n for n in listed if n.startswith(prefix))
+    if not names:
+        raise RemoteError(f"{printable(url)}: no file under {printable(hub.path)!r} in "
+                          f"{hub.repo}@{hub.revision}")
+    top = [n for n in names if "/" not in n[len(prefix):]]
+    weights: list[str] = []
+    for suffixes in _MODEL_KINDS:
+        weights = [n for n in top if n.lower().endswith(suffixes)
+                   and (suffixes != (".bin",) or "model" in n.rsplit("/", 1)[-1])]
+        if weights:
+            break
+    local = root / _safe_name(hub.path.rsplit("/", 1)[-1] if hub.path
+                              else hub.repo.split("/")[-1])
+    local.mkdir()
+    jobs: list[tuple[str, Path, str]] = []  # (name, destination, how)
+    for name in names:
+        dest = _beside(local, name[len(prefix):], url)
+        cached = hub.cached(commit, name)
+        if cached is not None:
+            dest.symlink_to(cached)
+        elif name in weights:
+            jobs.append((name, dest, "mirror"))
+        elif name.endswith((".json", ".meta")) and (listed[name] or 0) <= _SMALL_JSON:
+            jobs.append((name, dest, "whole"))
+        else:
+            jobs.append((name, dest, "sized"))
+
+    def run(job: tuple[str, Path, str]) -> None:
+        name, dest, how = job
+        if how == "mirror":
+            mirror(hub.resolve_url(name), dest, stats, headers)  # siblings: listed already
+        elif how == "whole":
+            dest.write_bytes(hub_get(hub.resolve_url(name), stats, limit=_SMALL_JSON))
+        else:
+            size = listed[name]
+            sized(hub.resolve_url(name), dest, stats, headers,
+                  size if isinstance(size, int) and size >= 0 else None)
+
+    with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
+        list(pool.map(run, jobs))
+    return Remote(url, local, stats, [hub.resolve_url(n) for n in names])
+
+
 def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = None,
          http_error: Callable[[urllib.error.HTTPError], None] | None = None) -> bytes:
     """GET ``url`` whole, at most ``limit`` bytes, counted in ``stats``. ``http_error`` may
@@ -648,8 +796,9 @@ def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = No
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
-    stats.requests += 1
-    stats.fetched += len(data)
+    with _STATS_LOCK:
+        stats.requests += 1
+        stats.fetched += len(data)
     if len(data) > limit:
         raise RemoteError(f"{printable(url)}: more than {limit} bytes")
     return data
@@ -695,6 +844,10 @@ class RemoteReport:
 
         out = render_inspect(self.report, top=top).replace(self.local, self.url)
         s = self.stats
+        if s.others:
+            out += (f"\nOther files ({len(s.others)}, not part of the model, by size): "
+                    + ", ".join(f"{printable(n, 80)} {b:,} bytes" for n, b in s.others[:20])
+                    + (", ..." if len(s.others) > 20 else "") + "\n")
         return out + (f"\nRead remotely: {s.fetched:,} bytes fetched in {s.requests} requests "
                       f"for a {s.size:,}-byte checkpoint ({100 * s.fetched / max(s.size, 1):.4f}%"
                       "); duplicate tensors not searched (that reads tensor data).\n")
@@ -740,6 +893,13 @@ def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
         finally:
             READ_DATA.reset(token)
         inventory.facts[URL_FACT] = url
+        if remote.local.is_dir():
+            used = {os.path.abspath(f.path) for f in inventory.files}
+            remote.stats.others = sorted(
+                ((p.relative_to(remote.local).as_posix(), p.stat().st_size)
+                 for p in remote.local.rglob("*")
+                 if p.is_file() and os.path.abspath(p) not in used),
+                key=lambda item: (-item[1], item[0]))
         yield inventory, remote.stats, str(remote.local)
 
 
