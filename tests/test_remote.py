@@ -29,10 +29,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _file(self) -> Path | None:
         path = self.path.split("?", 1)[0]
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)", path)
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/main)?", path)
         if m:
-            names = sorted(p.name for p in (self.root / m.group(1)).iterdir())
-            self._send(200, json.dumps({"siblings": [{"rfilename": n} for n in names]}).encode())
+            files = sorted((self.root / m.group(1)).iterdir())
+            self._send(200, json.dumps({"siblings": [
+                {"rfilename": p.name, "size": p.stat().st_size} for p in files]}).encode())
             return None
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/main/(.+)", path)
         target = self.root / (f"{m.group(1)}/{m.group(2)}" if m else path.lstrip("/"))
@@ -172,9 +173,13 @@ def test_hf_repo_layout(tmp_path: Path, serve: Any, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("HF_ENDPOINT", base)
     remote = inspect_remote("hf://org/tiny")
     assert len(remote.report.inventory.tensors) == 12
-    assert remote.report.file_bytes == (repo / "model.safetensors").stat().st_size
+    # the whole repository: its config is listed beside the weights
+    assert remote.report.file_bytes == sum(p.stat().st_size for p in repo.iterdir())
     one = inspect_remote("hf://org/tiny/model.safetensors")
-    assert one.report.inventory.bytes_by_category == remote.report.inventory.bytes_by_category
+    whole, alone = remote.report.inventory, one.report.inventory
+    assert [t.name for t in whole.tensors] == [t.name for t in alone.tensors]
+    assert whole.bytes_by_category["weights"] == alone.bytes_by_category["weights"]
+    assert whole.bytes_by_category["graph"] == 2  # the config, which one file has not
 
 
 def test_a_server_without_range_support_is_one_line(tmp_path: Path, serve: Any,

@@ -7,7 +7,11 @@ fetches only the byte ranges its reader needs, per format:
 * PyTorch zip (``torch.save``): the end-of-central-directory records, the central directory,
   every member's local header (to place its data exactly) and the members that are not tensor
   payloads (the pickle, ``version``, ``byteorder``...);
-* NumPy ``.npy``: the magic, the version and the header;
+* NumPy ``.npy``: the magic, the version and the header (``.npz``: each member's);
+* GGUF, pickles and legacy ``torch.save`` files, ONNX (its external data sized only), HDF5
+  (Keras ``.h5``, and the weights inside a ``.keras``), TFLite and TensorFlow checkpoints (the
+  ``.index``; data shards sized only): what the walkers of :mod:`modelsize.remote_regions`
+  read, every byte fetched reaching the mirror;
 
 and writes them at their offsets into a *sparse* local file of the remote file's size, which
 the ordinary reader then reads. Holes are never read as data: the duplicate search (the one
@@ -29,12 +33,15 @@ a remote file name the URL as the input of their fix and put its output in the c
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -53,6 +60,15 @@ from modelsize.errors import InputError, MissingDependencyError, printable
 #: Block size of the read cache (a read is rounded out to blocks) and its capacity.
 BLOCK = 16 * 1024
 CACHE_BLOCKS = 1024
+#: Bytes the first request fetches (it learns the size too): most headers fit.
+FIRST = 64 * 1024
+#: The most one read-ahead fetches (a header read forward doubles its fetch up to this).
+MAX_AHEAD = 8 * 2**20
+#: Tries after the first for a dropped connection, a timeout or a 429/5xx; the first pause.
+RETRIES = 3
+BACKOFF = 0.25
+#: The most one remote inspection fetches (headers only: far above any real header).
+FETCH_BUDGET = 512 * 2**20
 #: The most any one region (a header, a central directory, a pickle) may take.
 MAX_REGION = 256 * 2**20
 TIMEOUT = 30.0
@@ -70,6 +86,9 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
     return bool(scheme) and scheme != "file" and scheme.isalnum()
 
 
+_STATS_LOCK = threading.Lock()
+
+
 class RemoteError(InputError):
     """A remote file that cannot be inspected (one line, exit 2)."""
 
@@ -82,24 +101,47 @@ class Stats:
     size: int = 0
     fetched: int = 0
     requests: int = 0
+    budget: int = FETCH_BUDGET
+    #: Files of a repository that the report's reader did not read (name, bytes): listed.
+    others: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"url": self.url, "bytes": self.size, "fetched_bytes": self.fetched,
-                "requests": self.requests}
+                "requests": self.requests,
+                "other_files": [{"path": n, "bytes": b} for n, b in self.others]}
 
 
 class RangeSource:
-    """Random access to a remote file through range requests, with a bounded block cache."""
+    """Random access to a remote file through range requests, with a block cache.
+
+    Reads are rounded out to :data:`BLOCK`-byte blocks and each run of missing blocks is
+    fetched in one request; a read that continues the last fetch (a reader walking a header
+    forward) fetches ahead, twice as far each time up to :data:`MAX_AHEAD`, so a header read
+    in thousands of small pieces costs a few requests. The first request (which also learns
+    the file's size) fetches the first :data:`FIRST` bytes. ``sink(offset, data)``, when set,
+    sees every byte fetched (the sparse mirror writes it at its offset). A dropped connection,
+    a timeout or a 429/5xx is retried :data:`RETRIES` times with a doubling pause; a reply
+    whose ``Content-Range`` is not the range asked for, or a 200 with the whole file, stops
+    the read (one line), having read none of its body.
+    """
 
     def __init__(self, url: str, stats: Stats | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 sink: Callable[[int, bytes], None] | None = None, first: int = FIRST) -> None:
         self.url = url
+        self.first = first
+        #: Files beside this one that its reader only sizes (found by the walker).
+        self.siblings: list[str] = []
         self.stats = stats or Stats(url)
         self.headers = dict(headers or {})
+        self.sink = sink
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._fs: Any = None
-        self._lock = threading.Lock()
+        self._lock = _STATS_LOCK  # one lock: sources of one inspection share their Stats
+        self._next = -1  # the block after the last one fetched (sequential read-ahead)
+        self._ahead = 1
+        self.size = -1
         self.size = self._open()
         self.stats.size += self.size
 
@@ -107,7 +149,10 @@ class RangeSource:
     def _open(self) -> int:
         scheme = self.url.split("://", 1)[0].lower()
         if scheme in ("http", "https"):
-            return self._http(0, 1)[1]
+            data, total = self._http(0, self.first)
+            self._keep(0, data, total)
+            self._next = len(data) // BLOCK
+            return total
         try:
             import fsspec
         except ImportError as exc:
@@ -122,8 +167,30 @@ class RangeSource:
         except (OSError, KeyError) as exc:
             raise RemoteError(f"{printable(self.url)}: {printable(str(exc))}") from None
 
+    def _keep(self, start: int, data: bytes, total: int) -> None:
+        """Cache the whole blocks of ``data`` fetched at ``start`` (block-aligned)."""
+        first = start // BLOCK
+        for k in range(0, len(data), BLOCK):
+            piece = data[k:k + BLOCK]
+            if len(piece) == BLOCK or start + k + len(piece) == total:
+                self._cache[first + k // BLOCK] = piece
+
     def _http(self, start: int, stop: int) -> tuple[bytes, int]:
-        """Bytes ``[start, stop)`` and the file's total size, in one range request."""
+        """Bytes ``[start, stop)`` (clipped to the file) and the file's total size, in one
+        range request, retried on a dropped connection, a timeout or a 429/5xx."""
+        pause = BACKOFF
+        for attempt in range(RETRIES + 1):
+            try:
+                return self._http_once(start, stop)
+            except _Retry as exc:
+                if attempt == RETRIES:
+                    raise RemoteError(f"{printable(self.url)}: {exc} (tried {RETRIES + 1} "
+                                      "times)") from None
+                time.sleep(pause)
+                pause *= 2
+        raise AssertionError("unreachable")
+
+    def _http_once(self, start: int, stop: int) -> tuple[bytes, int]:
         req = urllib.request.Request(self.url, headers={
             **self.headers, "Range": f"bytes={start}-{stop - 1}",
             "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"})
@@ -134,10 +201,12 @@ class RangeSource:
                 if resp.status != 206:
                     raise RemoteError(
                         f"{printable(self.url)}: the server ignores range requests (HTTP "
-                        f"{resp.status} instead of 206), so inspecting it would mean "
-                        "downloading all of it: download it, then run modelsize on the file")
-                total = _total(resp.headers.get("Content-Range", ""))
-                data = resp.read(stop - start + 1)
+                        f"{resp.status} instead of 206 for bytes {start}-{stop - 1}; none of "
+                        "its body was read), so inspecting it would mean downloading all of "
+                        "it: download it, then run modelsize on the file")
+                content_range = resp.headers.get("Content-Range", "")
+                total = self._check_range(content_range, start, stop)
+                data = resp.read(min(stop, total) - start + 1)
         except urllib.error.HTTPError as exc:
             with self._lock:
                 self.stats.requests += 1
@@ -145,20 +214,57 @@ class RangeSource:
                 return b"", 0  # an empty file
             if exc.code in (401, 403) and self.url.startswith(hf_endpoint() + "/"):
                 raise RemoteError(token_needed(self.url, exc.code)) from None
+            if exc.code == 429 or exc.code >= 500:
+                raise _Retry(f"HTTP {exc.code} {exc.reason}") from None
             raise RemoteError(f"{printable(self.url)}: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RemoteError(f"{printable(self.url)}: cannot fetch: {printable(str(reason))}"
+        except TimeoutError as exc:
+            raise _Retry(f"no answer within {TIMEOUT:g} s ({exc})") from None
+        except (ConnectionError, http.client.HTTPException) as exc:
+            raise _Retry(f"connection dropped ({type(exc).__name__})") from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise _Retry(f"no answer within {TIMEOUT:g} s") from None
+            if isinstance(exc.reason, ConnectionResetError):
+                raise _Retry("connection dropped") from None
+            raise RemoteError(f"{printable(self.url)}: cannot fetch: "
+                              f"{printable(str(exc.reason))}") from None
+        except (OSError, ValueError) as exc:
+            raise RemoteError(f"{printable(self.url)}: cannot fetch: {printable(str(exc))}"
                               ) from None
-        if total is None:
-            raise RemoteError(f"{printable(self.url)}: the server's range reply has no total "
-                              "size (Content-Range)")
-        if len(data) != min(stop, total) - start:
-            raise RemoteError(f"{printable(self.url)}: the server sent {len(data)} bytes for "
-                              f"range {start}-{stop - 1}")
+        want = min(stop, total) - start
+        if len(data) != want:
+            if len(data) < want:
+                raise _Retry(f"the server sent {len(data)} of the {want} bytes of range "
+                             f"{start}-{stop - 1}")
+            raise RemoteError(f"{printable(self.url)}: the server sent more than the "
+                              f"{want} bytes of range {start}-{stop - 1}")
         with self._lock:
             self.stats.fetched += len(data)
+            over = self.stats.fetched > self.stats.budget
+        if over:
+            raise RemoteError(f"{printable(self.url)}: stopped after fetching "
+                              f"{self.stats.fetched:,} bytes, above the "
+                              f"{self.stats.budget:,}-byte budget of a remote inspection")
+        if self.sink is not None and data:
+            self.sink(start, data)
         return data, total
+
+    def _check_range(self, content_range: str, start: int, stop: int) -> int:
+        """The total size a 206's ``Content-Range`` announces, checked against the request
+        and the size seen first; a lie is one line."""
+        m = re.fullmatch(r"\s*bytes\s+(\d+)-(\d+)/(\d+)\s*", content_range)
+        if m is None:
+            raise RemoteError(f"{printable(self.url)}: the server's range reply has no "
+                              f"usable Content-Range ({printable(content_range, 80)!r})")
+        first, last, total = (int(g) for g in m.groups())
+        if (first != start or last != min(stop, total) - 1 or last < first
+                or (self.size >= 0 and total != self.size)):
+            raise RemoteError(
+                f"{printable(self.url)}: the server's Content-Range "
+                f"{printable(content_range, 80)!r} is not the range asked for (bytes "
+                f"{start}-{stop - 1} of {self.size if self.size >= 0 else 'a'}-byte file): "
+                "its answers cannot be trusted")
+        return total
 
     def fetch(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` in one request, past the cache (scattered small reads)."""
@@ -170,9 +276,16 @@ class RangeSource:
         with self._lock:
             self.stats.requests += 1
             self.stats.fetched += len(data)
+        if self.sink is not None and data:
+            self.sink(start, data)
         return data
 
     # -- reads -------------------------------------------------------------------------------
+    def cached(self, start: int, stop: int) -> bool:
+        """Whether bytes ``[start, stop)`` are all in the block cache (fetched already)."""
+        with self._lock:
+            return all(b in self._cache for b in range(start // BLOCK, (stop - 1) // BLOCK + 1))
+
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` (clipped to the file), from the cache or fetched."""
         stop = min(stop, self.size)
@@ -182,24 +295,43 @@ class RangeSource:
             raise RemoteError(f"{printable(self.url)}: a header region of {stop - start} bytes "
                               f"is above the {MAX_REGION}-byte limit")
         first, last = start // BLOCK, (stop - 1) // BLOCK
-        missing = [b for b in range(first, last + 1) if b not in self._cache]
+        with self._lock:
+            missing = [b for b in range(first, last + 1) if b not in self._cache]
         # fetch each run of missing blocks in one request
+        n_blocks = -(-self.size // BLOCK)
         i = 0
         while i < len(missing):
             j = i
             while j + 1 < len(missing) and missing[j + 1] == missing[j] + 1:
                 j += 1
-            lo, hi = missing[i] * BLOCK, min((missing[j] + 1) * BLOCK, self.size)
+            lo_b, hi_b = missing[i], missing[j] + 1
+            if lo_b == self._next:  # reading on from the last fetch: read ahead
+                self._ahead = min(self._ahead * 2, MAX_AHEAD // BLOCK)
+                hi_b = max(hi_b, lo_b + self._ahead)
+                while hi_b > missing[j] + 1 and any(
+                        b in self._cache for b in range(missing[j] + 1, hi_b)):
+                    hi_b -= 1
+            else:
+                self._ahead = 1
+            hi_b = min(hi_b, n_blocks)
+            lo, hi = lo_b * BLOCK, min(hi_b * BLOCK, self.size)
             data = self.fetch(lo, hi)
-            for k, b in enumerate(range(missing[i], missing[j] + 1)):
-                self._cache[b] = data[k * BLOCK:(k + 1) * BLOCK]
+            with self._lock:
+                for k, b in enumerate(range(lo_b, hi_b)):
+                    self._cache[b] = data[k * BLOCK:(k + 1) * BLOCK]
+                self._next = hi_b
             i = j + 1
-        out = b"".join(self._cache[b] for b in range(first, last + 1))
-        for b in range(first, last + 1):
-            self._cache.move_to_end(b)
-        while len(self._cache) > CACHE_BLOCKS:
-            self._cache.popitem(last=False)
+        with self._lock:
+            out = b"".join(self._cache[b] for b in range(first, last + 1))
+            for b in range(first, last + 1):
+                self._cache.move_to_end(b)
+            while len(self._cache) > CACHE_BLOCKS:
+                self._cache.popitem(last=False)
         return out[start - first * BLOCK: stop - first * BLOCK]
+
+
+class _Retry(Exception):
+    """A failure worth another try (a dropped connection, a timeout, a 5xx)."""
 
 
 def _total(content_range: str) -> int | None:
@@ -212,30 +344,53 @@ def _total(content_range: str) -> int | None:
 
 # -- what each format needs -------------------------------------------------------------------
 
-def _regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
-    """The ``(offset, bytes)`` regions the reader of this file will read."""
+def _regions(src: RangeSource, name: str = "") -> Iterator[tuple[int, bytes]]:
+    """The ``(offset, bytes)`` regions the reader of this file will read (every byte a walker
+    of :mod:`modelsize.remote_regions` reads also reaches the mirror through the source's
+    sink). The names of the files beside it that the reader only sizes are appended to
+    ``src.siblings``."""
+    from modelsize import remote_regions as rr
+
     head = src.read(0, min(src.size, 4096))
     yield 0, head
+    lower = name.lower()
     if head[:4] == b"PK\x03\x04":
         yield from _zip_regions(src)
     elif head[:6] == b"\x93NUMPY":
-        major = head[6]
-        if major == 1:
-            (n,) = struct.unpack_from("<H", head, 8)
-            yield 0, src.read(0, 10 + n)
-        else:
-            (n,) = struct.unpack_from("<I", head, 8)
-            yield 0, src.read(0, 12 + n)
+        yield 0, src.read(0, _npy_header_end(head))
     elif len(head) >= 9 and head[8:9] == b"{":
         (n,) = struct.unpack_from("<Q", head, 0)
         if n > _SAFETENSORS_MAX_HEADER:
             raise RemoteError(f"{printable(src.url)}: safetensors header length {n} is above "
                               "the format's limit")
         yield 0, src.read(0, 8 + n)
+    elif head[:4] == rr.GGUF_MAGIC:
+        rr.walk_gguf(src)
+    elif head[:8] == rr.HDF5_MAGIC:
+        rr.walk_hdf5(src)
+    elif head[4:8] == b"TFL3":
+        rr.walk_tflite(src)
+    elif head.startswith(rr.LEGACY_TORCH_MAGIC):
+        rr.walk_legacy_torch(src)
+    elif lower.endswith(".onnx"):
+        src.siblings.extend(rr.walk_onnx(src, name))
+    elif lower.endswith(".index"):
+        src.siblings.extend(rr.walk_tf_index(src, name))
+    elif head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+        rr.walk_pickles(src)
     else:
         raise RemoteError(
-            f"{printable(src.url)}: remote inspection reads safetensors, PyTorch zip "
-            "checkpoints and .npy files by their headers; download this one and inspect the file")
+            f"{printable(src.url)}: remote inspection reads safetensors, GGUF, ONNX, PyTorch "
+            "(zip and legacy), pickle, NumPy, Keras/HDF5, TFLite files and TensorFlow "
+            "checkpoints (their .index) by their headers; this one is none of them: download "
+            "it and inspect the file")
+
+
+def _npy_header_end(head: bytes) -> int:
+    """Where a ``.npy`` header (magic, version, length, dict) ends."""
+    if head[6] == 1:
+        return 10 + int(struct.unpack_from("<H", head, 8)[0])
+    return 12 + int(struct.unpack_from("<I", head, 8)[0])
 
 
 _EOCD = b"PK\x05\x06"
@@ -261,7 +416,9 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
     yield cd_offset, cd
     pos = 0
     members: list[tuple[str, int, int]] = []
+    stored: set[str] = set()
     while pos + 46 <= len(cd) and cd[pos:pos + 4] == b"PK\x01\x02":
+        (method,) = struct.unpack_from("<H", cd, pos + 10)
         csize, usize = struct.unpack_from("<II", cd, pos + 20)
         n_name, n_extra, n_comment = struct.unpack_from("<HHH", cd, pos + 28)
         (offset,) = struct.unpack_from("<I", cd, pos + 42)
@@ -270,6 +427,8 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
         if 0xFFFFFFFF in (csize, usize, offset):
             csize, offset = _zip64(extra, usize, csize, offset)
         members.append((name, offset, csize))
+        if method == 0:
+            stored.add(name)
         pos += 46 + n_name + n_extra + n_comment
     # Local headers: name and extra field (PyTorch pads data to 64 bytes there) as in the
     # central directory plus slack; fetched exactly, a few at a time (latency, not bytes).
@@ -287,7 +446,16 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
         if data_at - offset > len(header):
             header = src.fetch(offset, data_at)
         yield offset, header[:data_at - offset]
-        if not _is_payload(name):
+        if _is_payload(name):
+            continue
+        if name in stored and name.endswith(".h5"):  # Keras weights: their HDF5 metadata
+            from modelsize.remote_regions import walk_hdf5
+
+            walk_hdf5(src, data_at, csize)
+        elif name in stored and name.endswith(".npy") and csize >= 10:  # .npz: the header
+            head = src.read(data_at, data_at + min(csize, 4096))
+            yield data_at, src.read(data_at, data_at + min(csize, _npy_header_end(head)))
+        else:
             yield data_at, src.read(data_at, data_at + csize)
 
 
@@ -315,14 +483,36 @@ def _is_payload(name: str) -> bool:
 
 # -- sparse mirrors ---------------------------------------------------------------------------
 
-def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None) -> None:
-    """Write the header regions of ``url`` into the sparse file ``dest`` of the same size."""
-    src = RangeSource(url, stats, headers)
+def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None
+           ) -> list[str]:
+    """Write every byte the reader of ``url`` needs into the sparse file ``dest`` of the same
+    size; return the names of the files beside it that the reader only sizes."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        src = RangeSource(url, stats, headers, sink=lambda at, data: _pwrite(fd, data, at))
+        os.ftruncate(fd, src.size)
+        for offset, data in _regions(src, dest.name):
+            _pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+    return src.siblings
+
+
+def _pwrite(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def sized(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None,
+          size: int | None = None) -> None:
+    """A sparse ``dest`` of the remote file's size, no byte of it fetched (a data file the
+    reader only sizes); ``size`` when a listing gave it already (no request)."""
+    if size is None:
+        size = RangeSource(url, stats, headers, first=1).size
     with open(dest, "wb") as fh:
-        fh.truncate(src.size)
-        for offset, data in _regions(src):
-            fh.seek(offset)
-            fh.write(data)
+        fh.truncate(size)
 
 
 @dataclass
@@ -345,20 +535,37 @@ def mirrored(url: str) -> Iterator[Remote]:
 def _fill(url: str, root: Path, fetch: Any) -> Remote:
     """The remote checkpoint's files in ``root``, each written by ``fetch(url, dest,
     stats)`` (:func:`mirror` or :func:`download`), under the names it has remotely: the
-    reports and the default output names follow them."""
+    reports and the default output names follow them. The files a mirrored file's reader
+    only sizes (external data, data shards) are created beside it, sparse."""
     stats = Stats(url)
     if url.lower().startswith("hf://"):
         return _hf(url, root, stats, fetch)
     name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
     local = root / name
-    fetch(url, local, stats)
-    return Remote(url, local, stats, [url])
+    urls = [url]
+    for sibling in fetch(url, local, stats) or ():
+        dest = _beside(root, sibling, url)
+        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(sibling)))
+        sized(urls[-1], dest, stats)
+    return Remote(url, local, stats, urls)
+
+
+def _beside(root: Path, name: str, url: str) -> Path:
+    """``root / name`` for a file a checkpoint names beside itself, refusing a name that
+    leaves the folder (the reader would refuse it too)."""
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise RemoteError(f"{printable(url)}: names a file outside its folder "
+                          f"({printable(name, 80)!r})")
+    dest = root.joinpath(*parts)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest
 
 
 def download(url: str, dest: Path, stats: Stats) -> None:
     """Copy the whole file at ``url`` into ``dest``, :data:`CHUNK` bytes per request, after
     checking that ``dest``'s disk has room for the size the server announced."""
-    src = RangeSource(url, stats)
+    src = RangeSource(url, stats, first=1)
     check_space(dest.parent, src.size, url)
     with open(dest, "wb") as fh:
         for start in range(0, src.size, CHUNK):
@@ -409,6 +616,8 @@ def hf_endpoint() -> str:
 
 
 def _hf(url: str, root: Path, stats: Stats, fetch: Any) -> Remote:
+    if fetch is mirror:
+        return _hf_repository(url, root, stats)
     rest = url[len("hf://"):].strip("/")
     parts = rest.split("/")
     if len(parts) < 2 or not all(parts[:2]):
@@ -431,6 +640,146 @@ def _hf(url: str, root: Path, stats: Stats, fetch: Any) -> Remote:
     return Remote(url, local, stats, [base + f for f in files])
 
 
+# -- a whole Hub repository, inspected as one model ----------------------------------------------
+
+#: Weight files of a repository, most preferred first: the files of the first kind present
+#: (in the folder asked for) are read by their headers; every other file is listed by size.
+_MODEL_KINDS: tuple[tuple[str, ...], ...] = (
+    (".safetensors",), (".bin",), (".pt", ".pth", ".ckpt"), (".gguf",), (".onnx",),
+    (".keras", ".h5"), (".tflite",), (".index",), (".pkl", ".pickle", ".joblib"),
+    (".npz", ".npy"))
+#: JSON files up to this size are fetched whole (configs, indexes): readers read them.
+_SMALL_JSON = 1 * 2**20
+#: Concurrent requests across a repository's files.
+_FILE_WORKERS = 4
+
+
+@dataclass(frozen=True)
+class HubPath:
+    """``hf://[datasets/|spaces/]ORG/REPO[@REVISION][/PATH]``."""
+
+    kind: str  # "models", "datasets" or "spaces"
+    repo: str
+    revision: str
+    path: str
+
+    @classmethod
+    def parse(cls, url: str) -> HubPath:
+        """Split an ``hf://`` name (``ORG/REPO`` alone is a model repository)."""
+        rest = url[len("hf://"):] if url.lower().startswith("hf://") else url
+        parts = [p for p in rest.split("/") if p]
+        kind = "models"
+        if parts and parts[0] in ("datasets", "spaces", "models") and len(parts) >= 3:
+            kind = parts.pop(0)
+        if len(parts) < 2:
+            raise RemoteError(f"{printable(url)}: expected hf://ORG/REPO[@REVISION][/PATH] "
+                              "(hf://datasets/ORG/REPO for a dataset)")
+        name, _, revision = parts[1].partition("@")
+        return cls(kind, f"{parts[0]}/{name}", urllib.parse.unquote(revision or "main"),
+                   "/".join(parts[2:]))
+
+    def resolve_url(self, name: str) -> str:
+        """The Hub's download URL of file ``name``."""
+        prefix = "" if self.kind == "models" else f"{self.kind}/"
+        return (f"{hf_endpoint()}/{prefix}{self.repo}/resolve/"
+                f"{urllib.parse.quote(self.revision, safe='')}/{urllib.parse.quote(name)}")
+
+    def listing_url(self) -> str:
+        """The API URL listing the repository's files, with their sizes (``blobs=true``)."""
+        return (f"{hf_endpoint()}/api/{self.kind}/{self.repo}/revision/"
+                f"{urllib.parse.quote(self.revision, safe='')}?blobs=true")
+
+    def cached(self, commit: str, name: str) -> Path | None:
+        """The file in the local Hugging Face cache's snapshot of ``commit``, if there."""
+        folder = hf_cache_dir() / f"{self.kind}--{self.repo.replace('/', '--')}"
+        found = folder / "snapshots" / commit / name
+        try:
+            return found if commit and is_regular(found) else None
+        except OSError:
+            return None
+
+
+def is_regular(path: Path) -> bool:
+    """A regular file (a cache's symlink to its blob followed)."""
+    import stat
+
+    return stat.S_ISREG(os.stat(path).st_mode)
+
+
+def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
+    """The repository (or the folder or file of it ``url`` names) in ``root``: the weight
+    files of the preferred kind mirrored by their headers, small JSON files whole, every
+    other file sparse at its listed size; files in the local HF cache linked, not fetched."""
+    hub = HubPath.parse(url)
+    raw = hub_get(hub.listing_url(), stats, limit=64 * 2**20)
+    try:
+        doc = json.loads(raw)
+        listed = {s["rfilename"]: s.get("size") for s in doc.get("siblings", [])
+                  if isinstance(s.get("rfilename"), str)}
+        commit = str(doc.get("sha") or "")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise RemoteError(f"{printable(url)}: the Hub's listing is not JSON with siblings"
+                          ) from None
+    headers = hub_headers()
+    if hub.path and hub.path in listed:  # one file
+        name = hub.path.rsplit("/", 1)[-1]
+        local = root / _safe_name(name)
+        cached = hub.cached(commit, hub.path)
+        remote_url = hub.resolve_url(hub.path)
+        if cached is not None:
+            local.symlink_to(cached)
+            return Remote(url, local, stats, [remote_url])
+        folder = hub.path.rsplit("/", 1)[0] + "/" if "/" in hub.path else ""
+        urls = [remote_url]
+        for sibling in mirror(remote_url, local, stats, headers):
+            dest = _beside(root, sibling, url)
+            urls.append(hub.resolve_url(folder + sibling))
+            sized(urls[-1], dest, stats, headers, listed.get(folder + sibling))
+        return Remote(url, local, stats, urls)
+    prefix = hub.path.strip("/") + "/" if hub.path else ""
+    names = sorted(n for n in listed if n.startswith(prefix))
+    if not names:
+        raise RemoteError(f"{printable(url)}: no file under {printable(hub.path)!r} in "
+                          f"{hub.repo}@{hub.revision}")
+    top = [n for n in names if "/" not in n[len(prefix):]]
+    weights: list[str] = []
+    for suffixes in _MODEL_KINDS:
+        weights = [n for n in top if n.lower().endswith(suffixes)
+                   and (suffixes != (".bin",) or "model" in n.rsplit("/", 1)[-1])]
+        if weights:
+            break
+    local = root / _safe_name(hub.path.rsplit("/", 1)[-1] if hub.path
+                              else hub.repo.split("/")[-1])
+    local.mkdir()
+    jobs: list[tuple[str, Path, str]] = []  # (name, destination, how)
+    for name in names:
+        dest = _beside(local, name[len(prefix):], url)
+        cached = hub.cached(commit, name)
+        if cached is not None:
+            dest.symlink_to(cached)
+        elif name in weights:
+            jobs.append((name, dest, "mirror"))
+        elif name.endswith((".json", ".meta")) and (listed[name] or 0) <= _SMALL_JSON:
+            jobs.append((name, dest, "whole"))
+        else:
+            jobs.append((name, dest, "sized"))
+
+    def run(job: tuple[str, Path, str]) -> None:
+        name, dest, how = job
+        if how == "mirror":
+            mirror(hub.resolve_url(name), dest, stats, headers)  # siblings: listed already
+        elif how == "whole":
+            dest.write_bytes(hub_get(hub.resolve_url(name), stats, limit=_SMALL_JSON))
+        else:
+            size = listed[name]
+            sized(hub.resolve_url(name), dest, stats, headers,
+                  size if isinstance(size, int) and size >= 0 else None)
+
+    with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
+        list(pool.map(run, jobs))
+    return Remote(url, local, stats, [hub.resolve_url(n) for n in names])
+
+
 def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = None,
          http_error: Callable[[urllib.error.HTTPError], None] | None = None) -> bytes:
     """GET ``url`` whole, at most ``limit`` bytes, counted in ``stats``. ``http_error`` may
@@ -447,8 +796,9 @@ def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = No
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
-    stats.requests += 1
-    stats.fetched += len(data)
+    with _STATS_LOCK:
+        stats.requests += 1
+        stats.fetched += len(data)
     if len(data) > limit:
         raise RemoteError(f"{printable(url)}: more than {limit} bytes")
     return data
@@ -494,6 +844,10 @@ class RemoteReport:
 
         out = render_inspect(self.report, top=top).replace(self.local, self.url)
         s = self.stats
+        if s.others:
+            out += (f"\nOther files ({len(s.others)}, not part of the model, by size): "
+                    + ", ".join(f"{printable(n, 80)} {b:,} bytes" for n, b in s.others[:20])
+                    + (", ..." if len(s.others) > 20 else "") + "\n")
         return out + (f"\nRead remotely: {s.fetched:,} bytes fetched in {s.requests} requests "
                       f"for a {s.size:,}-byte checkpoint ({100 * s.fetched / max(s.size, 1):.4f}%"
                       "); duplicate tensors not searched (that reads tensor data).\n")
@@ -539,6 +893,13 @@ def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
         finally:
             READ_DATA.reset(token)
         inventory.facts[URL_FACT] = url
+        if remote.local.is_dir():
+            used = {os.path.abspath(f.path) for f in inventory.files}
+            remote.stats.others = sorted(
+                ((p.relative_to(remote.local).as_posix(), p.stat().st_size)
+                 for p in remote.local.rglob("*")
+                 if p.is_file() and os.path.abspath(p) not in used),
+                key=lambda item: (-item[1], item[0]))
         yield inventory, remote.stats, str(remote.local)
 
 
