@@ -36,8 +36,11 @@ _TORCH_CPU_KERNELS = frozenset({"int8_linear_matmul"})
 
 
 def rule(func: Any) -> Rule | None:
-    """The counting rule of a bitsandbytes op, or None for any other op."""
-    if getattr(func, "namespace", None) != "bitsandbytes":
+    """The counting rule of a bitsandbytes or optimum-quanto op, or None for any other op."""
+    namespace = getattr(func, "namespace", None)
+    if namespace == "quanto":
+        return _quanto_rule(func)
+    if namespace != "bitsandbytes":
         return None
     name = func._schema.name.split("::", 1)[1]
     if name.startswith("optimizer_"):
@@ -148,3 +151,82 @@ def dequantized_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a dequantized weight of ``shape`` in ``dtype`` (what the 4-bit kernels make
     per call): for the report and tests."""
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+# -- optimum-quanto ---------------------------------------------------------------------------
+# quanto's ops (``optimum/quanto/library``) have no fake kernels: under fake tensors the
+# dispatcher would run them on zero-filled real tensors and count their outputs only. On CPU:
+#
+# * ``qbytes_mm`` (int8/float8 weights): its CPU kernel (``library/qbytes_mm.py``,
+#   ``qbytes_mm_impl_cpu``) is torch code: its choice is made here as it makes it, and the
+#   branch it takes is run as is (:func:`_quanto_qbytes_mm_cpu`);
+# * ``unpack`` (int4/int2 weights, every dequantize): its CPU kernel is a C++ extension
+#   (``library/extensions/cpp/unpack.cpp``) that ``torch.utils.cpp_extension.load`` compiles on
+#   first use (ninja and a C++ compiler at run time); never run on fake tensors, its
+#   allocations are written out here (:func:`_quanto_unpack_cpu`);
+# * ``quantize_symmetric`` / ``quantize_affine``: their default (torch) kernels, run as is.
+
+def _quanto_rule(func: Any) -> Rule | None:
+    name = func._schema.name.split("::", 1)[1]
+    if name == "unpack":
+        return _quanto_unpack_cpu
+    if name == "qbytes_mm":
+        return _quanto_qbytes_mm_cpu
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeExplicitAutograd"):
+        return _redispatch(torch._C.DispatchKey.CompositeExplicitAutograd)
+    return None
+
+
+def _quanto_unpack_cpu(mode: Any, func: Any, args: Sequence[Any],
+                       kwargs: dict[str, Any]) -> Any:
+    """``quanto::unpack``'s CPU kernel, ``unpack_4bit``/``unpack_2bit`` in
+    ``extensions/cpp/unpack.cpp``: ``torch::cat({(t & 0x0F), (t & 0xF0).__rshift__(4)}, 0)``
+    (2-bit: four masks and shifts). Each masked value and each shifted one is a tensor of the
+    packed shape; the masked temporaries live until the end of the C++ full expression, so
+    until ``cat`` has made its output."""
+    p = _bind(func, args, kwargs)
+    t, bits = p["self"], p["bits"]
+    masks = {4: ((0x0F, 0), (0xF0, 4)),
+             2: ((0x03, 0), (0x0C, 2), (0x30, 4), (0xC0, 6))}.get(bits)
+    if masks is None:
+        return _inside(mode, lambda: func.redispatch(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd), t, bits))
+
+    def body() -> Any:
+        temps: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
+        for mask, shift in masks:
+            masked = t & mask
+            if shift:
+                temps.append(masked)
+                pieces.append(masked.__rshift__(shift))
+            else:
+                pieces.append(masked)
+        out = torch.cat(pieces, 0)
+        del temps, pieces
+        return out
+
+    return _inside(mode, body)
+
+
+def _quanto_qbytes_mm_cpu(mode: Any, func: Any, args: Sequence[Any],
+                          kwargs: dict[str, Any]) -> Any:
+    """``quanto::qbytes_mm``'s CPU kernel (``qbytes_mm_impl_cpu``), its branches chosen as it
+    chooses them, each run as is. Not redispatched: the kernel tests ``type(activations) is
+    not torch.Tensor`` (true of a fake tensor) and would then dequantize the input, which a
+    real run never does."""
+    from optimum.quanto.library import qbytes_mm as q
+    from packaging import version
+
+    p = _bind(func, args, kwargs)
+    a, w, scales = p["A"], p["B"], p["scales"]
+
+    def body() -> Any:
+        if (version.parse(torch.__version__).release >= version.parse("2.6.0").release
+                and a.dtype == torch.int8 and w.dtype == torch.int8):
+            return q.qbytes_int_mm(a, w, scales)
+        if a.dtype == torch.bfloat16 and w.dtype == torch.int8 and a.shape[-1] % 4 == 0:
+            return q.qbytes_int8pack_mm(a, w, scales)
+        return q.qbytes_mm(a, w, scales)
+
+    return _inside(mode, body)
