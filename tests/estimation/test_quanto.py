@@ -3,10 +3,20 @@ real on CPU under the allocator's profiler (``verify=True``).
 
 Before: quanto's ops have no fake kernels, so the trace ran ``quanto::qbytes_mm`` as one op
 and counted its output only: a float32 qint8 model was 309,264 B estimated against 1,341,456 B
-measured (the CPU kernel casts the int8 weight to float32 and scales it before the matmul).
+measured (the CPU kernel casts the int8 weight to float32 and scales it before the matmul); a
+qint4 float32 model dequantized each weight twice in the trace (the value-tracking mode ran
+``aten.t`` again on the quantized weight's fake twin): 1,879,056 B against 1,354,768 B; a
+bf16 qint4 (TinyGemm) model 187,912 B against 161,288 B (a float32 copy of each input from
+``input.dequantize()``, which quanto calls on anything not exactly a ``torch.Tensor``).
+
+qint4/qint2 weights (``WeightQBitsTensor``) dequantize through ``quanto::unpack``, whose CPU
+kernel is a C++ extension quanto compiles on first use (``torch.utils.cpp_extension.load``:
+ninja and a C++ compiler at run time); those cases are skipped where either is missing.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -40,12 +50,38 @@ CASES = [
     ("qint8", torch.float32, "train", ("0", "4")),  # training the unquantized parts
     ("qfloat8", torch.float32, "infer", ()),
     ("qfloat8", torch.bfloat16, "train", ("4",)),
+    # qint4 in bfloat16: TinyGemm (_weight_int4pack_mm_for_cpu), no unpack at run time
+    ("qint4", torch.bfloat16, "infer", ()),
+    ("qint4", torch.bfloat16, "train", ("0", "4")),
+]
+
+_COMPILER = pytest.mark.skipif(
+    not (shutil.which("ninja") and (shutil.which("c++") or shutil.which("g++"))),
+    reason="quanto::unpack's CPU kernel is a C++ extension compiled at run time")
+
+UNPACK_CASES = [
+    # WeightQBitsTensor: each forward dequantizes (quanto::unpack, scale, shift)
+    ("qint4", torch.float32, "infer", ()),
+    ("qint4", torch.float32, "train", ("0", "4")),
+    ("qint2", torch.float32, "infer", ()),
+    ("qint2", torch.bfloat16, "infer", ()),  # group of 64: not TinyGemm's
 ]
 
 
 @pytest.mark.parametrize(("weights", "dtype", "mode", "trainable"), CASES)
 def test_quanto_trace_matches_real_run(weights: str, dtype: torch.dtype, mode: str,
                                        trainable: tuple[str, ...]) -> None:
+    _check(weights, dtype, mode, trainable)
+
+
+@_COMPILER
+@pytest.mark.parametrize(("weights", "dtype", "mode", "trainable"), UNPACK_CASES)
+def test_quanto_unpacked_weights_match_real_run(weights: str, dtype: torch.dtype, mode: str,
+                                                trainable: tuple[str, ...]) -> None:
+    _check(weights, dtype, mode, trainable)
+
+
+def _check(weights: str, dtype: torch.dtype, mode: str, trainable: tuple[str, ...]) -> None:
     model = _model(weights, dtype, trainable)
     x = torch.randn(8, 256, dtype=dtype)
     est = modelsize.estimate(model, (x,), mode=mode, verify=True)

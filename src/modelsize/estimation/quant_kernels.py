@@ -24,6 +24,7 @@ fake tensors, so each of its allocations is counted as the real run makes it:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ _TORCH_CPU_KERNELS = frozenset({"int8_linear_matmul"})
 def rule(func: Any) -> Rule | None:
     """The counting rule of a bitsandbytes or optimum-quanto op, or None for any other op."""
     namespace = getattr(func, "namespace", None)
+    if func is torch.ops.aten.dequantize.self and "optimum.quanto" in sys.modules:
+        return _quanto_input_dequantize
     if namespace == "quanto":
         return _quanto_rule(func)
     if namespace != "bitsandbytes":
@@ -164,7 +167,11 @@ def dequantized_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 #   (``library/extensions/cpp/unpack.cpp``) that ``torch.utils.cpp_extension.load`` compiles on
 #   first use (ninja and a C++ compiler at run time); never run on fake tensors, its
 #   allocations are written out here (:func:`_quanto_unpack_cpu`);
-# * ``quantize_symmetric`` / ``quantize_affine``: their default (torch) kernels, run as is.
+# * ``quantize_symmetric`` / ``quantize_affine``: their default (torch) kernels, run as is;
+# * quanto's linear functions test ``type(input) is not torch.Tensor`` to find a quantized
+#   activation and then call ``input.dequantize()``: a fake tensor passes that test, and
+#   ``aten.dequantize`` of a plain tensor is a float32 copy the real run never makes (a bf16
+#   TinyGemm model: +26,624 B); :func:`_quanto_input_dequantize` gives the input back.
 
 def _quanto_rule(func: Any) -> Rule | None:
     name = func._schema.name.split("::", 1)[1]
@@ -230,3 +237,26 @@ def _quanto_qbytes_mm_cpu(mode: Any, func: Any, args: Sequence[Any],
         return q.qbytes_mm(a, w, scales)
 
     return _inside(mode, body)
+
+
+def _called_from_quanto(depth: int = 16) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if str(frame.f_globals.get("__name__", "")).startswith("optimum.quanto"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _quanto_input_dequantize(mode: Any, func: Any, args: Sequence[Any],
+                             kwargs: dict[str, Any]) -> Any:
+    """``aten.dequantize`` of a plain (fake) tensor called by optimum-quanto: the input itself,
+    as in the real run, where the tensor is a ``torch.Tensor`` and quanto never calls it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = args[0]
+    if isinstance(x, torch.Tensor) and not x.is_quantized and _called_from_quanto():
+        return x
+    return FakeTensorMode.__torch_dispatch__(mode, func, (), args, kwargs)

@@ -711,8 +711,12 @@ class RealValues(TorchDispatchMode):
         """The real value behind ``t``, or None."""
         if isinstance(t, FakeTensor):
             return self.values.get(t)
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-            return t  # a real constant the program made outside the fake mode
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not (
+                quantized.is_wrapper(t) and any(isinstance(v, FakeTensor)
+                                                for v in quantized.inner_tensors(t))):
+            # a real constant the program made outside the fake mode (not a quantized
+            # weight's fake twin: running an op on it again would count its kernel twice)
+            return t
         return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
