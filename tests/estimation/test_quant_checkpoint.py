@@ -250,3 +250,76 @@ def test_torchao_int8_folder_matches_real_run(tmp_path: Path, capsys: Any) -> No
         t.nbytes for p in model.parameters() for t in storages(p))
     assert got["verification"]["measured_bytes"] == got["peak_bytes"]
     assert got["setup"]["quantization"] == "int8 (torchao Int8Tensor)"
+
+
+# -- fine-grained fp8 ------------------------------------------------------------------------
+
+FP8_BLOCK = 32
+
+
+def _fp8_folder(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The decoder's linear layers as transformers' fine-grained fp8 (float8_e4m3fn weights,
+    float32 ``weight_scale_inv`` per 32 x 32 block), the rest bfloat16."""
+    model = _llama(torch.bfloat16)
+    state: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if ".layers." in k and k.endswith("proj.weight"):
+            out_f, in_f = v.shape
+            state[k] = v.float().to(torch.float8_e4m3fn)
+            state[k.removesuffix("weight") + "weight_scale_inv"] = torch.rand(
+                out_f // FP8_BLOCK, in_f // FP8_BLOCK) + 0.5
+        else:
+            state[k] = v
+    quant = {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+             "activation_scheme": "dynamic"}
+    return _folder(tmp_path / "fp8", model, state, quant, "bfloat16"), state
+
+
+def test_fp8_folder_on_cpu_is_dequantized_as_loading_does(tmp_path: Path,
+                                                         capsys: Any) -> None:
+    pytest.importorskip("accelerate")
+    folder, _ = _fp8_folder(tmp_path)
+    got = _estimate(capsys, folder, "--verify")
+    # transformers on CPU: FineGrainedFP8HfQuantizer sets dequantize=True, every weight bf16
+    real = tf.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    assert {p.dtype for p in real.parameters()} == {torch.bfloat16}
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    assert got["categories"]["parameters"] == held
+    assert got["verification"]["measured_bytes"] == got["peak_bytes"]
+    assert any("dequantized at load to bfloat16" in n and "14 nn.Linear" in n
+               for n in got["notes"]), got["notes"]
+
+
+def test_fp8_folder_on_cuda_holds_transformers_fp8_linears(tmp_path: Path,
+                                                          capsys: Any) -> None:
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    folder, state = _fp8_folder(tmp_path)
+    got = _estimate(capsys, folder, "--device", "cuda")
+    # transformers' own FP8Linear layers (CUDA path) on the meta model: their parameters
+    with torch.device("meta"):
+        real = tf.LlamaForCausalLM(tf.AutoConfig.from_pretrained(folder)).to(torch.bfloat16)
+    config = FineGrainedFP8Config(weight_block_size=[FP8_BLOCK, FP8_BLOCK])
+    replace_with_fp8_linear(real, ["lm_head"], config, pre_quantized=True)
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert got["categories"]["parameters"] == held == nbytes == _inspected_bytes(folder)
+    assert got["setup"]["quantization"] == "fp8 (modelsize FP8Linear)"
+    # the kernel's scratch at the largest layer's call: its input in float8 (1 byte per
+    # element) and float32 scales per block of 32 input features
+    assert got["categories"]["temporaries"] > 0
+
+
+@pytest.mark.parametrize("block", [(32, 32), None])
+def test_fp8_linear_backward_dequantizes_as_transformers(block: tuple[int, int] | None
+                                                         ) -> None:
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from modelsize.estimation.quant_layers import dequantize_fp8_weight
+
+    torch.manual_seed(0)
+    w = (torch.randn(64, 96) * 4).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3) + 0.5 if block else torch.tensor(0.7)
+    expected = _dequantize_fp8_weight(w, s, list(block) if block else None, torch.bfloat16)
+    assert torch.equal(dequantize_fp8_weight(w, s, block, torch.bfloat16), expected)

@@ -17,8 +17,12 @@ its allocations (the dequantized weight a GPTQ layer makes per call, bitsandbyte
 
 For GPTQ and AWQ the layers converted are those the checkpoint holds packed
 (``<module>.qweight``), as loading finds them; for bitsandbytes and torchao, every linear
-layer but the config's skip list (else transformers' default: the output embeddings). Other
-methods (``fp8``, ``compressed-tensors``, ...) are not built: their tensors are
+layer but the config's skip list (else transformers' default: the output embeddings);
+* ``fp8`` (transformers' fine-grained fp8, ``weight_block_size``): for a CPU estimate the
+  float8 weights dequantized to the model's dtype, as loading does on CPU (the layers stay
+  ``nn.Linear``); for CUDA, :class:`~modelsize.estimation.quant_layers.FP8Linear`.
+
+Other methods (``compressed-tensors``, ...) are not built: their tensors are
 held as stored (:func:`modelsize.estimation.model_source.plan_folder`), for the reason
 :func:`build_layers` returns.
 """
@@ -42,6 +46,8 @@ class Built:
     method: str
     layers: dict[str, int]
     reason: str = ""
+    dequantized: str = ""
+    """Set where loading dequantizes the weights (the layers are plain, in this dtype)."""
 
     @property
     def done(self) -> bool:
@@ -53,22 +59,28 @@ class Built:
         if not self.done:
             return f"quantized layers ({self.method}) not built: {self.reason}"
         made = ", ".join(f"{n} {k}" for k, n in self.layers.items())
+        if self.dequantized:
+            return (f"quantized weights ({self.method}) dequantized at load to "
+                    f"{self.dequantized}, as transformers does on CPU or with dequantize: "
+                    f"true (its FP8 quantizer's Fp8Dequantize): {made}")
         return (f"quantized layers built from quantization_config ({self.method}): {made}; "
                 "their kernels' allocations are traced")
 
 
 def build_layers(model: nn.Module, config: Mapping[str, Any],
-                 tensors: Mapping[str, Any], dtype: str) -> Built:
+                 tensors: Mapping[str, Any], dtype: str, device: str | None = None) -> Built:
     """Replace, in place, the linear layers of the meta-device ``model`` that the checkpoint
     (``tensors``: name -> info with ``dtype``) holds quantized by the layers its
-    ``quantization_config`` (``config``) names; ``dtype``: the model's."""
+    ``quantization_config`` (``config``) names; ``dtype``: the model's; ``device``: the
+    device loading is for (``cpu`` or ``cuda``: fp8 checkpoints load differently; None:
+    unknown, an fp8 checkpoint's tensors are then held as stored)."""
     method = str(config.get("quant_method", "")).lower()
     builder = _BUILDERS.get(method)
     if builder is None:
         return Built(method, {}, "no layer class for this method in modelsize (its tensors "
                      "are counted as stored)")
     try:
-        return builder(model, config, tensors, dtype)
+        return builder(model, config, tensors, dtype, device)
     except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError) as exc:
         return Built(method, {}, f"{type(exc).__name__}: {exc}")
 
@@ -117,12 +129,12 @@ def _packed(config: Mapping[str, Any], tensors: Mapping[str, Any], dtype: str,
 
 
 def _gptq(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-          dtype: str) -> Built:
+          dtype: str, device: str | None = None) -> Built:
     return _packed(config, tensors, dtype, model, awq=False)
 
 
 def _awq(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-         dtype: str) -> Built:
+         dtype: str, device: str | None = None) -> Built:
     return _packed(config, tensors, dtype, model, awq=True)
 
 
@@ -134,7 +146,7 @@ def _skips(model: nn.Module, config: Mapping[str, Any], key: str) -> tuple[str, 
 
 
 def _bitsandbytes(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-                  dtype: str) -> Built:
+                  dtype: str, device: str | None = None) -> Built:
     skip = _skips(model, config, "llm_int8_skip_modules")
     if config.get("load_in_4bit"):
         compute = config.get("bnb_4bit_compute_dtype") or "float32"
@@ -155,7 +167,7 @@ def _bitsandbytes(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[
 
 
 def _torchao(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-             dtype: str) -> Built:
+             dtype: str, device: str | None = None) -> Built:
     from torchao.core.config import config_from_dict
 
     quant_type = config.get("quant_type")
@@ -173,9 +185,55 @@ def _torchao(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, 
     return Built("torchao", layers)
 
 
-_BUILDERS: dict[str, Callable[[nn.Module, Mapping[str, Any], Mapping[str, Any], str], Built]] = {
+def _skipped(name: str, skips: tuple[str, ...]) -> bool:
+    return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skips)
+
+
+def _fp8(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
+         dtype: str, device: str | None = None) -> Built:
+    """transformers' ``FineGrainedFP8HfQuantizer``: with no CUDA (or XPU) device
+    ``validate_environment`` sets ``dequantize=True`` for a pre-quantized checkpoint, so
+    ``replace_with_fp8_linear`` replaces nothing and ``Fp8Dequantize`` turns each float8
+    weight and its ``weight_scale_inv`` into a weight of the model's dtype: the layers stay
+    ``nn.Linear``. On CUDA (compute capability 8.9 or more assumed) every ``nn.Linear`` but
+    ``modules_to_not_convert`` and the output embeddings becomes ``FP8Linear``."""
+    from modelsize.estimation.quant_layers import FP8Linear
+
+    if device is None and not config.get("dequantize"):
+        raise ValueError("what loading builds depends on the device (CPU: the weights "
+                         "dequantized; CUDA: FP8Linear), and none was given")
+    if config.get("dequantize") or device != "cuda":
+        n = sum(1 for name, _ in model.named_modules()
+                if tensors.get(f"{name}.weight") is not None
+                and str(tensors[f"{name}.weight"].dtype).startswith("float8")
+                and f"{name}.weight_scale_inv" in tensors)
+        if not n:
+            raise ValueError("no float8 <module>.weight with a weight_scale_inv in the checkpoint")
+        return Built("fp8", {"nn.Linear (float8 weights dequantized)": n},
+                     dequantized=dtype)
+    block = config.get("weight_block_size")
+    block_size = (int(block[0]), int(block[1])) if block else None
+    skips = (*(str(s) for s in config.get("modules_to_not_convert") or ()),
+             *quantized.default_skips(model))
+    weights_dtype = getattr(torch, dtype)
+    for parent, name, _, child in _linears(model, lambda n, _: not _skipped(n, skips)):
+        layer = FP8Linear(child.in_features, child.out_features, block_size,
+                          child.bias is not None, weights_dtype,
+                          str(config.get("activation_scheme", "dynamic")), device="meta")
+        layer.train(child.training)
+        setattr(parent, name, layer)
+    layers = _count(model, (FP8Linear,))
+    if not layers:
+        raise ValueError("no linear layer to convert")
+    model.__dict__["_modelsize_quantization"] = quantized.Quantization(
+        "fp8", "modelsize", "FP8Linear", ())
+    return Built("fp8", layers)
+
+
+_BUILDERS: dict[str, Callable[..., Built]] = {
     "gptq": _gptq,
     "awq": _awq,
     "bitsandbytes": _bitsandbytes,
     "torchao": _torchao,
+    "fp8": _fp8,
 }
