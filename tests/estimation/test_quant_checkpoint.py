@@ -306,6 +306,7 @@ def test_fp8_folder_on_cuda_holds_transformers_fp8_linears(tmp_path: Path,
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     assert got["categories"]["parameters"] == held == nbytes == _inspected_bytes(folder)
     assert got["setup"]["quantization"] == "fp8 (modelsize FP8Linear)"
+    assert any("14 FP8Linear" in n and "unvalidated on CUDA" in n for n in got["notes"])
     # the kernel's scratch at the largest layer's call: its input in float8 (1 byte per
     # element) and float32 scales per block of 32 input features
     assert got["categories"]["temporaries"] > 0
@@ -323,3 +324,58 @@ def test_fp8_linear_backward_dequantizes_as_transformers(block: tuple[int, int] 
     s = torch.rand(2, 3) + 0.5 if block else torch.tensor(0.7)
     expected = _dequantize_fp8_weight(w, s, list(block) if block else None, torch.bfloat16)
     assert torch.equal(dequantize_fp8_weight(w, s, block, torch.bfloat16), expected)
+
+
+# -- compressed-tensors ----------------------------------------------------------------------
+
+
+def _ct_folder(tmp_path: Path, preset: str, fmt: str) -> Path:
+    """A checkpoint written by compressed-tensors itself: its preset scheme applied to the
+    decoder's linear layers (the head ignored), scales set, ``compress_model``'s state."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+
+    model = _llama(torch.bfloat16)
+    qconfig = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
+        preset, ["Linear"])}, ignore=["lm_head"], format=fmt)
+    apply_quantization_config(model, qconfig)
+    torch.manual_seed(2)
+    for m in model.modules():
+        if hasattr(m, "weight_scale"):
+            m.weight_scale.data = torch.rand_like(m.weight_scale) * 0.01 + 0.001
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.zero_()
+        if hasattr(m, "quantization_status"):
+            m.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor(quantization_config=qconfig)
+    compressor.compress_model(model)
+    state = dict(model.state_dict())
+    quant = {**qconfig.model_dump(), "quant_method": "compressed-tensors",
+             "quantization_status": "compressed"}
+    return _folder(tmp_path / preset, model, state, json.loads(json.dumps(quant, default=str)),
+                   "bfloat16")
+
+
+@pytest.mark.parametrize(("preset", "fmt"), [("W4A16", "pack-quantized"),
+                                             ("W8A8", "int-quantized"),
+                                             ("FP8_DYNAMIC", "float-quantized")])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_compressed_tensors_folder_matches_loading_and_real_run(
+        tmp_path: Path, capsys: Any, preset: str, fmt: str) -> None:
+    folder = _ct_folder(tmp_path, preset, fmt)
+    got = _estimate(capsys, folder, "--verify")
+    # transformers' loading, then the first forward (compressed-tensors decompresses there)
+    real = tf.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    with torch.no_grad():
+        real(torch.zeros(1, 4, dtype=torch.long))
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    assert got["categories"]["parameters"] == held
+    assert got["verification"]["measured_bytes"] == got["peak_bytes"]
+    assert any("compressed-tensors" in n and "14 Linear" in n for n in got["notes"]), \
+        got["notes"]

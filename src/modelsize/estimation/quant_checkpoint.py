@@ -22,7 +22,11 @@ layer but the config's skip list (else transformers' default: the output embeddi
   float8 weights dequantized to the model's dtype, as loading does on CPU (the layers stay
   ``nn.Linear``); for CUDA, :class:`~modelsize.estimation.quant_layers.FP8Linear`.
 
-Other methods (``compressed-tensors``, ...) are not built: their tensors are
+* ``compressed-tensors``: the library's own ``apply_quantization_config`` and
+  ``compress_model`` on the meta model, then the decompression its first-forward hook does
+  (the layout held from then on, on CPU and CUDA alike).
+
+Other methods (``fbgemm_fp8``, ``hqq``, ...) are not built: their tensors are
 held as stored (:func:`modelsize.estimation.model_source.plan_folder`), for the reason
 :func:`build_layers` returns.
 """
@@ -41,13 +45,14 @@ from modelsize.estimation import quantized
 
 @dataclass(frozen=True)
 class Built:
-    """What :func:`build_layers` did: the layers made (``layer -> count``), or why not."""
+    """What :func:`build_layers` did: the layers made (``layer -> count``), or why not
+    (``reason``; with layers made: a remark on them)."""
 
     method: str
     layers: dict[str, int]
     reason: str = ""
     dequantized: str = ""
-    """Set where loading dequantizes the weights (the layers are plain, in this dtype)."""
+    """Set where loading dequantizes the weights: when, to what, by what (words)."""
 
     @property
     def done(self) -> bool:
@@ -60,11 +65,10 @@ class Built:
             return f"quantized layers ({self.method}) not built: {self.reason}"
         made = ", ".join(f"{n} {k}" for k, n in self.layers.items())
         if self.dequantized:
-            return (f"quantized weights ({self.method}) dequantized at load to "
-                    f"{self.dequantized}, as transformers does on CPU or with dequantize: "
-                    f"true (its FP8 quantizer's Fp8Dequantize): {made}")
+            return f"quantized weights ({self.method}) dequantized {self.dequantized}: {made}"
         return (f"quantized layers built from quantization_config ({self.method}): {made}; "
-                "their kernels' allocations are traced")
+                "their kernels' allocations are traced" + (f" ({self.reason})" if self.reason
+                                                          else ""))
 
 
 def build_layers(model: nn.Module, config: Mapping[str, Any],
@@ -81,7 +85,8 @@ def build_layers(model: nn.Module, config: Mapping[str, Any],
                      "are counted as stored)")
     try:
         return builder(model, config, tensors, dtype, device)
-    except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError) as exc:
+    except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError,
+            KeyError) as exc:
         return Built(method, {}, f"{type(exc).__name__}: {exc}")
 
 
@@ -210,7 +215,8 @@ def _fp8(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any]
         if not n:
             raise ValueError("no float8 <module>.weight with a weight_scale_inv in the checkpoint")
         return Built("fp8", {"nn.Linear (float8 weights dequantized)": n},
-                     dequantized=dtype)
+                     dequantized=f"at load to {dtype}, as transformers does on CPU or with "
+                     "dequantize: true (its FP8 quantizer's Fp8Dequantize)")
     block = config.get("weight_block_size")
     block_size = (int(block[0]), int(block[1])) if block else None
     skips = (*(str(s) for s in config.get("modules_to_not_convert") or ()),
@@ -227,7 +233,54 @@ def _fp8(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any]
         raise ValueError("no linear layer to convert")
     model.__dict__["_modelsize_quantization"] = quantized.Quantization(
         "fp8", "modelsize", "FP8Linear", ())
-    return Built("fp8", layers)
+    return Built("fp8", layers, "as the source of the Triton fp8 kernel path allocates; "
+                 "unvalidated on CUDA")
+
+
+def _compressed_tensors(model: nn.Module, config: Mapping[str, Any],
+                        tensors: Mapping[str, Any], dtype: str,
+                        device: str | None = None) -> Built:
+    """transformers' ``CompressedTensorsHfQuantizer`` (``dequantize`` false, no
+    ``use_optimized_inference``: the same on CPU and CUDA): compressed-tensors'
+    ``apply_quantization_config`` and ``ModelCompressor.compress_model`` make the layout the
+    checkpoint loads into, and the decompression pre-hook ``compress_model`` registers turns
+    every quantized module back into a dense weight (with its quantization parameters kept)
+    on the first forward. Built here by the library itself on the meta model, the layout
+    held from the first forward on; the forward is the library's ``quantized_forward``."""
+    import contextlib
+    import io
+    from copy import deepcopy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.utils import is_module_quantized
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    ct = CompressedTensorsConfig.from_dict(dict(config))
+    if ct.dequantize:
+        raise ValueError("dequantize: true (the weights dequantized at load) is not modelled")
+    if ct.use_optimized_inference:
+        raise ValueError("use_optimized_inference (transformers' CompressedTensorsFP8Linear) "
+                         "is not modelled")
+    compressor = ModelCompressor.from_compression_config(ct)
+    if compressor is None or compressor.quantization_config is None:
+        raise ValueError("no quantization config_groups")
+    with contextlib.redirect_stderr(io.StringIO()):  # the library's progress bars
+        apply_quantization_config(model, deepcopy(compressor.quantization_config),
+                                  run_compressed=False)
+        if ct.is_quantization_compressed:
+            compressor.compress_model(model=model)
+        modules = [m for m in model.modules() if is_module_quantized(m)]
+        for module in modules:  # what the first forward's ct_decompress_hook does
+            decompress_module(module, compressor.force_compression_format)
+        compressor.remove_decompression_hook(model)
+    if not modules:
+        raise ValueError("the config_groups quantize no module of the model")
+    fmt = str(config.get("format") or "")
+    return Built("compressed-tensors", {f"{type(modules[0]).__name__} ({fmt})": len(modules)},
+                 dequantized=f"to {dtype} on the first forward (compressed-tensors' decompression "
+                 "hook; the quantization parameters kept)")
 
 
 _BUILDERS: dict[str, Callable[..., Built]] = {
@@ -236,4 +289,5 @@ _BUILDERS: dict[str, Callable[..., Built]] = {
     "bitsandbytes": _bitsandbytes,
     "torchao": _torchao,
     "fp8": _fp8,
+    "compressed-tensors": _compressed_tensors,
 }
