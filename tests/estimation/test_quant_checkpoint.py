@@ -379,3 +379,27 @@ def test_compressed_tensors_folder_matches_loading_and_real_run(
     assert got["verification"]["measured_bytes"] == got["peak_bytes"]
     assert any("compressed-tensors" in n and "14 Linear" in n for n in got["notes"]), \
         got["notes"]
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_fp8_linear_trace_matches_its_real_run(mode: str) -> None:
+    # modelsize's FP8Linear (the CUDA layout) run for real on CPU: the trace of its forward
+    # and of its autograd backward (the weight dequantized) counts what the run allocates
+    from modelsize.estimation.quant_layers import FP8Linear
+
+    layer = FP8Linear(256, 64, (32, 32), bias=True, dtype=torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 256).to(torch.bfloat16), layer,
+                          nn.Linear(64, 8).to(torch.bfloat16))
+    est = modelsize.estimate(model, (torch.randn(4, 64, dtype=torch.bfloat16),), mode=mode,
+                             verify=True)
+    v = est.verification
+    assert v is not None and v.measured_bytes == est.peak_bytes, v
+
+
+def test_fp8_folder_generate_on_cpu_is_dequantized(tmp_path: Path, capsys: Any) -> None:
+    folder, _ = _fp8_folder(tmp_path)
+    code = main(["estimate", str(folder), "--generate", "3", "--batch", "2", "--seq", "10",
+                 "--device", "cpu", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert any("dequantized at load to bfloat16" in n for n in json.loads(out)["notes"])
