@@ -117,14 +117,15 @@ def test_config_dtype_and_keep_in_float32_modules(tmp_path: Path, capsys: Any) -
 
 
 def _fp8_checkpoint(model: Any) -> tuple[dict[str, torch.Tensor], int]:
-    """Every linear layer of the decoder as float8 with a float32 block scale (the layout
-    of ``quant_method: fp8`` checkpoints); the rest bfloat16. Returns the state and the
-    bytes it holds."""
+    """Every linear layer of the decoder as float8 with a float32 row scale (the layout of
+    ``quant_method: fbgemm_fp8`` checkpoints, a method modelsize builds no layer for); the
+    rest bfloat16. Returns the state and the bytes it holds. (``quant_method: fp8`` folders
+    are built as loading builds them: tests/estimation/test_quant_checkpoint.py.)"""
     state: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
         if ".layers." in k and k.endswith("proj.weight"):
             state[k] = v.to(torch.float8_e4m3fn)
-            state[k.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+            state[k.replace(".weight", ".weight_scale")] = torch.ones(v.shape[0], 1)
         else:
             state[k] = v.to(torch.bfloat16)
     return state, sum(t.numel() * t.element_size() for t in state.values())
@@ -133,8 +134,7 @@ def _fp8_checkpoint(model: Any) -> tuple[dict[str, torch.Tensor], int]:
 def test_quantized_tensors_are_counted_as_stored(tmp_path: Path, capsys: Any) -> None:
     model = _llama()
     state, nbytes = _fp8_checkpoint(model)
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic",
-             "weight_block_size": [128, 128]}
+    quant = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
     folder = _save(tmp_path / "fp8", model, state,
                    config_extra={"dtype": "bfloat16", "quantization_config": quant},
                    drop_dtype=False)
@@ -144,7 +144,7 @@ def test_quantized_tensors_are_counted_as_stored(tmp_path: Path, capsys: Any) ->
     fp8 = [k for k in state if state[k].dtype == torch.float8_e4m3fn]
     assert got["weights"]["replaced_parameters"] == len(fp8)
     assert got["weights"]["stored_tensors"] == 2 * len(fp8)
-    assert got["weights"]["quant_method"] == "fp8"
+    assert got["weights"]["quant_method"] == "fbgemm_fp8"
     assert any("dequantization" in n for n in got["notes"])
     # verify would run the float model: refused in one line
     assert main(["estimate", str(folder), *GEN, "--verify"]) == 2

@@ -250,3 +250,156 @@ def test_torchao_int8_folder_matches_real_run(tmp_path: Path, capsys: Any) -> No
         t.nbytes for p in model.parameters() for t in storages(p))
     assert got["verification"]["measured_bytes"] == got["peak_bytes"]
     assert got["setup"]["quantization"] == "int8 (torchao Int8Tensor)"
+
+
+# -- fine-grained fp8 ------------------------------------------------------------------------
+
+FP8_BLOCK = 32
+
+
+def _fp8_folder(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The decoder's linear layers as transformers' fine-grained fp8 (float8_e4m3fn weights,
+    float32 ``weight_scale_inv`` per 32 x 32 block), the rest bfloat16."""
+    model = _llama(torch.bfloat16)
+    state: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if ".layers." in k and k.endswith("proj.weight"):
+            out_f, in_f = v.shape
+            state[k] = v.float().to(torch.float8_e4m3fn)
+            state[k.removesuffix("weight") + "weight_scale_inv"] = torch.rand(
+                out_f // FP8_BLOCK, in_f // FP8_BLOCK) + 0.5
+        else:
+            state[k] = v
+    quant = {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+             "activation_scheme": "dynamic"}
+    return _folder(tmp_path / "fp8", model, state, quant, "bfloat16"), state
+
+
+def test_fp8_folder_on_cpu_is_dequantized_as_loading_does(tmp_path: Path,
+                                                         capsys: Any) -> None:
+    pytest.importorskip("accelerate")
+    folder, _ = _fp8_folder(tmp_path)
+    got = _estimate(capsys, folder, "--verify")
+    # transformers on CPU: FineGrainedFP8HfQuantizer sets dequantize=True, every weight bf16
+    real = tf.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    assert {p.dtype for p in real.parameters()} == {torch.bfloat16}
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    assert got["categories"]["parameters"] == held
+    assert got["verification"]["measured_bytes"] == got["peak_bytes"]
+    assert any("dequantized at load to bfloat16" in n and "14 nn.Linear" in n
+               for n in got["notes"]), got["notes"]
+
+
+def test_fp8_folder_on_cuda_holds_transformers_fp8_linears(tmp_path: Path,
+                                                          capsys: Any) -> None:
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    folder, state = _fp8_folder(tmp_path)
+    got = _estimate(capsys, folder, "--device", "cuda")
+    # transformers' own FP8Linear layers (CUDA path) on the meta model: their parameters
+    with torch.device("meta"):
+        real = tf.LlamaForCausalLM(tf.AutoConfig.from_pretrained(folder)).to(torch.bfloat16)
+    config = FineGrainedFP8Config(weight_block_size=[FP8_BLOCK, FP8_BLOCK])
+    replace_with_fp8_linear(real, ["lm_head"], config, pre_quantized=True)
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert got["categories"]["parameters"] == held == nbytes == _inspected_bytes(folder)
+    assert got["setup"]["quantization"] == "fp8 (modelsize FP8Linear)"
+    assert any("14 FP8Linear" in n and "unvalidated on CUDA" in n for n in got["notes"])
+    # the kernel's scratch at the largest layer's call: its input in float8 (1 byte per
+    # element) and float32 scales per block of 32 input features
+    assert got["categories"]["temporaries"] > 0
+
+
+@pytest.mark.parametrize("block", [(32, 32), None])
+def test_fp8_linear_backward_dequantizes_as_transformers(block: tuple[int, int] | None
+                                                         ) -> None:
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from modelsize.estimation.quant_layers import dequantize_fp8_weight
+
+    torch.manual_seed(0)
+    w = (torch.randn(64, 96) * 4).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3) + 0.5 if block else torch.tensor(0.7)
+    expected = _dequantize_fp8_weight(w, s, list(block) if block else None, torch.bfloat16)
+    assert torch.equal(dequantize_fp8_weight(w, s, block, torch.bfloat16), expected)
+
+
+# -- compressed-tensors ----------------------------------------------------------------------
+
+
+def _ct_folder(tmp_path: Path, preset: str, fmt: str) -> Path:
+    """A checkpoint written by compressed-tensors itself: its preset scheme applied to the
+    decoder's linear layers (the head ignored), scales set, ``compress_model``'s state."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+
+    model = _llama(torch.bfloat16)
+    qconfig = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
+        preset, ["Linear"])}, ignore=["lm_head"], format=fmt)
+    apply_quantization_config(model, qconfig)
+    torch.manual_seed(2)
+    for m in model.modules():
+        if hasattr(m, "weight_scale"):
+            m.weight_scale.data = torch.rand_like(m.weight_scale) * 0.01 + 0.001
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.zero_()
+        if hasattr(m, "quantization_status"):
+            m.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor(quantization_config=qconfig)
+    compressor.compress_model(model)
+    state = dict(model.state_dict())
+    quant = {**qconfig.model_dump(), "quant_method": "compressed-tensors",
+             "quantization_status": "compressed"}
+    return _folder(tmp_path / preset, model, state, json.loads(json.dumps(quant, default=str)),
+                   "bfloat16")
+
+
+@pytest.mark.parametrize(("preset", "fmt"), [("W4A16", "pack-quantized"),
+                                             ("W8A8", "int-quantized"),
+                                             ("FP8_DYNAMIC", "float-quantized")])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_compressed_tensors_folder_matches_loading_and_real_run(
+        tmp_path: Path, capsys: Any, preset: str, fmt: str) -> None:
+    folder = _ct_folder(tmp_path, preset, fmt)
+    got = _estimate(capsys, folder, "--verify")
+    # transformers' loading, then the first forward (compressed-tensors decompresses there)
+    real = tf.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    with torch.no_grad():
+        real(torch.zeros(1, 4, dtype=torch.long))
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    assert got["categories"]["parameters"] == held
+    assert got["verification"]["measured_bytes"] == got["peak_bytes"]
+    assert any("compressed-tensors" in n and "14 Linear" in n for n in got["notes"]), \
+        got["notes"]
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_fp8_linear_trace_matches_its_real_run(mode: str) -> None:
+    # modelsize's FP8Linear (the CUDA layout) run for real on CPU: the trace of its forward
+    # and of its autograd backward (the weight dequantized) counts what the run allocates
+    from modelsize.estimation.quant_layers import FP8Linear
+
+    layer = FP8Linear(256, 64, (32, 32), bias=True, dtype=torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 256).to(torch.bfloat16), layer,
+                          nn.Linear(64, 8).to(torch.bfloat16))
+    est = modelsize.estimate(model, (torch.randn(4, 64, dtype=torch.bfloat16),), mode=mode,
+                             verify=True)
+    v = est.verification
+    assert v is not None and v.measured_bytes == est.peak_bytes, v
+
+
+def test_fp8_folder_generate_on_cpu_is_dequantized(tmp_path: Path, capsys: Any) -> None:
+    folder, _ = _fp8_folder(tmp_path)
+    code = main(["estimate", str(folder), "--generate", "3", "--batch", "2", "--seq", "10",
+                 "--device", "cpu", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert any("dequantized at load to bfloat16" in n for n in json.loads(out)["notes"])

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         from modelsize.estimation.lora import parse_lora
 
         spec = parse_lora(lora)
-    target = resolve(args.model, args.dtype, args.input)
+    target = resolve(args.model, args.dtype, args.input, device)
     if args.quantize:
         from modelsize.estimation.quantized import quantize_target
 

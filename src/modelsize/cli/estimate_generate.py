@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, default_device: str) -> int:
     _refuse_engine_options(args)
     if args.generate is None:
         raise UsageError("--engine hf estimates generate(): give --generate N")
-    target = resolve(args.model, args.dtype, None)
+    target = resolve(args.model, args.dtype, None, args.device or default_device)
     if getattr(args, "quantize", None):
         from modelsize.estimation.quantized import quantize_target
 

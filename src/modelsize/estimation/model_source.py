@@ -13,8 +13,9 @@ nothing loaded or executed):
   class keeps in float32 (``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules``
   in float16). The report gives the checkpoint's own dtypes beside what loading makes of
   them (:class:`WeightsPlan`);
-* **quantized weights** (a ``quantization_config``): for bitsandbytes, torchao, GPTQ and
-  AWQ the quantized layers are built on the meta device as loading builds them
+* **quantized weights** (a ``quantization_config``): for bitsandbytes, torchao, GPTQ,
+  AWQ, fp8 (per device: dequantized on CPU) and compressed-tensors (decompressed on the
+  first forward) the layers are built on the meta device as loading builds them
   (:mod:`modelsize.estimation.quant_checkpoint`), so their kernels are traced. For other
   methods a quantized layer holds its checkpoint tensors (float8, scales, ...) as stored.
   The trace runs the model with those layers in the compute dtype; their parameters' traced
@@ -357,7 +358,7 @@ def keep_fp32(model: nn.Module, dtype: str) -> tuple[str, ...]:
 
 
 def plan_folder(model: nn.Module, raw: dict[str, Any], ckpt: Checkpoint, dtype: str,
-                dtype_from: str, kind: SourceKind) -> WeightsPlan:
+                dtype_from: str, kind: SourceKind, device: str | None = None) -> WeightsPlan:
     """Apply loading's rules to ``model`` (keep-in-float32 casts) and account for quantized
     tensors held as stored: the :class:`WeightsPlan` of a model folder."""
     kept = keep_fp32(model, dtype)
@@ -366,7 +367,7 @@ def plan_folder(model: nn.Module, raw: dict[str, Any], ckpt: Checkpoint, dtype: 
     if quant:
         from modelsize.estimation.quant_checkpoint import build_layers
 
-        built = build_layers(model, quant, ckpt.tensors, dtype)
+        built = build_layers(model, quant, ckpt.tensors, dtype, device)
         if built.done:
             return _plan_built(model, ckpt, dtype, dtype_from, kind, kept, built)
     params = dict(model.named_parameters())
@@ -423,6 +424,10 @@ def _plan_built(model: nn.Module, ckpt: Checkpoint, dtype: str, dtype_from: str,
     layers = {name for name, m in model.named_modules()
               if type(m).__name__ in built.layers
               or any(is_quantized(p) for p in m.parameters(recurse=False))}
+    if built.dequantized:  # the layers loading dequantized: the modules holding the scales
+        layers |= {n.rpartition(".")[0] for n in ckpt.tensors if n.endswith("_scale_inv")}
+        layers |= {n for n, m in model.named_modules()
+                   if getattr(m, "quantization_scheme", None) is not None}  # compressed-tensors
     cast: dict[str, list[int]] = {}
     unused = in_layers = 0
     for name, t in ckpt.tensors.items():
@@ -442,7 +447,10 @@ def _plan_built(model: nn.Module, ckpt: Checkpoint, dtype: str, dtype_from: str,
             row[0] += 1
             row[1] += t.nbytes
     notes = [built.note()]
-    if in_layers:
+    if in_layers and built.dequantized:
+        notes.append(f"{in_layers} checkpoint tensors of the quantized layers are consumed by "
+                     "their dequantization (not held)")
+    elif in_layers:
         notes.append(f"{in_layers} checkpoint tensors of the quantized layers are parts of their "
                      "quantized weights (inner tensors, bitsandbytes' quantization state)")
     if unused:

@@ -17,8 +17,16 @@ its allocations (the dequantized weight a GPTQ layer makes per call, bitsandbyte
 
 For GPTQ and AWQ the layers converted are those the checkpoint holds packed
 (``<module>.qweight``), as loading finds them; for bitsandbytes and torchao, every linear
-layer but the config's skip list (else transformers' default: the output embeddings). Other
-methods (``fp8``, ``compressed-tensors``, ...) are not built: their tensors are
+layer but the config's skip list (else transformers' default: the output embeddings);
+* ``fp8`` (transformers' fine-grained fp8, ``weight_block_size``): for a CPU estimate the
+  float8 weights dequantized to the model's dtype, as loading does on CPU (the layers stay
+  ``nn.Linear``); for CUDA, :class:`~modelsize.estimation.quant_layers.FP8Linear`.
+
+* ``compressed-tensors``: the library's own ``apply_quantization_config`` and
+  ``compress_model`` on the meta model, then the decompression its first-forward hook does
+  (the layout held from then on, on CPU and CUDA alike).
+
+Other methods (``fbgemm_fp8``, ``hqq``, ...) are not built: their tensors are
 held as stored (:func:`modelsize.estimation.model_source.plan_folder`), for the reason
 :func:`build_layers` returns.
 """
@@ -37,11 +45,14 @@ from modelsize.estimation import quantized
 
 @dataclass(frozen=True)
 class Built:
-    """What :func:`build_layers` did: the layers made (``layer -> count``), or why not."""
+    """What :func:`build_layers` did: the layers made (``layer -> count``), or why not
+    (``reason``; with layers made: a remark on them)."""
 
     method: str
     layers: dict[str, int]
     reason: str = ""
+    dequantized: str = ""
+    """Set where loading dequantizes the weights: when, to what, by what (words)."""
 
     @property
     def done(self) -> bool:
@@ -53,23 +64,29 @@ class Built:
         if not self.done:
             return f"quantized layers ({self.method}) not built: {self.reason}"
         made = ", ".join(f"{n} {k}" for k, n in self.layers.items())
+        if self.dequantized:
+            return f"quantized weights ({self.method}) dequantized {self.dequantized}: {made}"
         return (f"quantized layers built from quantization_config ({self.method}): {made}; "
-                "their kernels' allocations are traced")
+                "their kernels' allocations are traced" + (f" ({self.reason})" if self.reason
+                                                          else ""))
 
 
 def build_layers(model: nn.Module, config: Mapping[str, Any],
-                 tensors: Mapping[str, Any], dtype: str) -> Built:
+                 tensors: Mapping[str, Any], dtype: str, device: str | None = None) -> Built:
     """Replace, in place, the linear layers of the meta-device ``model`` that the checkpoint
     (``tensors``: name -> info with ``dtype``) holds quantized by the layers its
-    ``quantization_config`` (``config``) names; ``dtype``: the model's."""
+    ``quantization_config`` (``config``) names; ``dtype``: the model's; ``device``: the
+    device loading is for (``cpu`` or ``cuda``: fp8 checkpoints load differently; None:
+    unknown, an fp8 checkpoint's tensors are then held as stored)."""
     method = str(config.get("quant_method", "")).lower()
     builder = _BUILDERS.get(method)
     if builder is None:
         return Built(method, {}, "no layer class for this method in modelsize (its tensors "
                      "are counted as stored)")
     try:
-        return builder(model, config, tensors, dtype)
-    except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError) as exc:
+        return builder(model, config, tensors, dtype, device)
+    except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError,
+            KeyError) as exc:
         return Built(method, {}, f"{type(exc).__name__}: {exc}")
 
 
@@ -117,12 +134,12 @@ def _packed(config: Mapping[str, Any], tensors: Mapping[str, Any], dtype: str,
 
 
 def _gptq(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-          dtype: str) -> Built:
+          dtype: str, device: str | None = None) -> Built:
     return _packed(config, tensors, dtype, model, awq=False)
 
 
 def _awq(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-         dtype: str) -> Built:
+         dtype: str, device: str | None = None) -> Built:
     return _packed(config, tensors, dtype, model, awq=True)
 
 
@@ -134,7 +151,7 @@ def _skips(model: nn.Module, config: Mapping[str, Any], key: str) -> tuple[str, 
 
 
 def _bitsandbytes(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-                  dtype: str) -> Built:
+                  dtype: str, device: str | None = None) -> Built:
     skip = _skips(model, config, "llm_int8_skip_modules")
     if config.get("load_in_4bit"):
         compute = config.get("bnb_4bit_compute_dtype") or "float32"
@@ -155,7 +172,7 @@ def _bitsandbytes(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[
 
 
 def _torchao(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
-             dtype: str) -> Built:
+             dtype: str, device: str | None = None) -> Built:
     from torchao.core.config import config_from_dict
 
     quant_type = config.get("quant_type")
@@ -173,9 +190,104 @@ def _torchao(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, 
     return Built("torchao", layers)
 
 
-_BUILDERS: dict[str, Callable[[nn.Module, Mapping[str, Any], Mapping[str, Any], str], Built]] = {
+def _skipped(name: str, skips: tuple[str, ...]) -> bool:
+    return any(name == s or name.endswith("." + s) or name.startswith(s + ".") for s in skips)
+
+
+def _fp8(model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Any],
+         dtype: str, device: str | None = None) -> Built:
+    """transformers' ``FineGrainedFP8HfQuantizer``: with no CUDA (or XPU) device
+    ``validate_environment`` sets ``dequantize=True`` for a pre-quantized checkpoint, so
+    ``replace_with_fp8_linear`` replaces nothing and ``Fp8Dequantize`` turns each float8
+    weight and its ``weight_scale_inv`` into a weight of the model's dtype: the layers stay
+    ``nn.Linear``. On CUDA (compute capability 8.9 or more assumed) every ``nn.Linear`` but
+    ``modules_to_not_convert`` and the output embeddings becomes ``FP8Linear``."""
+    from modelsize.estimation.quant_layers import FP8Linear
+
+    if device is None and not config.get("dequantize"):
+        raise ValueError("what loading builds depends on the device (CPU: the weights "
+                         "dequantized; CUDA: FP8Linear), and none was given")
+    if config.get("dequantize") or device != "cuda":
+        n = sum(1 for name, _ in model.named_modules()
+                if tensors.get(f"{name}.weight") is not None
+                and str(tensors[f"{name}.weight"].dtype).startswith("float8")
+                and f"{name}.weight_scale_inv" in tensors)
+        if not n:
+            raise ValueError("no float8 <module>.weight with a weight_scale_inv in the checkpoint")
+        return Built("fp8", {"nn.Linear (float8 weights dequantized)": n},
+                     dequantized=f"at load to {dtype}, as transformers does on CPU or with "
+                     "dequantize: true (its FP8 quantizer's Fp8Dequantize)")
+    block = config.get("weight_block_size")
+    block_size = (int(block[0]), int(block[1])) if block else None
+    skips = (*(str(s) for s in config.get("modules_to_not_convert") or ()),
+             *quantized.default_skips(model))
+    weights_dtype = getattr(torch, dtype)
+    for parent, name, _, child in _linears(model, lambda n, _: not _skipped(n, skips)):
+        layer = FP8Linear(child.in_features, child.out_features, block_size,
+                          child.bias is not None, weights_dtype,
+                          str(config.get("activation_scheme", "dynamic")), device="meta")
+        layer.train(child.training)
+        setattr(parent, name, layer)
+    layers = _count(model, (FP8Linear,))
+    if not layers:
+        raise ValueError("no linear layer to convert")
+    model.__dict__["_modelsize_quantization"] = quantized.Quantization(
+        "fp8", "modelsize", "FP8Linear", ())
+    return Built("fp8", layers, "as the source of the Triton fp8 kernel path allocates; "
+                 "unvalidated on CUDA")
+
+
+def _compressed_tensors(model: nn.Module, config: Mapping[str, Any],
+                        tensors: Mapping[str, Any], dtype: str,
+                        device: str | None = None) -> Built:
+    """transformers' ``CompressedTensorsHfQuantizer`` (``dequantize`` false, no
+    ``use_optimized_inference``: the same on CPU and CUDA): compressed-tensors'
+    ``apply_quantization_config`` and ``ModelCompressor.compress_model`` make the layout the
+    checkpoint loads into, and the decompression pre-hook ``compress_model`` registers turns
+    every quantized module back into a dense weight (with its quantization parameters kept)
+    on the first forward. Built here by the library itself on the meta model, the layout
+    held from the first forward on; the forward is the library's ``quantized_forward``."""
+    import contextlib
+    import io
+    from copy import deepcopy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.utils import is_module_quantized
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    ct = CompressedTensorsConfig.from_dict(dict(config))
+    if ct.dequantize:
+        raise ValueError("dequantize: true (the weights dequantized at load) is not modelled")
+    if ct.use_optimized_inference:
+        raise ValueError("use_optimized_inference (transformers' CompressedTensorsFP8Linear) "
+                         "is not modelled")
+    compressor = ModelCompressor.from_compression_config(ct)
+    if compressor is None or compressor.quantization_config is None:
+        raise ValueError("no quantization config_groups")
+    with contextlib.redirect_stderr(io.StringIO()):  # the library's progress bars
+        apply_quantization_config(model, deepcopy(compressor.quantization_config),
+                                  run_compressed=False)
+        if ct.is_quantization_compressed:
+            compressor.compress_model(model=model)
+        modules = [m for m in model.modules() if is_module_quantized(m)]
+        for module in modules:  # what the first forward's ct_decompress_hook does
+            decompress_module(module, compressor.force_compression_format)
+        compressor.remove_decompression_hook(model)
+    if not modules:
+        raise ValueError("the config_groups quantize no module of the model")
+    fmt = str(config.get("format") or "")
+    return Built("compressed-tensors", {f"{type(modules[0]).__name__} ({fmt})": len(modules)},
+                 dequantized=f"to {dtype} on the first forward (compressed-tensors' decompression "
+                 "hook; the quantization parameters kept)")
+
+
+_BUILDERS: dict[str, Callable[..., Built]] = {
     "gptq": _gptq,
     "awq": _awq,
     "bitsandbytes": _bitsandbytes,
     "torchao": _torchao,
+    "fp8": _fp8,
+    "compressed-tensors": _compressed_tensors,
 }

@@ -238,3 +238,111 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     """The low 32 bits of int64 values as int32 (two's complement, as numpy's astype)."""
     return (t & 0xFFFFFFFF).to(torch.int64).where(t & 0x80000000 == 0,
                                                   (t & 0xFFFFFFFF) - (1 << 32)).to(torch.int32)
+
+
+# -- fine-grained fp8 (transformers' FP8Linear, CUDA path) -----------------------------------
+
+
+def _act_quant_scratch(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel's dynamic activation quantization makes (``act_quant`` /
+    ``per_token_group_quant_fp8``): the input in float8_e4m3fn and one float32 scale per
+    ``block_k`` input features of each row."""
+    q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    s = x.new_empty((*x.shape[:-1], math.ceil(x.shape[-1] / block_k)), dtype=torch.float32)
+    return q, s
+
+
+def dequantize_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor,
+                          block_size: tuple[int, int] | None, dtype: torch.dtype
+                          ) -> torch.Tensor:
+    """transformers' ``_dequantize_fp8_weight`` (``integrations/finegrained_fp8.py``): the
+    weight cast to ``dtype``, scaled in place by its blocks' ``scale_inv`` (the scales
+    repeated over rows only, broadcast over columns through a view)."""
+    scale = scale_inv.to(dtype)
+    weight = weight.to(dtype)
+    if block_size is None:
+        return weight.mul_(scale)
+    rows, cols = weight.shape[-2:]
+    full, rem = divmod(cols, block_size[1])
+    scale = scale.repeat_interleave(block_size[0], dim=-2)[..., :rows, :]
+    weight[..., : full * block_size[1]].unflatten(-1, (full, block_size[1])).mul_(
+        scale[..., :full, None])
+    if rem:
+        weight[..., full * block_size[1]:].mul_(scale[..., full:])
+    return weight
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """transformers' ``FP8LinearFunction``: the forward is the fp8 kernel (its allocations:
+    the quantized input, its scales, the output in the input's dtype); the backward
+    dequantizes the weight (``_dequantize_fp8_weight``) and returns the input's gradient only."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
+                weight: torch.Tensor, scale_inv: torch.Tensor,
+                block_size: tuple[int, int] | None) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale_inv)
+        ctx.block_size = block_size  # type: ignore[attr-defined]
+        return _fp8_matmul(x, weight, block_size)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
+        weight, scale_inv = ctx.saved_tensors  # type: ignore[attr-defined]
+        w = dequantize_fp8_weight(weight, scale_inv, ctx.block_size,  # type: ignore[attr-defined]
+                                  grads[0].dtype)
+        return grads[0] @ w, None, None, None
+
+
+def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor,
+                block_size: tuple[int, int] | None) -> torch.Tensor:
+    # the quantized input and its scales live until the matmul returns; then the output
+    block_k = block_size[1] if block_size is not None else x.shape[-1]
+    q, s = _act_quant_scratch(x, block_k)
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    del q, s
+    return out
+
+
+class FP8Linear(nn.Module):
+    """transformers' ``FP8Linear`` (``integrations/finegrained_fp8.py``) as loading builds it
+    on a CUDA device of compute capability 8.9 or more: ``weight`` float8_e4m3fn ``[out,
+    in]``, ``weight_scale_inv`` float32 ``[ceil(out / bn), ceil(in / bk)]`` (a scalar
+    without ``weight_block_size``), ``activation_scale`` float32 scalar for the static scheme,
+    ``bias`` in the model's dtype. Its forward allocates what the kernel path allocates (the
+    Triton ``finegrained_fp8.matmul`` of the hub kernel: dynamic per-token-group activation
+    quantization, ``act_quant``, then ``w8a8_block_fp8_matmul`` into an output of the
+    input's dtype; the bias added in place), not its values: unvalidated on CUDA here.
+    """
+
+    def __init__(self, in_features: int, out_features: int,
+                 block_size: tuple[int, int] | None, bias: bool, dtype: torch.dtype,
+                 activation_scheme: str = "dynamic",
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block_size = block_size
+        self.weight = _frozen((out_features, in_features), torch.float8_e4m3fn, device)
+        if block_size is None:
+            self.weight_scale_inv = _frozen((), torch.float32, device)
+        else:
+            self.weight_scale_inv = _frozen((math.ceil(out_features / block_size[0]),
+                                             math.ceil(in_features / block_size[1])),
+                                            torch.float32, device)
+        self.activation_scale = (_frozen((), torch.float32, device)
+                                 if activation_scheme == "static" else None)
+        self.bias = _frozen((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            out = _FP8LinearFunction.apply(x, self.weight, self.weight_scale_inv,
+                                           self.block_size)
+        else:
+            out = _fp8_matmul(x, self.weight, self.block_size)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block_size={self.block_size}, bias={self.bias is not None}")

@@ -57,9 +57,12 @@ class Target:
     """MODEL was a Hub repository: what reading it fetched."""
 
 
-def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None) -> Target:
+def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None,
+            device: str | None = None) -> Target:
     """Turn MODEL (with the weights' ``dtype``, None for the model's own or float32, and a
-    factory's input shapes such as ``8x3x224x224``) into a :class:`Target`."""
+    factory's input shapes such as ``8x3x224x224``) into a :class:`Target`; ``device``: the
+    device a quantized checkpoint is loaded for (what loading builds can differ by device;
+    None: unknown)."""
     import torch
 
     from modelsize.estimation import zoo
@@ -72,7 +75,7 @@ def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None
         if inputs:
             raise UsageError("--input sets the input shapes of a module:factory model; "
                              f"{printable(spec)} makes its own (--batch, --seq)")
-        return _weights_target(spec, kind, dtype)
+        return _weights_target(spec, kind, dtype, device)
     is_config = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
     if entry is None and is_config:
         entry = zoo.from_config_json(path)
@@ -110,7 +113,7 @@ def resolve(spec: str, dtype: str | None = None, inputs: list[str] | None = None
                      "hf://ORG/REPO, or package.module:factory")
 
 
-def _weights_target(spec: str, kind: Any, dtype: str | None) -> Target:
+def _weights_target(spec: str, kind: Any, dtype: str | None, device: str | None = None) -> Target:
     """A model folder, a GGUF file or a Hub repository: the model built from its config as
     ``from_pretrained`` would build it (:mod:`modelsize.estimation.model_source`)."""
     from modelsize.estimation import model_source as ms
@@ -119,7 +122,7 @@ def _weights_target(spec: str, kind: Any, dtype: str | None) -> Target:
     if kind is ms.SourceKind.HUB:
         with ms.hub_folder(spec) as (folder, fetched, url):
             name = url.removeprefix("hf://").split("@")[0].split("/")[-1]
-            target = _folder_target(folder, dtype, kind, url, name)
+            target = _folder_target(folder, dtype, kind, url, name, device)
         return replace(target, fetched=fetched)
     if kind is ms.SourceKind.GGUF:
         gguf = ms.read_gguf(Path(spec))
@@ -133,11 +136,12 @@ def _weights_target(spec: str, kind: Any, dtype: str | None) -> Target:
                       f"{entry.model_class} from the GGUF file {spec} (general.architecture "
                       f"{gguf.architecture})")
     folder = Path(spec)
-    return _folder_target(folder, dtype, kind, str(folder), real_path(folder).name)
+    return _folder_target(folder, dtype, kind, str(folder), real_path(folder).name,
+                          device)
 
 
 def _folder_target(folder: Path, dtype: str | None, kind: Any, origin: str,
-                   name: str) -> Target:
+                   name: str, device: str | None = None) -> Target:
     from modelsize.estimation import model_source as ms
     from modelsize.estimation import zoo
 
@@ -150,7 +154,7 @@ def _folder_target(folder: Path, dtype: str | None, kind: Any, origin: str,
         main, why = ms.pretrained_dtype(raw, ckpt)
         source = Source.CONFIG if why.startswith("config.json") else Source.MODEL
     model = ms.build_pretrained(entry, main)
-    plan = ms.plan_folder(model, raw, ckpt, main, why, kind)
+    plan = ms.plan_folder(model, raw, ckpt, main, why, kind, device)
     files = ", ".join(ckpt.files) if len(ckpt.files) <= 2 else (
         f"{len(ckpt.files)} {Path(ckpt.files[0]).suffix.lstrip('.')} files")
     return _built(entry, model, main, source, plan,
