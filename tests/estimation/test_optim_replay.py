@@ -5,7 +5,6 @@ every tick, the same allocation records, the same peak."""
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,50 +14,23 @@ from torch import nn
 
 from modelsize.estimation.optim_replay import find_period
 from modelsize.estimation.optimizers import Implementation
-from modelsize.estimation.trace import Program, Trace, run_trace
 
 transformers = pytest.importorskip("transformers")
 
-
-def _snapshot(trace: Trace) -> dict[str, Any]:
-    mode = trace.mode
-    index = {id(a): i for i, a in enumerate(mode.allocations)}
-    allocs = [(a.nbytes, a.origin, a.created, a.freed, a.phase, a.module, a.is_grad,
-               a.is_state, a.saved, a.recomputed, a.host, str(a.op), a.shape, a.dtype, a.state,
-               a.saved_by, a.kept_in, tuple(index.get(id(s)) for s in a.sources))
-              for a in mode.allocations]
-    return {"timeline": list(mode.timeline), "ops": [str(o) for o in mode.ops],
-            "allocations": allocs, "scratch": dict(mode.scratch_at),
-            "parts": dict(mode.scratch_parts),
-            "peak": (mode.peak_bytes, mode.peak_tick, mode.peak_scratch),
-            "phases": [(p.name, p.start, p.end) for p in mode.phases]}
+from tests.estimation.replay_helpers import both, ids, llama  # noqa: E402
 
 
 def _both(make: Callable[[], nn.Module], inputs: Any, **program: Any) -> str:
-    out, note = {}, ""
-    for replay in (True, False):
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trace = run_trace(make(), inputs, Program(replay_optimizer=replay, **program))
-        out[replay] = _snapshot(trace)
-        if replay:
-            note = trace.optimizer_replay
-    for key in out[False]:
-        assert out[True][key] == out[False][key], f"{key} differs with optimizer replay ({note})"
-    return note
+    """Trace with and without optimizer replay; assert equal; return the replay's summary."""
+    return both(make, inputs, "replay_optimizer", lambda trace: trace.optimizer_replay, **program)
 
 
 def _ids(vocab: int = 128) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids}
+    return ids(vocab)
 
 
 def _llama(layers: int = 6) -> nn.Module:
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128)
-    return transformers.LlamaForCausalLM(cfg)
+    return llama(layers)
 
 
 @pytest.mark.parametrize("program", [

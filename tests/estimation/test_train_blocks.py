@@ -6,7 +6,6 @@ record cannot be replayed exactly are traced for real, and the trace stays the s
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,53 +13,22 @@ import pytest
 import torch
 from torch import nn
 
-from modelsize.estimation.trace import Program, Trace, run_trace
-
 transformers = pytest.importorskip("transformers")
 
-
-def _snapshot(trace: Trace) -> dict[str, Any]:
-    mode = trace.mode
-    index = {id(a): i for i, a in enumerate(mode.allocations)}
-    allocs = [(a.nbytes, a.origin, a.created, a.freed, a.phase, a.module, a.is_grad,
-               a.is_state, a.saved, a.recomputed, a.host, str(a.op), a.shape, a.dtype, a.state,
-               a.saved_by, a.kept_in, tuple(index.get(id(s)) for s in a.sources))
-              for a in mode.allocations]
-    return {"timeline": list(mode.timeline), "ops": [str(o) for o in mode.ops],
-            "allocations": allocs, "scratch": dict(mode.scratch_at),
-            "peak": (mode.peak_bytes, mode.peak_tick, mode.peak_scratch),
-            "phases": [(p.name, p.start, p.end) for p in mode.phases],
-            "packed": sorted(mode.packed_keepers)}
+from tests.estimation.replay_helpers import both, ids, llama  # noqa: E402
 
 
 def _both(make: Callable[[], nn.Module], inputs: Any, **program: Any) -> str:
     """Trace with and without block replay; assert equal; return the replay's summary."""
-    out = {}
-    blocks = ""
-    for replay in (True, False):
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trace = run_trace(make(), inputs, Program(replay_blocks=replay, **program))
-        out[replay] = _snapshot(trace)
-        if replay:
-            blocks = trace.blocks
-    fast, slow = out[True], out[False]
-    for key in slow:
-        assert fast[key] == slow[key], f"{key} differs with block replay ({blocks})"
-    return blocks
+    return both(make, inputs, "replay_blocks", lambda trace: trace.blocks, **program)
 
 
 def _ids(vocab: int = 128) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids}
+    return ids(vocab)
 
 
 def _llama(layers: int = 8) -> nn.Module:
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128)
-    return transformers.LlamaForCausalLM(cfg)
+    return llama(layers)
 
 
 @pytest.mark.parametrize("program", [
