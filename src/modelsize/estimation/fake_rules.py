@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The op's arguments by schema name, defaults filled in."""
     out: dict[str, Any] = {}
     for i, a in enumerate(func._schema.arguments):
@@ -71,7 +71,7 @@ def _check_grouped_mm_strides(mat: torch.Tensor) -> None:
 
 def _grouped_mm(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``aten._grouped_mm``: the checks and the one output of the ATen kernel."""
-    p = _bind(func, args, kwargs)
+    p = bind(func, args, kwargs)
     a, b, offs = p["self"], p["mat2"], p["offs"]
     for name, m in (("mat_a", a), ("mat_b", b)):
         if m.dtype not in _GROUPED_MM_DTYPES:
@@ -129,7 +129,7 @@ def _batch_norm_backward(mode: Any, func: Any, args: Sequence[Any],
     out = cast(tuple[Any, ...],
                FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs))
     grad_input = out[0]
-    x = _bind(func, args, kwargs)["input"]
+    x = bind(func, args, kwargs)["input"]
     if grad_input is None or x.dim() not in (4, 5):
         return out
     layout = suggest_memory_format(x)
@@ -177,7 +177,7 @@ def _sparse_coo(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any
     of the indices are kept beside the result when the trace has them."""
     out = FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
     values = getattr(mode, "real_values", None)
-    indices = _bind(func, args, kwargs)["indices"]
+    indices = bind(func, args, kwargs)["indices"]
     real = values.value_of(indices) if values is not None else None
     if real is not None:
         _REAL_INDICES[out] = real

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from modelsize.estimation.fake_rules import bind
+
 Rule = Callable[[Any, Any, Sequence[Any], dict[str, Any]], Any]
 
 #: CPU kernels of bitsandbytes that are torch code (safe to run on fake tensors).
@@ -80,18 +82,6 @@ def _redispatch(key: Any) -> Rule:
     return run
 
 
-def _bind(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
-
-
 def _dequantize_4bit_cpu(mode: Any, func: Any, args: Sequence[Any],
                          kwargs: dict[str, Any]) -> Any:
     """``dequantize_4bit``'s CPU kernel (``backends/cpu/ops.py``): the torch fallback
@@ -102,7 +92,7 @@ def _dequantize_4bit_cpu(mode: Any, func: Any, args: Sequence[Any],
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
     from bitsandbytes.backends.utils import _get_4bit_code
 
-    p = _bind(func, args, kwargs)
+    p = bind(func, args, kwargs)
     a, absmax, blocksize, shape, dtype = (p["A"], p["absmax"], p["blocksize"], p["shape"],
                                           p["dtype"])
 
@@ -125,7 +115,7 @@ def _gemv_4bit_cpu(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, 
     AVX512-BF16): the input and ``absmax`` cast to bfloat16, a bfloat16 output the C kernel
     fills, cast back to the input's dtype. (With the optional ``kernels-community`` kernel
     installed, the output is that kernel's: not modelled; it is not installed here.)"""
-    p = _bind(func, args, kwargs)
+    p = bind(func, args, kwargs)
     a, b, shape_b, absmax = p["A"], p["B"], p["shapeB"], p["absmax"]
 
     def body() -> Any:
@@ -191,7 +181,7 @@ def _quanto_unpack_cpu(mode: Any, func: Any, args: Sequence[Any],
     (2-bit: four masks and shifts). Each masked value and each shifted one is a tensor of the
     packed shape; the masked temporaries live until the end of the C++ full expression, so
     until ``cat`` has made its output."""
-    p = _bind(func, args, kwargs)
+    p = bind(func, args, kwargs)
     t, bits = p["self"], p["bits"]
     masks = {4: ((0x0F, 0), (0xF0, 4)),
              2: ((0x03, 0), (0x0C, 2), (0x30, 4), (0xC0, 6))}.get(bits)
@@ -225,7 +215,7 @@ def _quanto_qbytes_mm_cpu(mode: Any, func: Any, args: Sequence[Any],
     from optimum.quanto.library import qbytes_mm as q
     from packaging import version
 
-    p = _bind(func, args, kwargs)
+    p = bind(func, args, kwargs)
     a, w, scales = p["A"], p["B"], p["scales"]
 
     def body() -> Any:

@@ -323,28 +323,35 @@ def to_linear4bit(model: nn.Module, skip: Sequence[str], quant_type: str = "nf4"
     # meta, every later real quantization in the process would fail to copy it
     if "dynamic" not in functional.name2qmap:
         functional.name2qmap["dynamic"] = functional.create_dynamic_map()
+    for parent, name, child in _linears(model, skip):
+        w = child.weight
+        device = "meta" if w.is_meta else "cpu"
+        layer = bnb.nn.Linear4bit(
+            child.in_features, child.out_features, bias=child.bias is not None,
+            compute_dtype=compute_dtype or w.dtype, compress_statistics=double_quant,
+            quant_type=quant_type, quant_storage=quant_storage, device=device)
+        layer.weight = bnb.nn.Params4bit(
+            w.detach().to(device), requires_grad=False, compress_statistics=double_quant,
+            quant_type=quant_type, quant_storage=quant_storage, blocksize=64,
+            module=layer)
+        if child.bias is not None:
+            layer.bias = nn.Parameter(child.bias.detach().clone(),
+                                      requires_grad=child.bias.requires_grad)
+        layer.weight = layer.weight._quantize(device)
+        layer.quant_state = layer.weight.quant_state  # type: ignore[attr-defined]
+        layer.train(child.training)
+        setattr(parent, name, layer)
+
+
+def _linears(model: nn.Module, skip: Sequence[str]) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every plain ``nn.Linear`` of ``model`` not in ``skip``: (its parent, its name, it)."""
+    out = []
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or not _converts(
-                    f"{prefix}.{name}" if prefix else name, skip):
-                continue
-            w = child.weight
-            device = "meta" if w.is_meta else "cpu"
-            layer = bnb.nn.Linear4bit(
-                child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=compute_dtype or w.dtype, compress_statistics=double_quant,
-                quant_type=quant_type, quant_storage=quant_storage, device=device)
-            layer.weight = bnb.nn.Params4bit(
-                w.detach().to(device), requires_grad=False, compress_statistics=double_quant,
-                quant_type=quant_type, quant_storage=quant_storage, blocksize=64,
-                module=layer)
-            if child.bias is not None:
-                layer.bias = nn.Parameter(child.bias.detach().clone(),
-                                          requires_grad=child.bias.requires_grad)
-            layer.weight = layer.weight._quantize(device)
-            layer.quant_state = layer.weight.quant_state  # type: ignore[attr-defined]
-            layer.train(child.training)
-            setattr(parent, name, layer)
+            if type(child) is nn.Linear and _converts(f"{prefix}.{name}" if prefix else name,
+                                                      skip):
+                out.append((parent, name, child))
+    return out
 
 
 def to_linear8bit(model: nn.Module, skip: Sequence[str], threshold: float = 6.0) -> None:
@@ -353,24 +360,20 @@ def to_linear8bit(model: nn.Module, skip: Sequence[str], threshold: float = 6.0)
     ``threshold``: transformers' ``load_in_8bit`` layer), quantized where its weight is."""
     import bitsandbytes as bnb
 
-    for prefix, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or not _converts(
-                    f"{prefix}.{name}" if prefix else name, skip):
-                continue
-            w = child.weight
-            device = "meta" if w.is_meta else "cpu"
-            layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
-                                        bias=child.bias is not None, has_fp16_weights=False,
-                                        threshold=threshold, device=device)
-            layer.weight = bnb.nn.Int8Params(w.detach().to(device), requires_grad=False,
-                                             has_fp16_weights=False)
-            layer.weight = layer.weight._quantize(device)
-            if child.bias is not None:
-                layer.bias = nn.Parameter(child.bias.detach().clone(),
-                                          requires_grad=child.bias.requires_grad)
-            layer.train(child.training)
-            setattr(parent, name, layer)
+    for parent, name, child in _linears(model, skip):
+        w = child.weight
+        device = "meta" if w.is_meta else "cpu"
+        layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
+                                    bias=child.bias is not None, has_fp16_weights=False,
+                                    threshold=threshold, device=device)
+        layer.weight = bnb.nn.Int8Params(w.detach().to(device), requires_grad=False,
+                                         has_fp16_weights=False)
+        layer.weight = layer.weight._quantize(device)
+        if child.bias is not None:
+            layer.bias = nn.Parameter(child.bias.detach().clone(),
+                                      requires_grad=child.bias.requires_grad)
+        layer.train(child.training)
+        setattr(parent, name, layer)
 
 
 def quantize_with_torchao(model: nn.Module, config: Any, skip: Sequence[str]) -> None:
