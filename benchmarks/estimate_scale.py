@@ -104,6 +104,12 @@ def main() -> None:
             notes.append(f"{name}: modelsize's peak minus MemTracker's = {ours - theirs:+,} bytes "
                          "(CPU kernel scratch and wrapped Python scalars, which modelsize adds "
                          "and fake tensors alone do not show).")
+    seventy = next((r for r in rows if r[:3] == ["llama-3-70b", "modelsize", "2"]), None)
+    if seventy is not None and seventy[3] != "failed":
+        wall = float(seventy[3])
+        notes.append(f"Goal (issue 22): Llama-3-70B 2-step training under 10 s wall: "
+                     f"{'met' if wall < 10 else 'missed'} ({wall:.1f} s, {seventy[4]} CPU s, "
+                     f"RSS {seventy[5]} MiB against a goal of 1 GB).")
     text = "\n".join([
         "## estimate_scale",
         "",
