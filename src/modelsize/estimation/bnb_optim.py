@@ -30,11 +30,11 @@ import contextlib
 import functools
 import inspect
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from modelsize.errors import MissingDependencyError
+from modelsize.estimation.patching import SharedPatch
 
 #: bitsandbytes' blockwise quantization block of optimizer states (``init_state``).
 BLOCK = 256
@@ -80,35 +80,15 @@ def paged_note(numels: Iterable[int]) -> str:
             "only under memory pressure")
 
 
-class _Patch:
-    """bitsandbytes.functional's two update functions replaced while traces for CPU run."""
+def _replacements() -> list[tuple[Any, str, Any]]:
+    """bitsandbytes.functional's two update functions, running the CPU kernels on fakes."""
+    from bitsandbytes import functional as F
+    from bitsandbytes.backends.cpu import ops
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0
-        self.saved: list[tuple[Any, str, Any]] = []
-
-    def acquire(self) -> None:
-        with self.lock:
-            if self.users == 0:
-                from bitsandbytes import functional as F
-                from bitsandbytes.backends.cpu import ops
-
-                pairs: tuple[tuple[str, Any], ...] = (("optimizer_update_8bit_blockwise",
-                          ops._optimizer_update_8bit_blockwise_cpu),
-                         ("optimizer_update_32bit", ops._optimizer_update_32bit_cpu))
-                self.saved = [(F, name, getattr(F, name)) for name, _ in pairs]
-                for (_, name, original), (_, kernel) in zip(self.saved, pairs, strict=True):
-                    setattr(F, name, _on_fakes(original, kernel))
-            self.users += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.users -= 1
-            if self.users == 0:
-                for module, name, value in self.saved:
-                    setattr(module, name, value)
-                self.saved = []
+    pairs: tuple[tuple[str, Any], ...] = (
+        ("optimizer_update_8bit_blockwise", ops._optimizer_update_8bit_blockwise_cpu),
+        ("optimizer_update_32bit", ops._optimizer_update_32bit_cpu))
+    return [(F, name, _on_fakes(getattr(F, name), kernel)) for name, kernel in pairs]
 
 
 def _on_fakes(original: Callable[..., None], kernel: Callable[..., None]) -> Callable[..., None]:
@@ -137,7 +117,7 @@ def _on_fakes(original: Callable[..., None], kernel: Callable[..., None]) -> Cal
     return update
 
 
-_PATCH = _Patch()
+_PATCH = SharedPatch(_replacements)
 
 
 @contextlib.contextmanager

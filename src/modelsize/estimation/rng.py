@@ -26,12 +26,13 @@ estimate's note, which names both sizes (:data:`CUDA_STATE_BYTES`).
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+
+from modelsize.estimation.patching import SharedPatch
 
 #: Bytes of ``torch.cuda.get_rng_state()``: the Philox seed and offset (a CPU tensor).
 CUDA_STATE_BYTES = 16
@@ -49,32 +50,11 @@ def _counting_mode() -> Any:
     return mode if getattr(mode, "counts_real_kernels", False) else None
 
 
-class _Patch:
-    """``torch.get_rng_state`` / ``torch.set_rng_state`` replaced while a trace runs."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0
-        self.saved: list[tuple[Any, str, Any]] = []
-
-    def acquire(self) -> None:
-        with self.lock:
-            if self.users == 0:
-                get, put = torch.random.get_rng_state, torch.random.set_rng_state
-                self.saved = [(m, name, getattr(m, name)) for m in (torch, torch.random)
-                              for name in ("get_rng_state", "set_rng_state")]
-                for m in (torch, torch.random):
-                    setattr(m, "get_rng_state", _get(get))  # noqa: B010 (mypy: module attrs)
-                    setattr(m, "set_rng_state", _set(put))  # noqa: B010
-            self.users += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.users -= 1
-            if self.users == 0:
-                for m, name, value in self.saved:
-                    setattr(m, name, value)
-                self.saved = []
+def _replacements() -> list[tuple[Any, str, Any]]:
+    """``get_rng_state`` / ``set_rng_state`` of ``torch`` and ``torch.random``, counted."""
+    get, put = torch.random.get_rng_state, torch.random.set_rng_state
+    return [(m, name, _get(get) if name == "get_rng_state" else _set(put))
+            for m in (torch, torch.random) for name in ("get_rng_state", "set_rng_state")]
 
 
 def host_note(copies: int) -> str:
@@ -108,7 +88,7 @@ def _set(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], N
     return set_rng_state
 
 
-_PATCH = _Patch()
+_PATCH = SharedPatch(_replacements)
 
 
 def acquire() -> None:
