@@ -676,26 +676,10 @@ def _as_a_real_run(mode: CountingFakeMode) -> Iterator[None]:
     keeps an all-ones attention mask. The trace is of the real run, whose values it computes
     where the inputs give them.
     """
-    try:
-        from transformers.utils import import_utils
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    original = getattr(import_utils, "is_fake_tensor", None)
-    if original is None:
-        yield
-        return
+    from modelsize.estimation.trace import transformers_sees_real
 
-    def is_fake_tensor(x: Any) -> bool:
-        if isinstance(x, FakeTensor) and x.fake_mode is mode:
-            return False
-        return bool(original(x))
-
-    import_utils.is_fake_tensor = is_fake_tensor
-    try:
+    with transformers_sees_real(lambda x: x.fake_mode is mode):
         yield
-    finally:
-        import_utils.is_fake_tensor = original
 
 
 @contextlib.contextmanager

@@ -311,6 +311,14 @@ def real_run_branches(values: RealValues) -> Iterator[None]:
     Where the value is known, the real run's branch is traced (its test reads the twins);
     where it is not (meta inputs), transformers' traced branch stays.
     """
+    with transformers_sees_real(lambda x: values.value_of(x) is not None):
+        yield
+
+
+@contextlib.contextmanager
+def transformers_sees_real(real: Callable[[FakeTensor], bool]) -> Iterator[None]:
+    """transformers' ``is_fake_tensor`` (behind ``is_tracing``) false for the fake tensors
+    ``real`` accepts, as it is for the real run's tensors; unchanged for any other."""
     try:
         from transformers.utils import import_utils
     except ImportError:
@@ -322,7 +330,7 @@ def real_run_branches(values: RealValues) -> Iterator[None]:
         return
 
     def is_fake_tensor(x: Any) -> bool:
-        if isinstance(x, FakeTensor) and values.value_of(x) is not None:
+        if isinstance(x, FakeTensor) and real(x):
             return False
         return bool(original(x))
 
