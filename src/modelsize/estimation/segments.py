@@ -64,6 +64,20 @@ class Refused(Exception):
     """A call cannot be replayed from its record (the reason is the message)."""
 
 
+def allocations_of_call(mode: CountingFakeMode, first: int, t0: int,
+                        t1: int) -> list[Allocation]:
+    """The allocations a call made (``mode.allocations[first:]``), each within its ticks
+    ``(t0, t1]`` in order, of the current phase and on the device; :class:`Refused` else."""
+    phase = len(mode.phases) - 1
+    internal = mode.allocations[first:]
+    last = t0
+    for r in internal:
+        if not t0 < r.created <= t1 or r.created < last or r.phase != phase or r.host:
+            raise Refused("an allocation outside the call's ticks")
+        last = r.created
+    return internal
+
+
 @dataclass
 class Plan:
     """What a replay needs besides the numbers (the structure, in usable form)."""
@@ -406,14 +420,8 @@ class Recorder:
             raise Refused("a library's first call or an RNG copy in the call")
         if module_state(modules) != entry.modules:
             raise Refused("the call changed a module's attributes")
-        phase = len(mode.phases) - 1
-        internal = mode.allocations[entry.allocs:]
+        internal = allocations_of_call(mode, entry.allocs, t0, t1)
         index_of = {id(r): i for i, r in enumerate(internal)}
-        last = t0
-        for r in internal:
-            if not t0 < r.created <= t1 or r.created < last or r.phase != phase or r.host:
-                raise Refused("an allocation outside the call's ticks")
-            last = r.created
         for r, nbytes in entry.live:
             if r.freed < 0 and r.nbytes != nbytes:
                 raise Refused("an earlier storage resized in the call")

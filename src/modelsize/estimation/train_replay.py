@@ -51,6 +51,7 @@ from modelsize.estimation.segments import (
     _Opaque,
     _state_leaves,
     _TensorLeaf,
+    allocations_of_call,
     denormalize,
     get,
     module_name,
@@ -327,14 +328,8 @@ def record_forward(mode: CountingFakeMode, block: nn.Module, prefix: str,
     t0, t1 = start.tick, mode.tick
     if len(mode.first_calls) != start.first_calls or mode.host_rng_copies != start.host_rng:
         raise Refused("a library's first call or an RNG copy in the call")
-    phase = len(mode.phases) - 1
-    internal = mode.allocations[start.allocs:]
+    internal = allocations_of_call(mode, start.allocs, t0, t1)
     index_of = {id(r): i for i, r in enumerate(internal)}
-    last = t0
-    for r in internal:
-        if not t0 < r.created <= t1 or r.created < last or r.phase != phase or r.host:
-            raise Refused("an allocation outside the call's ticks")
-        last = r.created
     found: list[torch.Tensor] = []
     spec = _output_spec(out, found)
     if len(found) != 1 or not found[0].requires_grad or found[0].layout is not torch.strided:
