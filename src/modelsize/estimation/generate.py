@@ -755,9 +755,10 @@ def _no_cycle_collection() -> Iterator[None]:
     """The cycle collector off for the trace, as it is for a measured run
     (:func:`modelsize.estimation.verify.allocator_events`): storages held in reference cycles
     (transformers leaves some, the cache among them) are freed when they are in the real run,
-    never at a random tick."""
+    never at a random tick. No collection first: what an earlier program left in cycles is
+    not this trace's (its storages are another mode's) and stays uncollected until the end,
+    where a full collection would cost 0.1-0.2 s in a process that imported transformers."""
     enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         yield

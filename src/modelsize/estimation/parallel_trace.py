@@ -70,6 +70,7 @@ from modelsize.estimation.trace import (
     caller,
     checkpointed,
     default_loss,
+    heap_out_of_sight,
     hf_checkpointing,
     trace_program,
     training_flags,
@@ -623,6 +624,7 @@ def run_rank_trace(
     mode.real_values = values
     args, kwargs = _fake_inputs(inputs, copier, {}, mode, values)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(heap_out_of_sight())
         mesh = stack.enter_context(fake_process_group(world, rank, layout.mesh_tp))
         if layout.mesh_tp > 1:
             stack.enter_context(_real_meshes())

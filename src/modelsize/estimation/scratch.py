@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from modelsize.estimation import flash
+from modelsize.estimation import flash, probe_cache
 
 #: Probes run real kernels; above this many bytes of real memory they scale the batch down.
 PROBE_BUDGET = 64 * 2**20
@@ -145,6 +145,8 @@ class ScratchModels:
     not otherwise modelled), or None."""
     onednn_matmul: frozenset[torch.dtype] = frozenset()
     """The dtypes whose CPU matmuls run through oneDNN on this machine (:func:`onednn_matmul`)."""
+    _said: list[str] | None = None
+    """The notes the probe now running gave (kept with its answer)."""
     costs: dict[Any, Callable[[Sequence[Any]], KernelCost | None]] = field(default_factory=dict)
     """Analytic models that also correct outputs (CUDA kernels: their workspaces, the
     outputs a meta kernel sizes differently)."""
@@ -221,13 +223,44 @@ class ScratchModels:
                *(_signature(a) for a in args),
                *sorted((k, _signature(v)) for k, v in kwargs.items()))
         if key not in self.cache:
-            self.cache[key] = self._probe(func, args, kwargs, out, probe)
+            self.cache[key] = self._shared_probe(key, func, args, kwargs, out, probe)
         cost = self.cache[key]
         if cost is not None and cost.scratch and probe.note:
             first = next((a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)), None)
             dtype = str(first.dtype).replace("torch.", "") if first is not None else "?"
             _note(self.notes, probe.note.format(dtype=dtype))
         return cost
+
+    def _shared_probe(self, key: tuple[Any, ...], func: Any, args: Sequence[Any],
+                      kwargs: dict[str, Any], out: Any, probe: Probe) -> KernelCost | None:
+        """:meth:`_probe`, answered from an earlier probe of the same call under the same
+        settings where there is one, in this process or on this machine
+        (:mod:`modelsize.estimation.probe_cache`); the notes it gave are given again."""
+        text = probe_cache.key((self.device_type, sorted(map(str, self.onednn_matmul)),
+                                torch.get_num_threads(), torch.backends.mkldnn.is_available()
+                                and torch.backends.mkldnn.enabled, PROBE_BUDGET, PROBE_LIMIT,
+                                key))
+        known = probe_cache.lookup(text) if text is not None else None
+        if known is None:
+            runs, self._said = self.probes_run, []
+            try:
+                cost = self._probe(func, args, kwargs, out, probe)
+                known = (None if cost is None else [
+                    cost.scratch, list(cost.output_nbytes), list(cost.order), list(cost.parts)],
+                    tuple(self._said), self.probes_run - runs)
+            finally:
+                self._said = None
+            if text is not None and not torch.autograd.profiler._is_profiler_enabled:
+                probe_cache.store(text, known)  # (under a running profiler nothing ran)
+            return cost
+        fields, said, runs = known
+        self.probes_run += runs
+        for note in said:
+            _note(self.notes, note)
+        if fields is None:
+            return None
+        scratch, nbytes, order, parts = fields
+        return KernelCost(scratch, tuple(nbytes), tuple(order), tuple(parts))
 
     def _probe(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
                probe: Probe) -> KernelCost | None:
@@ -273,7 +306,10 @@ class ScratchModels:
     def _missing(self, func: Any, why: str, bound: int | None, verb: str = "probed") -> None:
         """Name an op whose scratch is not counted, with a bound on it when there is one."""
         tail = f"; up to {bound} bytes of it are not counted" if bound else ""
-        _note(self.notes, f"{func}: scratch not {verb} ({why}){tail}")
+        text = f"{func}: scratch not {verb} ({why}){tail}"
+        _note(self.notes, text)
+        if self._said is not None:
+            self._said.append(text)
 
 
 #: Ops whose ``Scalar`` overloads wrap the number in a tensor inside the kernel (measured).

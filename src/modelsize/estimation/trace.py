@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import gc
 import os
 import sysconfig
 import time
@@ -388,6 +389,24 @@ def _states(
     return params, buffers
 
 
+@contextlib.contextmanager
+def heap_out_of_sight() -> Iterator[None]:
+    """What lives before a trace (the imports, the caller's objects) kept out of the cycle
+    collector's passes during it (``gc.freeze``) and handed back after: a 70B trace makes
+    millions of objects, and every full pass would walk torch's and transformers' modules
+    again (0.9 s of its 10). Nothing is collected less: what the trace leaves in cycles is
+    new, and the frozen objects are collected as usual once thawed. A caller that froze the
+    heap itself keeps it frozen."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_trace(
     model: nn.Module,
     inputs: tuple[Any, ...] | Mapping[str, Any],
@@ -405,7 +424,8 @@ def run_trace(
     block_note = optim_note = ""
     while True:
         try:
-            trace = _run_trace(model, inputs, program, progress, blocks, optim)
+            with heap_out_of_sight():
+                trace = _run_trace(model, inputs, program, progress, blocks, optim)
             break
         except BlockRetrace as exc:
             if not blocks:
