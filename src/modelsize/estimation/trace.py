@@ -29,6 +29,7 @@ import fnmatch
 import functools
 import gc
 import os
+import sys
 import sysconfig
 import time
 import traceback
@@ -319,10 +320,11 @@ def real_run_branches(values: RealValues) -> Iterator[None]:
 @contextlib.contextmanager
 def transformers_sees_real(real: Callable[[FakeTensor], bool]) -> Iterator[None]:
     """transformers' ``is_fake_tensor`` (behind ``is_tracing``) false for the fake tensors
-    ``real`` accepts, as it is for the real run's tensors; unchanged for any other."""
-    try:
-        from transformers.utils import import_utils
-    except ImportError:
+    ``real`` accepts, as it is for the real run's tensors; unchanged for any other. Only
+    where transformers is imported already (a model of its own imported it): importing it for
+    another model's trace would cost a second."""
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    if import_utils is None:
         yield
         return
     original = getattr(import_utils, "is_fake_tensor", None)
