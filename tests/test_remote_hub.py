@@ -3,12 +3,8 @@ server that speaks enough of the Hub's HTTP interface for huggingface_hub itself
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import json
-import re
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,84 +13,7 @@ import pytest
 
 from modelsize.cli import main
 from modelsize.remote import inspect_remote
-
-TOKEN = "hf_test_token"
-COMMIT = "c0ffee" + "0" * 34
-
-
-class _Hub(http.server.BaseHTTPRequestHandler):
-    """``/api/models/ORG/REPO/revision/REV`` (siblings with sizes) and
-    ``/ORG/REPO/resolve/REV/PATH`` (HEAD, GET with Range) for the repos under ``root``."""
-
-    root: Path
-    log: list[tuple[str, int]]
-    gated: set[str]
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: bytes, extra: dict[str, str] | None = None,
-              head: bool = False) -> None:
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-        self.log.append((self.path, 0 if head else len(body)))
-
-    def _route(self, head: bool) -> None:
-        path = self.path.split("?", 1)[0]
-        listing = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
-        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-        match = listing or resolve
-        if match is None:
-            self._send(404, b"{}", head=head)
-            return
-        repo = match.group(1)
-        if repo in self.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
-            self._send(401, b'{"error": "Access to model is restricted"}', head=head)
-            return
-        folder = self.root / repo
-        if listing:
-            files = sorted(p for p in folder.rglob("*") if p.is_file())
-            siblings = [{"rfilename": p.relative_to(folder).as_posix(),
-                         "size": p.stat().st_size} for p in files]
-            self._send(200, json.dumps({"id": repo, "modelId": repo, "sha": COMMIT,
-                                        "siblings": siblings}).encode(),
-                       {"Content-Type": "application/json"}, head)
-            return
-        target = folder / resolve.group(3)  # type: ignore[union-attr]
-        if not target.is_file():
-            self._send(404, b"not found", {"X-Error-Code": "EntryNotFound"}, head)
-            return
-        size = target.stat().st_size
-        etag = hashlib.sha256(target.read_bytes()).hexdigest()
-        meta = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
-        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-        if head or not m:
-            self.send_response(200)
-            for k, v in meta.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(size))
-            self.end_headers()
-            if not head:
-                self.wfile.write(target.read_bytes())
-            self.log.append((self.path, 0 if head else size))
-            return
-        start = int(m.group(1))
-        stop = min(int(m.group(2) or size - 1), size - 1)
-        with open(target, "rb") as fh:
-            fh.seek(start)
-            body = fh.read(stop - start + 1)
-        self._send(206, body, {**meta, "Content-Range": f"bytes {start}-{stop}/{size}"})
-
-    def do_GET(self) -> None:
-        self._route(head=False)
-
-    def do_HEAD(self) -> None:
-        self._route(head=True)
+from tests.loopback_hub import COMMIT, TOKEN, serve
 
 
 def _shard(path: Path, names: list[str], numel: int) -> int:
@@ -137,15 +56,11 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def hub(repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    handler = type("H", (_Hub,), {"root": repos, "log": [], "gated": {"org/gated"}})
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{httpd.server_address[1]}")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    yield handler
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(repos, gated={"org/gated"}) as handler:
+        monkeypatch.setenv("HF_ENDPOINT", handler.endpoint)  # type: ignore[attr-defined]
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        yield handler
 
 
 def test_huggingface_hub_itself_works_against_the_loopback_hub(hub: Any, tmp_path: Path,
