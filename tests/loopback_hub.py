@@ -7,7 +7,11 @@ Shared by tests/test_remote_hub.py and benchmarks/remote.py. Repositories are fo
 
 * ``/api/models/ORG/REPO[/revision/REV]``: the model's info, ``siblings`` with sizes;
 * ``/api/models/ORG/REPO/tree/REV[?recursive=true]``: the file list as hf-mem reads it;
-* ``/ORG/REPO/resolve/REV/PATH``: HEAD, GET, GET with ``Range`` (206 and ``Content-Range``).
+* ``/ORG/REPO/resolve/REV/PATH``: HEAD, GET, GET with ``Range`` (206 and ``Content-Range``);
+  with ``cdn`` set, the weights (the Hub's LFS files) answer 302 to
+  ``http://localhost:PORT/cdn/ORG/REPO/PATH`` instead, another host name for the same server,
+  as the Hub sends them to its CDN (``X-Linked-Size`` and ``X-Linked-Etag`` on the 302); the
+  ``Authorization`` header each CDN request carried is appended to ``cdn_auth``.
 
 A repository in ``gated`` answers 401 without ``Authorization: Bearer TOKEN``. ``latency``
 seconds are waited before each answer, and once more when a connection opens (the TCP
@@ -31,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 TOKEN = "hf_test_token"
+#: Files the Hub stores in LFS: with ``cdn`` set, their downloads are redirected.
+LFS = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".onnx", ".h5")
 COMMIT = "c0ffee" + "0" * 34
 
 
@@ -42,6 +48,8 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
     log: list[tuple[str, int]]
     gated: set[str]
     latency: float = 0.0
+    cdn: bool = False
+    cdn_auth: list[str | None]
     connections: list[int]
 
     def log_message(self, *args: Any) -> None:
@@ -69,12 +77,17 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         listing = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path)
         resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        cdn = re.fullmatch(r"/cdn/([^/]+/[^/]+)/()(.+)", path)
+        if cdn:
+            self.cdn_auth.append(self.headers.get("Authorization"))
+            resolve = cdn
         match = listing or tree or resolve
         if match is None:
             self._send(404, b"{}", head=head)
             return
         repo = match.group(1)
-        if repo in self.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
+        if (repo in self.gated and not cdn
+                and self.headers.get("Authorization") != f"Bearer {TOKEN}"):
             self._send(401, b'{"error": "Access to model is restricted"}', head=head)
             return
         folder = self.root / repo
@@ -99,6 +112,12 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         # a stable tag without hashing the whole file on every request
         etag = hashlib.sha256(f"{target}:{size}:{st.st_mtime_ns}".encode()).hexdigest()
         meta = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        if self.cdn and not cdn and target.suffix in LFS:
+            port = self.server.server_address[1]
+            self._send(302, b"", {**meta, "X-Linked-Size": str(size), "X-Linked-Etag":
+                                  f'"{etag}"', "Location": f"http://localhost:{port}/cdn/"
+                                  f"{repo}/{match.group(3)}"}, head)
+            return
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
         if head or not m:
             self.send_response(200)
@@ -131,13 +150,14 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 @contextmanager
-def serve(root: Path, gated: set[str] | None = None, latency: float = 0.0
-          ) -> Iterator[type[HubHandler]]:
+def serve(root: Path, gated: set[str] | None = None, latency: float = 0.0,
+          cdn: bool = False) -> Iterator[type[HubHandler]]:
     """Serve the repositories under ``root`` on a loopback port until the context ends; the
-    handler class it yields carries ``endpoint`` (the base URL), ``log`` and
-    ``connections``."""
+    handler class it yields carries ``endpoint`` (the base URL), ``log``, ``connections``
+    and ``cdn_auth``."""
     handler = type("Hub", (HubHandler,), {"root": root, "log": [], "gated": set(gated or ()),
-                                          "latency": latency, "connections": []})
+                                          "latency": latency, "cdn": cdn, "cdn_auth": [],
+                                          "connections": []})
     httpd = _Server(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     handler.endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"  # type: ignore[attr-defined]

@@ -135,3 +135,24 @@ def test_one_file_and_a_revision(hub: Any) -> None:
     assert [t.name for t in remote.report.inventory.tensors] == [
         f"model.layers.1.w{i}" for i in range(4)]
     assert remote.stats.requests == 2  # the listing, the shard's first 64 KiB
+
+
+def test_a_repository_is_read_over_a_few_kept_connections(hub: Any) -> None:
+    from modelsize import remote
+
+    inspect_remote("hf://org/sharded")
+    assert len(hub.log) == 1 + 2 + 8
+    # one connection per worker at most (and the listing's), not one per request
+    assert len(hub.connections) <= remote._FILE_WORKERS + 1
+
+
+def test_weights_redirected_to_a_cdn_are_fetched_there_without_the_token(
+        repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with serve(repos, gated={"org/gated"}, cdn=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)  # type: ignore[attr-defined]
+        remote = inspect_remote("hf://org/gated")
+    assert len(remote.report.inventory.tensors) == 32
+    assert hub.cdn_auth == [None] * 8  # the token stays with the Hub's host
+    assert remote.stats.requests == 1 + 2 + 8  # a redirect is part of its request

@@ -33,6 +33,7 @@ a remote file name the URL as the input of their fix and put its output in the c
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -45,6 +46,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -93,6 +95,144 @@ class RemoteError(InputError):
     """A remote file that cannot be inspected (one line, exit 2)."""
 
 
+#: Redirects followed for one request (the Hub sends weights to its CDN: one).
+_MAX_REDIRECTS = 10
+
+
+class Reply:
+    """One HTTP answer: its status, reason and headers, its body read on demand;
+    :meth:`release` gives its connection back when the body was read whole, else closes
+    it (an answer not read, such as a whole file sent for a range, is hung up on)."""
+
+    def __init__(self, status: int, reason: str, headers: Any, body: Any,
+                 release: Callable[[], None]) -> None:
+        self.status, self.reason, self.headers = status, reason, headers
+        self._body = body
+        self.release = release
+
+    def read(self, n: int) -> bytes:
+        """At most ``n`` bytes of the body."""
+        return bytes(self._body.read(n))
+
+
+def _close_all(idle: dict[tuple[str, str], list[http.client.HTTPConnection]],
+               lock: threading.Lock) -> None:
+    with lock:
+        conns = [c for group in idle.values() for c in group]
+        idle.clear()
+    for conn in conns:
+        conn.close()
+
+
+class Connections:
+    """Keep-alive HTTP(S) connections shared by the threads of one remote inspection.
+
+    A request takes an idle connection to its host or opens one, and gives it back once its
+    answer has been read whole: a repository's hundred header reads cost a few connections
+    (a TCP and a TLS handshake each, round trips a header read does not need to pay again).
+    Redirects are followed, ``Authorization`` not sent to another host (the Hub sends weights
+    to its CDN). With a proxy set in the environment requests go through urllib, which
+    honours it, one connection each."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._idle, self._lock)
+
+    def close(self) -> None:
+        """Close the idle connections (those in use close when their answer is done)."""
+        _close_all(self._idle, self._lock)
+
+    def open(self, url: str, headers: dict[str, str]) -> Reply:
+        """GET ``url`` with ``headers``: the final answer, redirects followed. A refused
+        connection or an unknown host is ``urllib.error.URLError`` (as urllib raises it);
+        a dropped connection, a timeout, a malformed answer the ``OSError`` or
+        ``http.client.HTTPException`` the socket gives."""
+        headers = dict(headers)
+        for _hop in range(_MAX_REDIRECTS + 1):
+            parts = urllib.parse.urlsplit(url)
+            scheme = parts.scheme.lower()
+            if scheme not in ("http", "https"):
+                raise urllib.error.URLError(f"a redirect to {scheme}://, not HTTP")
+            if _proxied(scheme, parts.hostname or ""):
+                return _urllib_reply(url, headers)
+            key = (scheme, parts.netloc)
+            target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+            resp, conn = self._send(key, target, headers)
+            location = resp.getheader("Location")
+            if resp.status in (301, 302, 303, 307, 308) and location:
+                resp.read(64 * 1024)
+                self._give(key, conn, resp)
+                nxt = urllib.parse.urljoin(url, location)
+                if urllib.parse.urlsplit(nxt).netloc != parts.netloc:
+                    headers = {k: v for k, v in headers.items()
+                               if k.lower() != "authorization"}
+                url = nxt
+                continue
+            return Reply(resp.status, resp.reason, resp.headers, resp,
+                         functools.partial(self._give, key, conn, resp))
+        raise urllib.error.URLError(f"more than {_MAX_REDIRECTS} redirects")
+
+    def _send(self, key: tuple[str, str], target: str, headers: dict[str, str]
+              ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+        with self._lock:
+            idle = self._idle.get(key)
+            conn = idle.pop() if idle else None
+        if conn is not None:
+            try:
+                conn.request("GET", target, headers=headers)
+                return conn.getresponse(), conn
+            except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
+                conn.close()  # the server closed it while idle: once more, on a new one
+        conn = self._connect(key)
+        try:
+            conn.request("GET", target, headers=headers)
+            return conn.getresponse(), conn
+        except BaseException:
+            conn.close()
+            raise
+
+    def _connect(self, key: tuple[str, str]) -> http.client.HTTPConnection:
+        scheme, netloc = key
+        conn: http.client.HTTPConnection
+        if scheme == "https":
+            import ssl
+
+            conn = http.client.HTTPSConnection(netloc, timeout=TIMEOUT,
+                                               context=ssl.create_default_context())
+        else:
+            conn = http.client.HTTPConnection(netloc, timeout=TIMEOUT)
+        try:
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise urllib.error.URLError(exc) from None
+        return conn
+
+    def _give(self, key: tuple[str, str], conn: http.client.HTTPConnection,
+              resp: http.client.HTTPResponse) -> None:
+        if resp.isclosed() and not resp.will_close:
+            with self._lock:
+                self._idle.setdefault(key, []).append(conn)
+        else:
+            conn.close()
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    """Whether the environment sends requests for ``host`` through a proxy."""
+    return scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host)
+
+
+def _urllib_reply(url: str, headers: dict[str, str]) -> Reply:
+    """``url`` fetched by urllib (through the environment's proxy)."""
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        resp = urllib.request.urlopen(req, timeout=TIMEOUT)
+    except urllib.error.HTTPError as exc:
+        return Reply(exc.code, str(exc.reason), exc.headers, exc, exc.close)
+    return Reply(resp.status, resp.reason, resp.headers, resp, resp.close)
+
+
 @dataclass
 class Stats:
     """What reading a remote checkpoint cost."""
@@ -104,6 +244,9 @@ class Stats:
     budget: int = FETCH_BUDGET
     #: Files of a repository that the report's reader did not read (name, bytes): listed.
     others: list[tuple[str, int]] = field(default_factory=list)
+    #: The keep-alive connections the inspection's requests share.
+    connections: Connections = field(default_factory=lambda: Connections(), repr=False,
+                                     compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -191,32 +334,33 @@ class RangeSource:
         raise AssertionError("unreachable")
 
     def _http_once(self, start: int, stop: int) -> tuple[bytes, int]:
-        req = urllib.request.Request(self.url, headers={
-            **self.headers, "Range": f"bytes={start}-{stop - 1}",
-            "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"})
+        headers = {**self.headers, "Range": f"bytes={start}-{stop - 1}",
+                   "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"}
         try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-                with self._lock:
-                    self.stats.requests += 1
-                if resp.status != 206:
-                    raise RemoteError(
-                        f"{printable(self.url)}: the server ignores range requests (HTTP "
-                        f"{resp.status} instead of 206 for bytes {start}-{stop - 1}; none of "
-                        "its body was read), so inspecting it would mean downloading all of "
-                        "it: download it, then run modelsize on the file")
-                content_range = resp.headers.get("Content-Range", "")
-                total = self._check_range(content_range, start, stop)
-                data = resp.read(min(stop, total) - start + 1)
-        except urllib.error.HTTPError as exc:
+            reply = self.stats.connections.open(self.url, headers)
             with self._lock:
                 self.stats.requests += 1
-            if exc.code == 416 and start == 0:
-                return b"", 0  # an empty file
-            if exc.code in (401, 403) and self.url.startswith(hf_endpoint() + "/"):
-                raise RemoteError(token_needed(self.url, exc.code)) from None
-            if exc.code == 429 or exc.code >= 500:
-                raise _Retry(f"HTTP {exc.code} {exc.reason}") from None
-            raise RemoteError(f"{printable(self.url)}: HTTP {exc.code} {exc.reason}") from None
+            try:
+                if reply.status >= 400:
+                    code = reply.status
+                    if code == 416 and start == 0:
+                        return b"", 0  # an empty file
+                    if code in (401, 403) and self.url.startswith(hf_endpoint() + "/"):
+                        raise RemoteError(token_needed(self.url, code))
+                    if code == 429 or code >= 500:
+                        raise _Retry(f"HTTP {code} {reply.reason}")
+                    raise RemoteError(f"{printable(self.url)}: HTTP {code} {reply.reason}")
+                if reply.status != 206:
+                    raise RemoteError(
+                        f"{printable(self.url)}: the server ignores range requests (HTTP "
+                        f"{reply.status} instead of 206 for bytes {start}-{stop - 1}; none of "
+                        "its body was read), so inspecting it would mean downloading all of "
+                        "it: download it, then run modelsize on the file")
+                content_range = reply.headers.get("Content-Range", "")
+                total = self._check_range(content_range, start, stop)
+                data = reply.read(min(stop, total) - start + 1)
+            finally:
+                reply.release()
         except TimeoutError as exc:
             raise _Retry(f"no answer within {TIMEOUT:g} s ({exc})") from None
         except (ConnectionError, http.client.HTTPException) as exc:
@@ -538,6 +682,13 @@ def _fill(url: str, root: Path, fetch: Any) -> Remote:
     reports and the default output names follow them. The files a mirrored file's reader
     only sizes (external data, data shards) are created beside it, sparse."""
     stats = Stats(url)
+    try:
+        return _fill_with(url, root, fetch, stats)
+    finally:
+        stats.connections.close()
+
+
+def _fill_with(url: str, root: Path, fetch: Any, stats: Stats) -> Remote:
     if url.lower().startswith("hf://"):
         return _hf(url, root, stats, fetch)
     name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
@@ -781,19 +932,22 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
 
 
 def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = None,
-         http_error: Callable[[urllib.error.HTTPError], None] | None = None) -> bytes:
+         http_error: Callable[[int], None] | None = None) -> bytes:
     """GET ``url`` whole, at most ``limit`` bytes, counted in ``stats``. ``http_error`` may
     raise its own error for an HTTP error status first (the Hub's 401/403/404)."""
-    req = urllib.request.Request(url, headers={**(headers or {}),
-                                               "User-Agent": f"modelsize/{__version__}"})
     try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-            data = resp.read(limit + 1)
-    except urllib.error.HTTPError as exc:
-        if http_error is not None:
-            http_error(exc)
-        raise RemoteError(f"{printable(url)}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reply = stats.connections.open(url, {**(headers or {}),
+                                             "User-Agent": f"modelsize/{__version__}",
+                                             "Accept-Encoding": "identity"})
+        try:
+            if reply.status >= 400:
+                if http_error is not None:
+                    http_error(reply.status)
+                raise RemoteError(f"{printable(url)}: HTTP {reply.status} {reply.reason}")
+            data = reply.read(limit + 1)
+        finally:
+            reply.release()
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
     with _STATS_LOCK:
@@ -936,11 +1090,11 @@ def hub_get(url: str, stats: Stats, limit: int = MAX_REGION) -> bytes:
     """GET ``url`` whole (a listing, config.json, an index) with the Hub's headers, counted in
     ``stats``; a 401/403 says a token is needed, in one line."""
 
-    def refused(exc: urllib.error.HTTPError) -> None:
+    def refused(code: int) -> None:
         stats.requests += 1
-        if exc.code in (401, 403):
-            raise RemoteError(token_needed(url, exc.code)) from None
-        if exc.code == 404:
+        if code in (401, 403):
+            raise RemoteError(token_needed(url, code)) from None
+        if code == 404:
             raise RemoteError(f"{printable(url)}: HTTP 404: no such repository, revision or "
                               "file on the Hub (a private repository answers 404 without a "
                               "token: set HF_TOKEN)") from None
@@ -1042,6 +1196,13 @@ def hub_model_files(hub: HubRepo, stats: Stats) -> list[str]:
 def hub_snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
     """Fill ``dest`` with the repository's config.json, its index and a sparse mirror of each
     weights file (header regions only; the index's shards only); return the file names."""
+    try:
+        return _snapshot_headers(hub, dest, stats)
+    finally:
+        stats.connections.close()
+
+
+def _snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
     headers = hub_headers()
     files = hub_model_files(hub, stats)
     wanted = list(files)
