@@ -16,11 +16,14 @@ from modelsize.remote import inspect_remote
 from tests.loopback_hub import COMMIT, TOKEN, serve
 
 
-def _shard(path: Path, names: list[str], numel: int) -> int:
+def _shard(path: Path, names: list[str], numel: int,
+           metadata: dict[str, str] | None = None) -> int:
     """A safetensors shard of float32 tensors, written sparsely; returns its header size."""
-    header = {n: {"dtype": "F32", "shape": [numel],
-                  "data_offsets": [i * numel * 4, (i + 1) * numel * 4]}
-              for i, n in enumerate(names)}
+    header: dict[str, Any] = {n: {"dtype": "F32", "shape": [numel],
+                                  "data_offsets": [i * numel * 4, (i + 1) * numel * 4]}
+                              for i, n in enumerate(names)}
+    if metadata:
+        header["__metadata__"] = metadata
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as fh:
@@ -47,6 +50,14 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (folder / "tokenizer.json").write_bytes(b"{" + b" " * 3_000_000 + b"}")
     (folder / "README.md").write_text("# a model\n")
+    fat = root / "org" / "fat"  # a shard's header far longer than its names tell
+    fat.mkdir()
+    fat_map = {}
+    for s in range(2):
+        shard = f"model-{s + 1:05d}-of-00002.safetensors"
+        _shard(fat / shard, [f"w{s}"], 2**16, metadata={"notes": "x" * 40_000 * s})
+        fat_map[f"w{s}"] = shard
+    (fat / "model.safetensors.index.json").write_text(json.dumps({"weight_map": fat_map}))
     gated = root / "org" / "gated"
     gated.mkdir()
     for p in folder.iterdir():
@@ -97,6 +108,20 @@ def test_a_sharded_repository_is_one_report(hub: Any, repos: Path) -> None:
     # 512 MiB of weights and a 3 MB tokenizer: the headers only, in a few requests
     assert remote.stats.fetched < 1 * 2**20
     assert remote.stats.requests == len(hub.log) <= 1 + 2 + 8  # listing, 2 JSON, 8 shards
+    # the index's 4 names per shard: a header of under 1 KiB, fetched in one block each
+    assert [n for p, n in hub.log if p.endswith(".safetensors")] == [16 * 1024] * 8
+
+
+def test_a_header_longer_than_the_index_tells_costs_one_more_request(
+        hub: Any, repos: Path) -> None:
+    from modelsize import formats
+
+    remote = inspect_remote("hf://org/fat")
+    local = formats.read(repos / "org" / "fat")
+    assert remote.report.inventory.bytes_by_category == local.bytes_by_category
+    shards = [(p.rsplit("/", 1)[-1], n) for p, n in hub.log if p.endswith(".safetensors")]
+    assert sorted(shards)[0] == ("model-00001-of-00002.safetensors", 16 * 1024)
+    assert [n for p, n in shards if p.startswith("model-00002")] == [16 * 1024, 32 * 1024]
 
 
 def test_the_report_lists_every_file_by_size(hub: Any, capsys: Any) -> None:

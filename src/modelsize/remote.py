@@ -627,13 +627,15 @@ def _is_payload(name: str) -> bool:
 
 # -- sparse mirrors ---------------------------------------------------------------------------
 
-def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None
-           ) -> list[str]:
+def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None,
+           first: int = FIRST) -> list[str]:
     """Write every byte the reader of ``url`` needs into the sparse file ``dest`` of the same
-    size; return the names of the files beside it that the reader only sizes."""
+    size; return the names of the files beside it that the reader only sizes. The first
+    request fetches ``first`` bytes (a multiple of :data:`BLOCK`)."""
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        src = RangeSource(url, stats, headers, sink=lambda at, data: _pwrite(fd, data, at))
+        src = RangeSource(url, stats, headers, sink=lambda at, data: _pwrite(fd, data, at),
+                          first=first)
         os.ftruncate(fd, src.size)
         for offset, data in _regions(src, dest.name):
             _pwrite(fd, data, offset)
@@ -802,7 +804,7 @@ _MODEL_KINDS: tuple[tuple[str, ...], ...] = (
 #: JSON files up to this size are fetched whole (configs, indexes): readers read them.
 _SMALL_JSON = 1 * 2**20
 #: Concurrent requests across a repository's files.
-_FILE_WORKERS = 4
+_FILE_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -915,10 +917,22 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
         else:
             jobs.append((name, dest, "sized"))
 
+    # The safetensors index first: the names it gives each shard size the shard's first
+    # request to its header (a few KiB each, where a blind first read takes 64 KiB).
+    firsts: dict[str, int] = {}
+    index = next((j for j in jobs if j[2] == "whole"
+                  and j[0].endswith(".safetensors.index.json")), None)
+    if index is not None and len(weights) > 1:
+        jobs.remove(index)
+        raw = hub_get(hub.resolve_url(index[0]), stats, limit=_SMALL_JSON)
+        index[1].write_bytes(raw)
+        folder = index[0].rsplit("/", 1)[0] + "/" if "/" in index[0] else ""
+        firsts = {folder + shard: n for shard, n in header_sizes(raw).items()}
+
     def run(job: tuple[str, Path, str]) -> None:
         name, dest, how = job
-        if how == "mirror":
-            mirror(hub.resolve_url(name), dest, stats, headers)  # siblings: listed already
+        if how == "mirror":  # siblings: listed already
+            mirror(hub.resolve_url(name), dest, stats, headers, firsts.get(name, FIRST))
         elif how == "whole":
             dest.write_bytes(hub_get(hub.resolve_url(name), stats, limit=_SMALL_JSON))
         else:
@@ -929,6 +943,29 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
     with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
         list(pool.map(run, jobs))
     return Remote(url, local, stats, [hub.resolve_url(n) for n in names])
+
+
+#: Bytes a safetensors header spends on one tensor besides its name (dtype, shape, offsets:
+#: ``"x":{"dtype":"BF16","shape":[128256,8192],"data_offsets":[0,2101346304]},`` is 78),
+#: with room for spaces; and on its ``__metadata__``.
+_HEADER_PER_TENSOR = 128
+_HEADER_METADATA = 1024
+
+
+def header_sizes(index: bytes) -> dict[str, int]:
+    """The first request for each shard a safetensors index names: a whole number of
+    :data:`BLOCK` s over the header its tensor names imply, within [BLOCK, MAX_AHEAD] (an
+    index that is not one gives nothing: each shard is read as any file is)."""
+    try:
+        weight_map = json.loads(index)["weight_map"]
+        per: dict[str, int] = {}
+        for name, shard in weight_map.items():
+            per[shard] = per.get(shard, 8 + _HEADER_METADATA) + len(str(name).encode()) + (
+                _HEADER_PER_TENSOR)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+    return {shard: min(MAX_AHEAD, max(BLOCK, -(-n // BLOCK) * BLOCK))
+            for shard, n in per.items() if isinstance(shard, str)}
 
 
 def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = None,
@@ -1215,8 +1252,9 @@ def _snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise RemoteError(f"{hub.url}: {index} is not an index with a weight_map") from None
         wanted = ["config.json", index, *sorted(s for s in shards if "/" not in s)]
-    for name in wanted:
-        if name == "config.json" or name.endswith(".index.json"):
-            continue
-        mirror(hub.resolve_url(name), dest / name, stats, headers)
+    firsts = header_sizes((dest / index).read_bytes()) if index is not None else {}
+    to_mirror = [n for n in wanted if n != "config.json" and not n.endswith(".index.json")]
+    with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
+        list(pool.map(lambda name: mirror(hub.resolve_url(name), dest / name, stats, headers,
+                                          firsts.get(name, FIRST)), to_mirror))
     return wanted
