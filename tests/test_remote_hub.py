@@ -4,6 +4,7 @@ server that speaks enough of the Hub's HTTP interface for huggingface_hub itself
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,3 +182,52 @@ def test_weights_redirected_to_a_cdn_are_fetched_there_without_the_token(
     assert len(remote.report.inventory.tensors) == 32
     assert hub.cdn_auth == [None] * 8  # the token stays with the Hub's host
     assert remote.stats.requests == 1 + 2 + 8  # a redirect is part of its request
+
+
+@pytest.fixture(scope="module")
+def gguf_repos(repos: Path) -> Path:
+    """org/split: a GGUF split in 3 shards by gguf-py, and a README; org/one: one GGUF;
+    org/quants: two GGUF models (a split one and a single file)."""
+    from tests.formats.test_gguf_split import _split
+
+    shards = _split(repos / "org" / "split")
+    (repos / "org" / "split" / "README.md").write_text("# split\n")
+    (repos / "org" / "one").mkdir()
+    shutil.copy(shards[1], repos / "org" / "one" / "model-q4.gguf")
+    (repos / "org" / "one" / "README.md").write_text("# one\n")
+    _split(repos / "org" / "quants", "m-q4")
+    shutil.copy(shards[2], repos / "org" / "quants" / "m-q8.gguf")
+    return repos
+
+
+def test_a_split_gguf_repository_is_one_model(hub: Any, gguf_repos: Path) -> None:
+    from modelsize import formats
+
+    folder = gguf_repos / "org" / "split"
+    remote = inspect_remote("hf://org/split")
+    local = formats.read(sorted(folder.glob("*.gguf"))[0])
+    assert len(remote.report.inventory.tensors) == len(local.tensors) == 5
+    assert remote.report.inventory.bytes_by_category == local.bytes_by_category
+    assert dict(remote.stats.others) == {"README.md": 8}
+    assert remote.stats.requests == 1 + 3  # the listing, each shard's header in one
+
+
+def test_the_first_shard_by_url_brings_the_others(hub: Any, gguf_repos: Path) -> None:
+    first = "m-00001-of-00003.gguf"
+    for url in (f"hf://org/split/{first}", f"{hub.endpoint}/org/split/resolve/main/{first}"):
+        remote = inspect_remote(url)
+        assert len(remote.report.inventory.tensors) == 5
+        assert len(remote.report.inventory.files) == 3
+
+
+def test_a_repository_of_one_gguf_and_one_of_several(hub: Any, gguf_repos: Path,
+                                                     capsys: Any) -> None:
+    remote = inspect_remote("hf://org/one")
+    assert [t.name for t in remote.report.inventory.tensors] == ["blk.2.w", "blk.3.w"]
+    assert dict(remote.stats.others) == {"README.md": 6}
+    del hub.log[:]
+    assert main(["inspect", "hf://org/quants"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 2 GGUF models" in err
+    assert "hf://org/quants/m-q4-00001-of-00003.gguf" in err
+    assert not [p for p, _ in hub.log if p.endswith(".gguf")]  # refused before fetching

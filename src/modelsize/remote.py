@@ -669,6 +669,9 @@ class Remote:
     local: Path
     stats: Stats
     files: list[str] = field(default_factory=list)
+    #: The repository's folder when ``local`` is its one model file: its other files are
+    #: listed by size.
+    folder: Path | None = None
 
 
 @contextmanager
@@ -696,6 +699,9 @@ def _fill_with(url: str, root: Path, fetch: Any, stats: Stats) -> Remote:
     name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
     local = root / name
     urls = [url]
+    for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others too
+        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(shard)))
+        fetch(urls[-1], root / shard, stats)
     for sibling in fetch(url, local, stats) or ():
         dest = _beside(root, sibling, url)
         urls.append(urllib.parse.urljoin(url, urllib.parse.quote(sibling)))
@@ -884,6 +890,9 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
             return Remote(url, local, stats, [remote_url])
         folder = hub.path.rsplit("/", 1)[0] + "/" if "/" in hub.path else ""
         urls = [remote_url]
+        for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others
+            urls.append(hub.resolve_url(folder + shard))
+            mirror(urls[-1], root / _safe_name(shard), stats, headers)
         for sibling in mirror(remote_url, local, stats, headers):
             dest = _beside(root, sibling, url)
             urls.append(hub.resolve_url(folder + sibling))
@@ -901,6 +910,14 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
                    and (suffixes != (".bin",) or "model" in n.rsplit("/", 1)[-1])]
         if weights:
             break
+    if len(weights) > 1 and weights[0].lower().endswith(".gguf"):
+        models = gguf_models(weights)
+        if len(models) > 1:  # quantizations of one model, each a model of its own
+            shown = ", ".join(printable(m[len(prefix):], 60) for m in models[:4])
+            raise RemoteError(
+                f"{printable(url)}: holds {len(models)} GGUF models ({shown}"
+                f"{', ...' if len(models) > 4 else ''}): name one: "
+                f"{_hf_name(hub, models[0])}")
     local = root / _safe_name(hub.path.rsplit("/", 1)[-1] if hub.path
                               else hub.repo.split("/")[-1])
     local.mkdir()
@@ -942,7 +959,49 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
 
     with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
         list(pool.map(run, jobs))
-    return Remote(url, local, stats, [hub.resolve_url(n) for n in names])
+    urls = [hub.resolve_url(n) for n in names]
+    if len(weights) == 1 and not _is_model_folder(local):  # one model file, listed files
+        return Remote(url, local / weights[0][len(prefix):], stats, urls, folder=local)
+    return Remote(url, local, stats, urls)
+
+
+def _hf_name(hub: HubPath, name: str) -> str:
+    kind = "" if hub.kind == "models" else f"{hub.kind}/"
+    rev = "" if hub.revision == "main" else f"@{hub.revision}"
+    return f"hf://{kind}{hub.repo}{rev}/{printable(name, 120)}"
+
+
+def _is_model_folder(folder: Path) -> bool:
+    """Whether a reader reads ``folder`` as one model (an index, a config, a split GGUF)."""
+    from modelsize import formats
+    from modelsize.errors import UnknownFormatError
+    from modelsize.formats.base import Source
+
+    try:
+        formats.registry().for_source(Source.open(folder))
+    except UnknownFormatError:
+        return False
+    return True
+
+
+def split_gguf_rest(name: str) -> list[str]:
+    """The names of the other shards of the split GGUF whose first shard is ``name``."""
+    from modelsize.formats.gguf import shard_names
+
+    return [p.name for p in shard_names(Path(name))[1:]]
+
+
+def gguf_models(names: list[str]) -> list[str]:
+    """The GGUF models among ``names``: each file, a split model once (by its first shard)
+    when every shard is among the names."""
+    listed = set(names)
+    shards: set[str] = set()
+    for name in names:
+        folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+        rest = [folder + r for r in split_gguf_rest(name.rsplit("/", 1)[-1])]
+        if rest and all(r in listed for r in rest):
+            shards.update(rest)
+    return sorted(n for n in names if n not in shards)
 
 
 #: Bytes a safetensors header spends on one tensor besides its name (dtype, shape, offsets:
@@ -1084,11 +1143,12 @@ def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
         finally:
             READ_DATA.reset(token)
         inventory.facts[URL_FACT] = url
-        if remote.local.is_dir():
+        folder = remote.folder or (remote.local if remote.local.is_dir() else None)
+        if folder is not None:
             used = {os.path.abspath(f.path) for f in inventory.files}
             remote.stats.others = sorted(
-                ((p.relative_to(remote.local).as_posix(), p.stat().st_size)
-                 for p in remote.local.rglob("*")
+                ((p.relative_to(folder).as_posix(), p.stat().st_size)
+                 for p in folder.rglob("*")
                  if p.is_file() and os.path.abspath(p) not in used),
                 key=lambda item: (-item[1], item[0]))
         yield inventory, remote.stats, str(remote.local)
