@@ -430,6 +430,10 @@ class RangeSource:
         with self._lock:
             return all(b in self._cache for b in range(start // BLOCK, (stop - 1) // BLOCK + 1))
 
+    def _has_any(self, first: int, stop: int) -> bool:
+        with self._lock:
+            return any(b in self._cache for b in range(first, stop))
+
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` (clipped to the file), from the cache or fetched."""
         stop = min(stop, self.size)
@@ -449,6 +453,9 @@ class RangeSource:
             while j + 1 < len(missing) and missing[j + 1] == missing[j] + 1:
                 j += 1
             lo_b, hi_b = missing[i], missing[j] + 1
+            if (self._next < lo_b <= self._next + self._ahead
+                    and not self._has_any(self._next, lo_b)):
+                lo_b = self._next  # a skip shorter than the read-ahead: read through it
             if lo_b == self._next:  # reading on from the last fetch: read ahead
                 self._ahead = min(self._ahead * 2, MAX_AHEAD // BLOCK)
                 hi_b = max(hi_b, lo_b + self._ahead)
