@@ -231,3 +231,15 @@ def test_a_repository_of_one_gguf_and_one_of_several(hub: Any, gguf_repos: Path,
     assert err.count("\n") == 1 and "holds 2 GGUF models" in err
     assert "hf://org/quants/m-q4-00001-of-00003.gguf" in err
     assert not [p for p, _ in hub.log if p.endswith(".gguf")]  # refused before fetching
+
+
+def test_later_reads_of_a_redirected_file_go_to_the_cdn_directly(
+        repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    with serve(repos, cdn=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)  # type: ignore[attr-defined]
+        remote = inspect_remote("hf://org/fat")
+    assert len(remote.report.inventory.tensors) == 2
+    second = ["cdn" if p.startswith("/cdn/") else "resolve" for p, _ in hub.log
+              if "model-00002" in p]
+    assert second == ["resolve", "cdn", "cdn"]  # its header took 2 reads; 1 redirect

@@ -105,10 +105,12 @@ class Reply:
     it (an answer not read, such as a whole file sent for a range, is hung up on)."""
 
     def __init__(self, status: int, reason: str, headers: Any, body: Any,
-                 release: Callable[[], None]) -> None:
+                 release: Callable[[], None], url: str = "") -> None:
         self.status, self.reason, self.headers = status, reason, headers
         self._body = body
         self.release = release
+        #: The URL that answered (after redirects).
+        self.url = url
 
     def read(self, n: int) -> bytes:
         """At most ``n`` bytes of the body."""
@@ -170,7 +172,7 @@ class Connections:
                 url = nxt
                 continue
             return Reply(resp.status, resp.reason, resp.headers, resp,
-                         functools.partial(self._give, key, conn, resp))
+                         functools.partial(self._give, key, conn, resp), url)
         raise urllib.error.URLError(f"more than {_MAX_REDIRECTS} redirects")
 
     def _send(self, key: tuple[str, str], target: str, headers: dict[str, str]
@@ -218,6 +220,10 @@ class Connections:
             conn.close()
 
 
+def _host(url: str) -> str:
+    return urllib.parse.urlsplit(url).netloc.lower()
+
+
 def _proxied(scheme: str, host: str) -> bool:
     """Whether the environment sends requests for ``host`` through a proxy."""
     return scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host)
@@ -229,8 +235,8 @@ def _urllib_reply(url: str, headers: dict[str, str]) -> Reply:
     try:
         resp = urllib.request.urlopen(req, timeout=TIMEOUT)
     except urllib.error.HTTPError as exc:
-        return Reply(exc.code, str(exc.reason), exc.headers, exc, exc.close)
-    return Reply(resp.status, resp.reason, resp.headers, resp, resp.close)
+        return Reply(exc.code, str(exc.reason), exc.headers, exc, exc.close, url)
+    return Reply(resp.status, resp.reason, resp.headers, resp, resp.close, resp.geturl())
 
 
 @dataclass
@@ -283,6 +289,7 @@ class RangeSource:
         self._fs: Any = None
         self._lock = _STATS_LOCK  # one lock: sources of one inspection share their Stats
         self._next = -1  # the block after the last one fetched (sequential read-ahead)
+        self._location: str | None = None  # the URL a redirect led to
         self._ahead = 1
         self.size = -1
         self.size = self._open()
@@ -336,11 +343,21 @@ class RangeSource:
     def _http_once(self, start: int, stop: int) -> tuple[bytes, int]:
         headers = {**self.headers, "Range": f"bytes={start}-{stop - 1}",
                    "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"}
+        # Where the first answer came from (the Hub's CDN): later reads go there directly,
+        # without the token when it is another host.
+        target = self._location or self.url
+        if target != self.url and _host(target) != _host(self.url):
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
         try:
-            reply = self.stats.connections.open(self.url, headers)
+            reply = self.stats.connections.open(target, headers)
             with self._lock:
                 self.stats.requests += 1
             try:
+                if reply.status >= 400 and target != self.url:
+                    self._location = None  # an expired CDN link: ask the first URL again
+                    raise _Retry(f"HTTP {reply.status} {reply.reason} from {_host(target)}")
+                if reply.url and reply.url != self.url:
+                    self._location = reply.url
                 if reply.status >= 400:
                     code = reply.status
                     if code == 416 and start == 0:
