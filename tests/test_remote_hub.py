@@ -243,3 +243,20 @@ def test_later_reads_of_a_redirected_file_go_to_the_cdn_directly(
     second = ["cdn" if p.startswith("/cdn/") else "resolve" for p, _ in hub.log
               if "model-00002" in p]
     assert second == ["resolve", "cdn", "cdn"]  # its header took 2 reads; 1 redirect
+
+
+def test_plain_org_repo_is_the_hub_unless_a_local_path_has_that_name(
+        hub: Any, repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", "org/sharded", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["path"] == "hf://org/sharded" and data["tensor_count"] == 32
+    local = tmp_path / "org" / "sharded"
+    local.mkdir(parents=True)
+    _shard(local / "model.safetensors", ["only"], 16)
+    del hub.log[:]
+    assert main(["inspect", "org/sharded", "--json"]) == 0  # the local folder
+    data = json.loads(capsys.readouterr().out)
+    assert data["path"] == "org/sharded" and data["tensor_count"] == 1
+    assert hub.log == []  # nothing asked of the Hub

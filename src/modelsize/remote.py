@@ -81,6 +81,18 @@ CHUNK = 16 * 2**20
 URL_FACT = "remote_url"
 
 
+#: ``ORG/REPO[@REVISION]``: how the Hub names a repository (``estimate`` reads it too).
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+
+
+def hub_url(text: str) -> str | None:
+    """``hf://ORG/REPO`` for a plain ``ORG/REPO[@REVISION]`` that names nothing on this
+    disk (a local file or folder of that name wins); else None."""
+    if "://" in text or not _HUB_NAME.fullmatch(text) or os.path.lexists(text):
+        return None
+    return "hf://" + text
+
+
 def is_remote(path: str | os.PathLike[str]) -> bool:
     """True for ``http(s)://``, ``hf://`` and other ``scheme://`` paths (not ``file://``)."""
     text = os.fspath(path)
