@@ -195,6 +195,17 @@ def test_a_3_gib_gguf_by_its_header_in_two_requests(server: Any) -> None:
     assert stats.requests <= 2
 
 
+def test_a_gguf_header_of_many_blocks_is_read_whole(server: Any) -> None:
+    # a vocabulary of 40,000 tokens: about 800 KB of header, far past the first request
+    header = _big_gguf(server.root / "vocab.gguf", n_tokens=40_000, n_tensors=50)
+    got, stats = _remote(server, "vocab.gguf")
+    assert got == _local(server.root / "vocab.gguf")
+    assert got["tensor_count"] == 50
+    assert header > 10 * 64 * 1024
+    assert stats.fetched < header * 2
+    assert stats.requests <= 8  # the read-ahead doubles: 64 KiB, 32, 64, 128... KiB
+
+
 def test_a_big_plain_pickle_skips_its_array_bytes(server: Any) -> None:
     arrays = {f"layer{i}": np.zeros((256, 1024), np.float32) for i in range(16)}  # 16 MiB
     with open(server.root / "weights.pkl", "wb") as fh:

@@ -3,12 +3,9 @@ server that speaks enough of the Hub's HTTP interface for huggingface_hub itself
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import json
-import re
+import shutil
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,91 +14,17 @@ import pytest
 
 from modelsize.cli import main
 from modelsize.remote import inspect_remote
-
-TOKEN = "hf_test_token"
-COMMIT = "c0ffee" + "0" * 34
+from tests.loopback_hub import COMMIT, TOKEN, serve
 
 
-class _Hub(http.server.BaseHTTPRequestHandler):
-    """``/api/models/ORG/REPO/revision/REV`` (siblings with sizes) and
-    ``/ORG/REPO/resolve/REV/PATH`` (HEAD, GET with Range) for the repos under ``root``."""
-
-    root: Path
-    log: list[tuple[str, int]]
-    gated: set[str]
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: bytes, extra: dict[str, str] | None = None,
-              head: bool = False) -> None:
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-        self.log.append((self.path, 0 if head else len(body)))
-
-    def _route(self, head: bool) -> None:
-        path = self.path.split("?", 1)[0]
-        listing = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
-        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-        match = listing or resolve
-        if match is None:
-            self._send(404, b"{}", head=head)
-            return
-        repo = match.group(1)
-        if repo in self.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
-            self._send(401, b'{"error": "Access to model is restricted"}', head=head)
-            return
-        folder = self.root / repo
-        if listing:
-            files = sorted(p for p in folder.rglob("*") if p.is_file())
-            siblings = [{"rfilename": p.relative_to(folder).as_posix(),
-                         "size": p.stat().st_size} for p in files]
-            self._send(200, json.dumps({"id": repo, "modelId": repo, "sha": COMMIT,
-                                        "siblings": siblings}).encode(),
-                       {"Content-Type": "application/json"}, head)
-            return
-        target = folder / resolve.group(3)  # type: ignore[union-attr]
-        if not target.is_file():
-            self._send(404, b"not found", {"X-Error-Code": "EntryNotFound"}, head)
-            return
-        size = target.stat().st_size
-        etag = hashlib.sha256(target.read_bytes()).hexdigest()
-        meta = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
-        m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-        if head or not m:
-            self.send_response(200)
-            for k, v in meta.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(size))
-            self.end_headers()
-            if not head:
-                self.wfile.write(target.read_bytes())
-            self.log.append((self.path, 0 if head else size))
-            return
-        start = int(m.group(1))
-        stop = min(int(m.group(2) or size - 1), size - 1)
-        with open(target, "rb") as fh:
-            fh.seek(start)
-            body = fh.read(stop - start + 1)
-        self._send(206, body, {**meta, "Content-Range": f"bytes {start}-{stop}/{size}"})
-
-    def do_GET(self) -> None:
-        self._route(head=False)
-
-    def do_HEAD(self) -> None:
-        self._route(head=True)
-
-
-def _shard(path: Path, names: list[str], numel: int) -> int:
+def _shard(path: Path, names: list[str], numel: int,
+           metadata: dict[str, str] | None = None) -> int:
     """A safetensors shard of float32 tensors, written sparsely; returns its header size."""
-    header = {n: {"dtype": "F32", "shape": [numel],
-                  "data_offsets": [i * numel * 4, (i + 1) * numel * 4]}
-              for i, n in enumerate(names)}
+    header: dict[str, Any] = {n: {"dtype": "F32", "shape": [numel],
+                                  "data_offsets": [i * numel * 4, (i + 1) * numel * 4]}
+                              for i, n in enumerate(names)}
+    if metadata:
+        header["__metadata__"] = metadata
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as fh:
@@ -128,6 +51,14 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (folder / "tokenizer.json").write_bytes(b"{" + b" " * 3_000_000 + b"}")
     (folder / "README.md").write_text("# a model\n")
+    fat = root / "org" / "fat"  # a shard's header far longer than its names tell
+    fat.mkdir()
+    fat_map = {}
+    for s in range(2):
+        shard = f"model-{s + 1:05d}-of-00002.safetensors"
+        _shard(fat / shard, [f"w{s}"], 2**16, metadata={"notes": "x" * 40_000 * s})
+        fat_map[f"w{s}"] = shard
+    (fat / "model.safetensors.index.json").write_text(json.dumps({"weight_map": fat_map}))
     gated = root / "org" / "gated"
     gated.mkdir()
     for p in folder.iterdir():
@@ -137,15 +68,11 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def hub(repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    handler = type("H", (_Hub,), {"root": repos, "log": [], "gated": {"org/gated"}})
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{httpd.server_address[1]}")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    yield handler
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(repos, gated={"org/gated"}) as handler:
+        monkeypatch.setenv("HF_ENDPOINT", handler.endpoint)  # type: ignore[attr-defined]
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        yield handler
 
 
 def test_huggingface_hub_itself_works_against_the_loopback_hub(hub: Any, tmp_path: Path,
@@ -182,6 +109,20 @@ def test_a_sharded_repository_is_one_report(hub: Any, repos: Path) -> None:
     # 512 MiB of weights and a 3 MB tokenizer: the headers only, in a few requests
     assert remote.stats.fetched < 1 * 2**20
     assert remote.stats.requests == len(hub.log) <= 1 + 2 + 8  # listing, 2 JSON, 8 shards
+    # the index's 4 names per shard: a header of under 1 KiB, fetched in one block each
+    assert [n for p, n in hub.log if p.endswith(".safetensors")] == [16 * 1024] * 8
+
+
+def test_a_header_longer_than_the_index_tells_costs_one_more_request(
+        hub: Any, repos: Path) -> None:
+    from modelsize import formats
+
+    remote = inspect_remote("hf://org/fat")
+    local = formats.read(repos / "org" / "fat")
+    assert remote.report.inventory.bytes_by_category == local.bytes_by_category
+    shards = [(p.rsplit("/", 1)[-1], n) for p, n in hub.log if p.endswith(".safetensors")]
+    assert sorted(shards)[0] == ("model-00001-of-00002.safetensors", 16 * 1024)
+    assert [n for p, n in shards if p.startswith("model-00002")] == [16 * 1024, 32 * 1024]
 
 
 def test_the_report_lists_every_file_by_size(hub: Any, capsys: Any) -> None:
@@ -220,3 +161,102 @@ def test_one_file_and_a_revision(hub: Any) -> None:
     assert [t.name for t in remote.report.inventory.tensors] == [
         f"model.layers.1.w{i}" for i in range(4)]
     assert remote.stats.requests == 2  # the listing, the shard's first 64 KiB
+
+
+def test_a_repository_is_read_over_a_few_kept_connections(hub: Any) -> None:
+    from modelsize import remote
+
+    inspect_remote("hf://org/sharded")
+    assert len(hub.log) == 1 + 2 + 8
+    # one connection per worker at most (and the listing's), not one per request
+    assert len(hub.connections) <= remote._FILE_WORKERS + 1
+
+
+def test_weights_redirected_to_a_cdn_are_fetched_there_without_the_token(
+        repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with serve(repos, gated={"org/gated"}, cdn=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)  # type: ignore[attr-defined]
+        remote = inspect_remote("hf://org/gated")
+    assert len(remote.report.inventory.tensors) == 32
+    assert hub.cdn_auth == [None] * 8  # the token stays with the Hub's host
+    assert remote.stats.requests == 1 + 2 + 8  # a redirect is part of its request
+
+
+@pytest.fixture(scope="module")
+def gguf_repos(repos: Path) -> Path:
+    """org/split: a GGUF split in 3 shards by gguf-py, and a README; org/one: one GGUF;
+    org/quants: two GGUF models (a split one and a single file)."""
+    from tests.formats.test_gguf_split import _split
+
+    shards = _split(repos / "org" / "split")
+    (repos / "org" / "split" / "README.md").write_text("# split\n")
+    (repos / "org" / "one").mkdir()
+    shutil.copy(shards[1], repos / "org" / "one" / "model-q4.gguf")
+    (repos / "org" / "one" / "README.md").write_text("# one\n")
+    _split(repos / "org" / "quants", "m-q4")
+    shutil.copy(shards[2], repos / "org" / "quants" / "m-q8.gguf")
+    return repos
+
+
+def test_a_split_gguf_repository_is_one_model(hub: Any, gguf_repos: Path) -> None:
+    from modelsize import formats
+
+    folder = gguf_repos / "org" / "split"
+    remote = inspect_remote("hf://org/split")
+    local = formats.read(sorted(folder.glob("*.gguf"))[0])
+    assert len(remote.report.inventory.tensors) == len(local.tensors) == 5
+    assert remote.report.inventory.bytes_by_category == local.bytes_by_category
+    assert dict(remote.stats.others) == {"README.md": 8}
+    assert remote.stats.requests == 1 + 3  # the listing, each shard's header in one
+
+
+def test_the_first_shard_by_url_brings_the_others(hub: Any, gguf_repos: Path) -> None:
+    first = "m-00001-of-00003.gguf"
+    for url in (f"hf://org/split/{first}", f"{hub.endpoint}/org/split/resolve/main/{first}"):
+        remote = inspect_remote(url)
+        assert len(remote.report.inventory.tensors) == 5
+        assert len(remote.report.inventory.files) == 3
+
+
+def test_a_repository_of_one_gguf_and_one_of_several(hub: Any, gguf_repos: Path,
+                                                     capsys: Any) -> None:
+    remote = inspect_remote("hf://org/one")
+    assert [t.name for t in remote.report.inventory.tensors] == ["blk.2.w", "blk.3.w"]
+    assert dict(remote.stats.others) == {"README.md": 6}
+    del hub.log[:]
+    assert main(["inspect", "hf://org/quants"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 2 GGUF models" in err
+    assert "hf://org/quants/m-q4-00001-of-00003.gguf" in err
+    assert not [p for p, _ in hub.log if p.endswith(".gguf")]  # refused before fetching
+
+
+def test_later_reads_of_a_redirected_file_go_to_the_cdn_directly(
+        repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    with serve(repos, cdn=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)  # type: ignore[attr-defined]
+        remote = inspect_remote("hf://org/fat")
+    assert len(remote.report.inventory.tensors) == 2
+    second = ["cdn" if p.startswith("/cdn/") else "resolve" for p, _ in hub.log
+              if "model-00002" in p]
+    assert second == ["resolve", "cdn", "cdn"]  # its header took 2 reads; 1 redirect
+
+
+def test_plain_org_repo_is_the_hub_unless_a_local_path_has_that_name(
+        hub: Any, repos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", "org/sharded", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["path"] == "hf://org/sharded" and data["tensor_count"] == 32
+    local = tmp_path / "org" / "sharded"
+    local.mkdir(parents=True)
+    _shard(local / "model.safetensors", ["only"], 16)
+    del hub.log[:]
+    assert main(["inspect", "org/sharded", "--json"]) == 0  # the local folder
+    data = json.loads(capsys.readouterr().out)
+    assert data["path"] == "org/sharded" and data["tensor_count"] == 1
+    assert hub.log == []  # nothing asked of the Hub

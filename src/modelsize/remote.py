@@ -33,6 +33,7 @@ a remote file name the URL as the input of their fix and put its output in the c
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -45,6 +46,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -79,6 +81,18 @@ CHUNK = 16 * 2**20
 URL_FACT = "remote_url"
 
 
+#: ``ORG/REPO[@REVISION]``: how the Hub names a repository (``estimate`` reads it too).
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+
+
+def hub_url(text: str) -> str | None:
+    """``hf://ORG/REPO`` for a plain ``ORG/REPO[@REVISION]`` that names nothing on this
+    disk (a local file or folder of that name wins); else None."""
+    if "://" in text or not _HUB_NAME.fullmatch(text) or os.path.lexists(text):
+        return None
+    return "hf://" + text
+
+
 def is_remote(path: str | os.PathLike[str]) -> bool:
     """True for ``http(s)://``, ``hf://`` and other ``scheme://`` paths (not ``file://``)."""
     text = os.fspath(path)
@@ -93,6 +107,150 @@ class RemoteError(InputError):
     """A remote file that cannot be inspected (one line, exit 2)."""
 
 
+#: Redirects followed for one request (the Hub sends weights to its CDN: one).
+_MAX_REDIRECTS = 10
+
+
+class Reply:
+    """One HTTP answer: its status, reason and headers, its body read on demand;
+    :meth:`release` gives its connection back when the body was read whole, else closes
+    it (an answer not read, such as a whole file sent for a range, is hung up on)."""
+
+    def __init__(self, status: int, reason: str, headers: Any, body: Any,
+                 release: Callable[[], None], url: str = "") -> None:
+        self.status, self.reason, self.headers = status, reason, headers
+        self._body = body
+        self.release = release
+        #: The URL that answered (after redirects).
+        self.url = url
+
+    def read(self, n: int) -> bytes:
+        """At most ``n`` bytes of the body."""
+        return bytes(self._body.read(n))
+
+
+def _close_all(idle: dict[tuple[str, str], list[http.client.HTTPConnection]],
+               lock: threading.Lock) -> None:
+    with lock:
+        conns = [c for group in idle.values() for c in group]
+        idle.clear()
+    for conn in conns:
+        conn.close()
+
+
+class Connections:
+    """Keep-alive HTTP(S) connections shared by the threads of one remote inspection.
+
+    A request takes an idle connection to its host or opens one, and gives it back once its
+    answer has been read whole: a repository's hundred header reads cost a few connections
+    (a TCP and a TLS handshake each, round trips a header read does not need to pay again).
+    Redirects are followed, ``Authorization`` not sent to another host (the Hub sends weights
+    to its CDN). With a proxy set in the environment requests go through urllib, which
+    honours it, one connection each."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._idle, self._lock)
+
+    def close(self) -> None:
+        """Close the idle connections (those in use close when their answer is done)."""
+        _close_all(self._idle, self._lock)
+
+    def open(self, url: str, headers: dict[str, str]) -> Reply:
+        """GET ``url`` with ``headers``: the final answer, redirects followed. A refused
+        connection or an unknown host is ``urllib.error.URLError`` (as urllib raises it);
+        a dropped connection, a timeout, a malformed answer the ``OSError`` or
+        ``http.client.HTTPException`` the socket gives."""
+        headers = dict(headers)
+        for _hop in range(_MAX_REDIRECTS + 1):
+            parts = urllib.parse.urlsplit(url)
+            scheme = parts.scheme.lower()
+            if scheme not in ("http", "https"):
+                raise urllib.error.URLError(f"a redirect to {scheme}://, not HTTP")
+            if _proxied(scheme, parts.hostname or ""):
+                return _urllib_reply(url, headers)
+            key = (scheme, parts.netloc)
+            target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+            resp, conn = self._send(key, target, headers)
+            location = resp.getheader("Location")
+            if resp.status in (301, 302, 303, 307, 308) and location:
+                resp.read(64 * 1024)
+                self._give(key, conn, resp)
+                nxt = urllib.parse.urljoin(url, location)
+                if urllib.parse.urlsplit(nxt).netloc != parts.netloc:
+                    headers = {k: v for k, v in headers.items()
+                               if k.lower() != "authorization"}
+                url = nxt
+                continue
+            return Reply(resp.status, resp.reason, resp.headers, resp,
+                         functools.partial(self._give, key, conn, resp), url)
+        raise urllib.error.URLError(f"more than {_MAX_REDIRECTS} redirects")
+
+    def _send(self, key: tuple[str, str], target: str, headers: dict[str, str]
+              ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+        with self._lock:
+            idle = self._idle.get(key)
+            conn = idle.pop() if idle else None
+        if conn is not None:
+            try:
+                conn.request("GET", target, headers=headers)
+                return conn.getresponse(), conn
+            except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
+                conn.close()  # the server closed it while idle: once more, on a new one
+        conn = self._connect(key)
+        try:
+            conn.request("GET", target, headers=headers)
+            return conn.getresponse(), conn
+        except BaseException:
+            conn.close()
+            raise
+
+    def _connect(self, key: tuple[str, str]) -> http.client.HTTPConnection:
+        scheme, netloc = key
+        conn: http.client.HTTPConnection
+        if scheme == "https":
+            import ssl
+
+            conn = http.client.HTTPSConnection(netloc, timeout=TIMEOUT,
+                                               context=ssl.create_default_context())
+        else:
+            conn = http.client.HTTPConnection(netloc, timeout=TIMEOUT)
+        try:
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise urllib.error.URLError(exc) from None
+        return conn
+
+    def _give(self, key: tuple[str, str], conn: http.client.HTTPConnection,
+              resp: http.client.HTTPResponse) -> None:
+        if resp.isclosed() and not resp.will_close:
+            with self._lock:
+                self._idle.setdefault(key, []).append(conn)
+        else:
+            conn.close()
+
+
+def _host(url: str) -> str:
+    return urllib.parse.urlsplit(url).netloc.lower()
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    """Whether the environment sends requests for ``host`` through a proxy."""
+    return scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host)
+
+
+def _urllib_reply(url: str, headers: dict[str, str]) -> Reply:
+    """``url`` fetched by urllib (through the environment's proxy)."""
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        resp = urllib.request.urlopen(req, timeout=TIMEOUT)
+    except urllib.error.HTTPError as exc:
+        return Reply(exc.code, str(exc.reason), exc.headers, exc, exc.close, url)
+    return Reply(resp.status, resp.reason, resp.headers, resp, resp.close, resp.geturl())
+
+
 @dataclass
 class Stats:
     """What reading a remote checkpoint cost."""
@@ -104,6 +262,9 @@ class Stats:
     budget: int = FETCH_BUDGET
     #: Files of a repository that the report's reader did not read (name, bytes): listed.
     others: list[tuple[str, int]] = field(default_factory=list)
+    #: The keep-alive connections the inspection's requests share.
+    connections: Connections = field(default_factory=lambda: Connections(), repr=False,
+                                     compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -140,6 +301,7 @@ class RangeSource:
         self._fs: Any = None
         self._lock = _STATS_LOCK  # one lock: sources of one inspection share their Stats
         self._next = -1  # the block after the last one fetched (sequential read-ahead)
+        self._location: str | None = None  # the URL a redirect led to
         self._ahead = 1
         self.size = -1
         self.size = self._open()
@@ -191,32 +353,43 @@ class RangeSource:
         raise AssertionError("unreachable")
 
     def _http_once(self, start: int, stop: int) -> tuple[bytes, int]:
-        req = urllib.request.Request(self.url, headers={
-            **self.headers, "Range": f"bytes={start}-{stop - 1}",
-            "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"})
+        headers = {**self.headers, "Range": f"bytes={start}-{stop - 1}",
+                   "User-Agent": f"modelsize/{__version__}", "Accept-Encoding": "identity"}
+        # Where the first answer came from (the Hub's CDN): later reads go there directly,
+        # without the token when it is another host.
+        target = self._location or self.url
+        if target != self.url and _host(target) != _host(self.url):
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
         try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-                with self._lock:
-                    self.stats.requests += 1
-                if resp.status != 206:
-                    raise RemoteError(
-                        f"{printable(self.url)}: the server ignores range requests (HTTP "
-                        f"{resp.status} instead of 206 for bytes {start}-{stop - 1}; none of "
-                        "its body was read), so inspecting it would mean downloading all of "
-                        "it: download it, then run modelsize on the file")
-                content_range = resp.headers.get("Content-Range", "")
-                total = self._check_range(content_range, start, stop)
-                data = resp.read(min(stop, total) - start + 1)
-        except urllib.error.HTTPError as exc:
+            reply = self.stats.connections.open(target, headers)
             with self._lock:
                 self.stats.requests += 1
-            if exc.code == 416 and start == 0:
-                return b"", 0  # an empty file
-            if exc.code in (401, 403) and self.url.startswith(hf_endpoint() + "/"):
-                raise RemoteError(token_needed(self.url, exc.code)) from None
-            if exc.code == 429 or exc.code >= 500:
-                raise _Retry(f"HTTP {exc.code} {exc.reason}") from None
-            raise RemoteError(f"{printable(self.url)}: HTTP {exc.code} {exc.reason}") from None
+            try:
+                if reply.status >= 400 and target != self.url:
+                    self._location = None  # an expired CDN link: ask the first URL again
+                    raise _Retry(f"HTTP {reply.status} {reply.reason} from {_host(target)}")
+                if reply.url and reply.url != self.url:
+                    self._location = reply.url
+                if reply.status >= 400:
+                    code = reply.status
+                    if code == 416 and start == 0:
+                        return b"", 0  # an empty file
+                    if code in (401, 403) and self.url.startswith(hf_endpoint() + "/"):
+                        raise RemoteError(token_needed(self.url, code))
+                    if code == 429 or code >= 500:
+                        raise _Retry(f"HTTP {code} {reply.reason}")
+                    raise RemoteError(f"{printable(self.url)}: HTTP {code} {reply.reason}")
+                if reply.status != 206:
+                    raise RemoteError(
+                        f"{printable(self.url)}: the server ignores range requests (HTTP "
+                        f"{reply.status} instead of 206 for bytes {start}-{stop - 1}; none of "
+                        "its body was read), so inspecting it would mean downloading all of "
+                        "it: download it, then run modelsize on the file")
+                content_range = reply.headers.get("Content-Range", "")
+                total = self._check_range(content_range, start, stop)
+                data = reply.read(min(stop, total) - start + 1)
+            finally:
+                reply.release()
         except TimeoutError as exc:
             raise _Retry(f"no answer within {TIMEOUT:g} s ({exc})") from None
         except (ConnectionError, http.client.HTTPException) as exc:
@@ -286,6 +459,10 @@ class RangeSource:
         with self._lock:
             return all(b in self._cache for b in range(start // BLOCK, (stop - 1) // BLOCK + 1))
 
+    def _has_any(self, first: int, stop: int) -> bool:
+        with self._lock:
+            return any(b in self._cache for b in range(first, stop))
+
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` (clipped to the file), from the cache or fetched."""
         stop = min(stop, self.size)
@@ -305,6 +482,9 @@ class RangeSource:
             while j + 1 < len(missing) and missing[j + 1] == missing[j] + 1:
                 j += 1
             lo_b, hi_b = missing[i], missing[j] + 1
+            if (self._next < lo_b <= self._next + self._ahead
+                    and not self._has_any(self._next, lo_b)):
+                lo_b = self._next  # a skip shorter than the read-ahead: read through it
             if lo_b == self._next:  # reading on from the last fetch: read ahead
                 self._ahead = min(self._ahead * 2, MAX_AHEAD // BLOCK)
                 hi_b = max(hi_b, lo_b + self._ahead)
@@ -483,13 +663,15 @@ def _is_payload(name: str) -> bool:
 
 # -- sparse mirrors ---------------------------------------------------------------------------
 
-def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None
-           ) -> list[str]:
+def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None,
+           first: int = FIRST) -> list[str]:
     """Write every byte the reader of ``url`` needs into the sparse file ``dest`` of the same
-    size; return the names of the files beside it that the reader only sizes."""
+    size; return the names of the files beside it that the reader only sizes. The first
+    request fetches ``first`` bytes (a multiple of :data:`BLOCK`)."""
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        src = RangeSource(url, stats, headers, sink=lambda at, data: _pwrite(fd, data, at))
+        src = RangeSource(url, stats, headers, sink=lambda at, data: _pwrite(fd, data, at),
+                          first=first)
         os.ftruncate(fd, src.size)
         for offset, data in _regions(src, dest.name):
             _pwrite(fd, data, offset)
@@ -523,6 +705,9 @@ class Remote:
     local: Path
     stats: Stats
     files: list[str] = field(default_factory=list)
+    #: The repository's folder when ``local`` is its one model file: its other files are
+    #: listed by size.
+    folder: Path | None = None
 
 
 @contextmanager
@@ -538,11 +723,21 @@ def _fill(url: str, root: Path, fetch: Any) -> Remote:
     reports and the default output names follow them. The files a mirrored file's reader
     only sizes (external data, data shards) are created beside it, sparse."""
     stats = Stats(url)
+    try:
+        return _fill_with(url, root, fetch, stats)
+    finally:
+        stats.connections.close()
+
+
+def _fill_with(url: str, root: Path, fetch: Any, stats: Stats) -> Remote:
     if url.lower().startswith("hf://"):
         return _hf(url, root, stats, fetch)
     name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
     local = root / name
     urls = [url]
+    for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others too
+        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(shard)))
+        fetch(urls[-1], root / shard, stats)
     for sibling in fetch(url, local, stats) or ():
         dest = _beside(root, sibling, url)
         urls.append(urllib.parse.urljoin(url, urllib.parse.quote(sibling)))
@@ -651,7 +846,7 @@ _MODEL_KINDS: tuple[tuple[str, ...], ...] = (
 #: JSON files up to this size are fetched whole (configs, indexes): readers read them.
 _SMALL_JSON = 1 * 2**20
 #: Concurrent requests across a repository's files.
-_FILE_WORKERS = 4
+_FILE_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -731,6 +926,9 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
             return Remote(url, local, stats, [remote_url])
         folder = hub.path.rsplit("/", 1)[0] + "/" if "/" in hub.path else ""
         urls = [remote_url]
+        for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others
+            urls.append(hub.resolve_url(folder + shard))
+            mirror(urls[-1], root / _safe_name(shard), stats, headers)
         for sibling in mirror(remote_url, local, stats, headers):
             dest = _beside(root, sibling, url)
             urls.append(hub.resolve_url(folder + sibling))
@@ -748,6 +946,14 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
                    and (suffixes != (".bin",) or "model" in n.rsplit("/", 1)[-1])]
         if weights:
             break
+    if len(weights) > 1 and weights[0].lower().endswith(".gguf"):
+        models = gguf_models(weights)
+        if len(models) > 1:  # quantizations of one model, each a model of its own
+            shown = ", ".join(printable(m[len(prefix):], 60) for m in models[:4])
+            raise RemoteError(
+                f"{printable(url)}: holds {len(models)} GGUF models ({shown}"
+                f"{', ...' if len(models) > 4 else ''}): name one: "
+                f"{_hf_name(hub, models[0])}")
     local = root / _safe_name(hub.path.rsplit("/", 1)[-1] if hub.path
                               else hub.repo.split("/")[-1])
     local.mkdir()
@@ -764,10 +970,22 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
         else:
             jobs.append((name, dest, "sized"))
 
+    # The safetensors index first: the names it gives each shard size the shard's first
+    # request to its header (a few KiB each, where a blind first read takes 64 KiB).
+    firsts: dict[str, int] = {}
+    index = next((j for j in jobs if j[2] == "whole"
+                  and j[0].endswith(".safetensors.index.json")), None)
+    if index is not None and len(weights) > 1:
+        jobs.remove(index)
+        raw = hub_get(hub.resolve_url(index[0]), stats, limit=_SMALL_JSON)
+        index[1].write_bytes(raw)
+        folder = index[0].rsplit("/", 1)[0] + "/" if "/" in index[0] else ""
+        firsts = {folder + shard: n for shard, n in header_sizes(raw).items()}
+
     def run(job: tuple[str, Path, str]) -> None:
         name, dest, how = job
-        if how == "mirror":
-            mirror(hub.resolve_url(name), dest, stats, headers)  # siblings: listed already
+        if how == "mirror":  # siblings: listed already
+            mirror(hub.resolve_url(name), dest, stats, headers, firsts.get(name, FIRST))
         elif how == "whole":
             dest.write_bytes(hub_get(hub.resolve_url(name), stats, limit=_SMALL_JSON))
         else:
@@ -777,23 +995,91 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
 
     with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
         list(pool.map(run, jobs))
-    return Remote(url, local, stats, [hub.resolve_url(n) for n in names])
+    urls = [hub.resolve_url(n) for n in names]
+    if len(weights) == 1 and not _is_model_folder(local):  # one model file, listed files
+        return Remote(url, local / weights[0][len(prefix):], stats, urls, folder=local)
+    return Remote(url, local, stats, urls)
+
+
+def _hf_name(hub: HubPath, name: str) -> str:
+    kind = "" if hub.kind == "models" else f"{hub.kind}/"
+    rev = "" if hub.revision == "main" else f"@{hub.revision}"
+    return f"hf://{kind}{hub.repo}{rev}/{printable(name, 120)}"
+
+
+def _is_model_folder(folder: Path) -> bool:
+    """Whether a reader reads ``folder`` as one model (an index, a config, a split GGUF)."""
+    from modelsize import formats
+    from modelsize.errors import UnknownFormatError
+    from modelsize.formats.base import Source
+
+    try:
+        formats.registry().for_source(Source.open(folder))
+    except UnknownFormatError:
+        return False
+    return True
+
+
+def split_gguf_rest(name: str) -> list[str]:
+    """The names of the other shards of the split GGUF whose first shard is ``name``."""
+    from modelsize.formats.gguf import shard_names
+
+    return [p.name for p in shard_names(Path(name))[1:]]
+
+
+def gguf_models(names: list[str]) -> list[str]:
+    """The GGUF models among ``names``: each file, a split model once (by its first shard)
+    when every shard is among the names."""
+    listed = set(names)
+    shards: set[str] = set()
+    for name in names:
+        folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+        rest = [folder + r for r in split_gguf_rest(name.rsplit("/", 1)[-1])]
+        if rest and all(r in listed for r in rest):
+            shards.update(rest)
+    return sorted(n for n in names if n not in shards)
+
+
+#: Bytes a safetensors header spends on one tensor besides its name (dtype, shape, offsets:
+#: ``"x":{"dtype":"BF16","shape":[128256,8192],"data_offsets":[0,2101346304]},`` is 78),
+#: with room for spaces; and on its ``__metadata__``.
+_HEADER_PER_TENSOR = 128
+_HEADER_METADATA = 1024
+
+
+def header_sizes(index: bytes) -> dict[str, int]:
+    """The first request for each shard a safetensors index names: a whole number of
+    :data:`BLOCK` s over the header its tensor names imply, within [BLOCK, MAX_AHEAD] (an
+    index that is not one gives nothing: each shard is read as any file is)."""
+    try:
+        weight_map = json.loads(index)["weight_map"]
+        per: dict[str, int] = {}
+        for name, shard in weight_map.items():
+            per[shard] = per.get(shard, 8 + _HEADER_METADATA) + len(str(name).encode()) + (
+                _HEADER_PER_TENSOR)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+    return {shard: min(MAX_AHEAD, max(BLOCK, -(-n // BLOCK) * BLOCK))
+            for shard, n in per.items() if isinstance(shard, str)}
 
 
 def _get(url: str, stats: Stats, limit: int, headers: dict[str, str] | None = None,
-         http_error: Callable[[urllib.error.HTTPError], None] | None = None) -> bytes:
+         http_error: Callable[[int], None] | None = None) -> bytes:
     """GET ``url`` whole, at most ``limit`` bytes, counted in ``stats``. ``http_error`` may
     raise its own error for an HTTP error status first (the Hub's 401/403/404)."""
-    req = urllib.request.Request(url, headers={**(headers or {}),
-                                               "User-Agent": f"modelsize/{__version__}"})
     try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-            data = resp.read(limit + 1)
-    except urllib.error.HTTPError as exc:
-        if http_error is not None:
-            http_error(exc)
-        raise RemoteError(f"{printable(url)}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reply = stats.connections.open(url, {**(headers or {}),
+                                             "User-Agent": f"modelsize/{__version__}",
+                                             "Accept-Encoding": "identity"})
+        try:
+            if reply.status >= 400:
+                if http_error is not None:
+                    http_error(reply.status)
+                raise RemoteError(f"{printable(url)}: HTTP {reply.status} {reply.reason}")
+            data = reply.read(limit + 1)
+        finally:
+            reply.release()
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise RemoteError(f"{printable(url)}: cannot fetch: {printable(str(reason))}") from None
     with _STATS_LOCK:
@@ -893,11 +1179,12 @@ def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
         finally:
             READ_DATA.reset(token)
         inventory.facts[URL_FACT] = url
-        if remote.local.is_dir():
+        folder = remote.folder or (remote.local if remote.local.is_dir() else None)
+        if folder is not None:
             used = {os.path.abspath(f.path) for f in inventory.files}
             remote.stats.others = sorted(
-                ((p.relative_to(remote.local).as_posix(), p.stat().st_size)
-                 for p in remote.local.rglob("*")
+                ((p.relative_to(folder).as_posix(), p.stat().st_size)
+                 for p in folder.rglob("*")
                  if p.is_file() and os.path.abspath(p) not in used),
                 key=lambda item: (-item[1], item[0]))
         yield inventory, remote.stats, str(remote.local)
@@ -936,11 +1223,11 @@ def hub_get(url: str, stats: Stats, limit: int = MAX_REGION) -> bytes:
     """GET ``url`` whole (a listing, config.json, an index) with the Hub's headers, counted in
     ``stats``; a 401/403 says a token is needed, in one line."""
 
-    def refused(exc: urllib.error.HTTPError) -> None:
+    def refused(code: int) -> None:
         stats.requests += 1
-        if exc.code in (401, 403):
-            raise RemoteError(token_needed(url, exc.code)) from None
-        if exc.code == 404:
+        if code in (401, 403):
+            raise RemoteError(token_needed(url, code)) from None
+        if code == 404:
             raise RemoteError(f"{printable(url)}: HTTP 404: no such repository, revision or "
                               "file on the Hub (a private repository answers 404 without a "
                               "token: set HF_TOKEN)") from None
@@ -1042,6 +1329,13 @@ def hub_model_files(hub: HubRepo, stats: Stats) -> list[str]:
 def hub_snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
     """Fill ``dest`` with the repository's config.json, its index and a sparse mirror of each
     weights file (header regions only; the index's shards only); return the file names."""
+    try:
+        return _snapshot_headers(hub, dest, stats)
+    finally:
+        stats.connections.close()
+
+
+def _snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
     headers = hub_headers()
     files = hub_model_files(hub, stats)
     wanted = list(files)
@@ -1054,8 +1348,9 @@ def hub_snapshot_headers(hub: HubRepo, dest: Path, stats: Stats) -> list[str]:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise RemoteError(f"{hub.url}: {index} is not an index with a weight_map") from None
         wanted = ["config.json", index, *sorted(s for s in shards if "/" not in s)]
-    for name in wanted:
-        if name == "config.json" or name.endswith(".index.json"):
-            continue
-        mirror(hub.resolve_url(name), dest / name, stats, headers)
+    firsts = header_sizes((dest / index).read_bytes()) if index is not None else {}
+    to_mirror = [n for n in wanted if n != "config.json" and not n.endswith(".index.json")]
+    with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
+        list(pool.map(lambda name: mirror(hub.resolve_url(name), dest / name, stats, headers,
+                                          firsts.get(name, FIRST)), to_mirror))
     return wanted

@@ -133,7 +133,8 @@ def walk_gguf(src: RangeSource) -> list[str]:
         if vtype in _GGUF_FIXED:
             pos += _GGUF_FIXED[vtype]
         elif vtype == _GGUF_STRING:
-            pos += u("Q")
+            n = u("Q")  # (``pos += u(...)`` would add to the position before the read)
+            pos += n
         elif vtype == _GGUF_ARRAY and depth < 8:
             inner, count = u("I"), u("Q")
             if inner in _GGUF_FIXED:
@@ -152,15 +153,22 @@ def walk_gguf(src: RangeSource) -> list[str]:
         if (kv_count + tensor_count) * 8 > src.size:
             raise _Stop
         for _ in range(kv_count):
-            pos += u("Q")  # key
+            n = u("Q")  # key
+            pos += n
             skip(u("I"), 0)
         for _ in range(tensor_count):
-            pos += u("Q")  # name
-            pos += 8 * u("I")  # dims
-            pos += 4 + 8  # type, offset
-        src.read(pos, pos + 64)  # the padding before the data section
+            n = u("Q")  # name
+            pos += n
+            dims = u("I")
+            pos += 8 * dims + 4 + 8  # dims, type, offset
+        pos += 64  # the padding before the data section
     except _Stop:
         pass
+    # The reader reads every byte up to the data (the strings it skips here, the arrays of
+    # numbers): the header whole, its runs of blocks not read yet in a request each.
+    end = min(pos, src.size)
+    for start in range(0, end, 64 * 2**20):
+        src.read(start, min(end, start + 64 * 2**20))
     return []
 
 

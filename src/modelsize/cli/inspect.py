@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -20,7 +21,8 @@ def count(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Define the ``inspect`` sub-command's arguments."""
-    p.add_argument("path", help="a model file, a checkpoint directory or prefix")
+    p.add_argument("path", help="a model file, a checkpoint directory or prefix, a URL, or "
+                   "ORG/REPO (a Hub repository, where no local path has that name)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--top", type=count, default=None, metavar="N",
                    help="largest tensors to list (default 10)")
@@ -38,6 +40,14 @@ def run(args: argparse.Namespace) -> int:
     from modelsize.report.text import render_inspect
 
     check_output_file(args.html)
+    text = str(args.path)
+    if "/" in text and "://" not in text and not os.path.lexists(text):
+        from modelsize.remote import hub_url
+
+        url = hub_url(text)  # ORG/REPO, not a path here: the Hub's repository
+        if url is not None:
+            args.path = url
+            return _remote(args)
     if "://" in str(args.path):  # modelsize.remote imports urllib, http, ssl: URLs only
         from modelsize.remote import is_remote
 

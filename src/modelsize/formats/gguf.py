@@ -14,6 +14,11 @@ low 16 bits are zero is a big-endian file read on a little-endian host (as gguf-
 Every count and length is checked against the bytes left in the file before it is trusted,
 and nothing is allocated from a declared size.
 
+A model split by llama.cpp's ``gguf-split`` (``PREFIX-00001-of-00003.gguf`` ...: each shard a
+GGUF file of its own, with some of the tensors) is one model: its first shard with every
+other shard beside it, or a folder whose ``.gguf`` files are exactly one such set, is read
+as one inventory over all its files.
+
 Plain multi-byte tensors of a big-endian file (F32, F16, BF16, F64, I16, I32, I64) are
 *encoded* storages: :func:`storage_chunks` gives their bytes little-endian. Quantized blocks
 are kept as stored (their fields' byte order is the converter's business). :func:`read_layout`
@@ -23,15 +28,19 @@ gives the header, the byte range of every key/value pair and the tensor infos, f
 from __future__ import annotations
 
 import array
+import itertools
 import mmap
+import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
-from modelsize.errors import printable
+from modelsize.errors import CorruptFileError, printable
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder, StorageRecord
 
@@ -149,7 +158,7 @@ class Layout:
 class _Cursor:
     """Reads little- or big-endian scalars from a buffer, refusing to run past its end."""
 
-    def __init__(self, buf: mmap.mmap, builder: InventoryBuilder, endian: str) -> None:
+    def __init__(self, buf: mmap.mmap, builder: InventoryBuilder | _Shard, endian: str) -> None:
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
@@ -201,26 +210,111 @@ class GgufReader:
     extensions: tuple[str, ...] = (".gguf",)
 
     def sniff(self, source: Source) -> bool:
-        """GGUF files start with the magic ``GGUF``."""
+        """GGUF files start with the magic ``GGUF``; a folder holding one split model's
+        shards (and no other GGUF file) is that model."""
+        if source.kind == "dir":
+            return split_in(source.path) is not None
         return source.kind == "file" and source.head[:4] == MAGIC
 
     def read(self, source: Source) -> Inventory:
-        """Account for every byte: header, metadata, tensor infos, padding, tensor data."""
-        builder = InventoryBuilder(self.name, [source.path])
-        size = builder.files[0].nbytes
-        if size < 24:
-            raise builder.corrupt(f"file has {size} bytes, a GGUF header needs 24", 0)
-        with (
-            open(source.path, "rb") as fh,
-            mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf,
-        ):
-            _parse(buf, builder)
+        """Account for every byte: header, metadata, tensor infos, padding, tensor data
+        (of every shard of a split model)."""
+        if source.kind == "dir":
+            paths = split_in(source.path) or [source.path]
+        else:
+            paths = split_shards(source.path) or [source.path]
+        builder = InventoryBuilder(self.name, paths)
+        for i, path in enumerate(paths):
+            size = builder.files[i].nbytes
+            if size < 24:
+                raise builder.corrupt(f"file has {size} bytes, a GGUF header needs 24", 0, i)
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                _parse(buf, builder if len(paths) == 1 else _Shard(builder, i))
+        if len(paths) > 1:
+            builder.facts["gguf.split"] = f"{len(paths)} files"
+        else:
+            missing = _missing_shards(paths[0])
+            if missing:
+                builder.notes.append(
+                    f"{paths[0].name} is the first shard of a split model; "
+                    f"{printable(missing[0], 80)}{' and others' if len(missing) > 1 else ''} "
+                    "not beside it: this report is of this shard alone")
         return builder.build(Category.METADATA)
 
     @staticmethod
     def storage_chunks(inv: Inventory, storage: StorageRecord) -> Iterator[bytes]:
         """Little-endian bytes of a big-endian file's plain tensor (see :func:`storage_chunks`)."""
         return storage_chunks(inv, storage)
+
+
+#: The shard names llama.cpp's gguf-split writes (``llama_split_path``: ``%s-%05d-of-%05d.gguf``).
+_SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
+#: Entries of a folder looked at for a split model's shards.
+_SCAN_ENTRIES = 10_000
+
+
+def shard_names(path: Path) -> list[Path]:
+    """The names of every shard of the split model whose first shard is ``path`` (gguf-split
+    names), or [] when ``path`` is not named as a first shard."""
+    m = _SPLIT_NAME.fullmatch(path.name)
+    if m is None or int(m.group(2)) != 1 or int(m.group(3)) < 2:
+        return []
+    return [path.with_name(f"{m.group(1)}-{i:05d}-of-{m.group(3)}.gguf")
+            for i in range(1, int(m.group(3)) + 1)]
+
+
+def split_shards(path: Path) -> list[Path] | None:
+    """Every shard of the split model whose first shard is ``path``, when all are files
+    beside it; else None."""
+    shards = shard_names(path)
+    return shards if shards and all(p.is_file() for p in shards) else None
+
+
+def _missing_shards(path: Path) -> list[str]:
+    return [p.name for p in shard_names(path) if not p.is_file()]
+
+
+def split_in(folder: Path) -> list[Path] | None:
+    """The shards of the split model a folder holds, when its ``.gguf`` files are exactly
+    them; else None."""
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for e in itertools.islice(entries, _SCAN_ENTRIES)
+                           if e.name.endswith(".gguf") and e.is_file())
+    except OSError:
+        return None
+    if len(names) < 2:
+        return None
+    shards = split_shards(folder / names[0])
+    return shards if shards is not None and [p.name for p in shards] == names else None
+
+
+class _Shard:
+    """The builder of a split model as the parser of one shard sees it: every range it
+    declares is in that shard's file; the model's facts are its first shard's."""
+
+    def __init__(self, builder: InventoryBuilder, index: int) -> None:
+        self._builder, self._index = builder, index
+        self.files = [builder.files[index]]
+        self.notes = builder.notes
+        self.facts: dict[str, str] = builder.facts if index == 0 else {}
+
+    def corrupt(self, reason: str, offset: int | None = None, file: int = 0
+                ) -> CorruptFileError:
+        return self._builder.corrupt(reason, offset, self._index)
+
+    def check_range(self, offset: int, nbytes: int, what: str, file: int = 0) -> None:
+        self._builder.check_range(offset, nbytes, what, self._index)
+
+    def add_region(self, offset: int, nbytes: int, category: Category, label: str,
+                   file: int = 0) -> None:
+        self._builder.add_region(offset, nbytes, category, label, self._index)
+
+    def add_storage(self, key: str, offset: int, nbytes: int, **kw: Any) -> None:
+        self._builder.add_storage(key, offset, nbytes, **{**kw, "file": self._index})
+
+    def add_tensor(self, *args: Any, **kw: Any) -> None:
+        self._builder.add_tensor(*args, **kw)
 
 
 def read_layout(path: Path) -> Layout:
@@ -233,7 +327,7 @@ def read_layout(path: Path) -> Layout:
         return _parse(buf, builder)
 
 
-def _parse(buf: mmap.mmap, builder: InventoryBuilder) -> Layout:
+def _parse(buf: mmap.mmap, builder: InventoryBuilder | _Shard) -> Layout:
     if buf[:4] != MAGIC:
         raise builder.corrupt(f"expected magic b'GGUF', found {bytes(buf[:4])!r}", 0)
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -394,7 +488,7 @@ def _skip_strings(cur: _Cursor, count: int, key: str) -> None:
     )
 
 
-def _declare_tensors(infos: list[TensorInfo], data_start: int, builder: InventoryBuilder,
+def _declare_tensors(infos: list[TensorInfo], data_start: int, builder: InventoryBuilder | _Shard,
                      endian: str) -> None:
     file_size = builder.files[0].nbytes
     by_offset = sorted(infos, key=lambda t: t.offset)
