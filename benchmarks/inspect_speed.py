@@ -60,6 +60,57 @@ print(json.dumps({"op_s": t2 - t1, "import_s": t1 - t0,
 
 WAYS = ("modelsize", "torch.load(weights_only=True)", "torch.load(mmap=True)")
 
+#: In-process listing (names, dtypes, shapes) of one file, best of 5 after a warm-up, in a
+#: fresh process per way: modelsize's API, or the format's own reader.
+_LISTING = r"""
+import json, resource, sys, time
+which, path = sys.argv[1], sys.argv[2]
+if which == "modelsize":
+    import modelsize
+    def run():
+        rep = modelsize.inspect(path)
+        return len(rep.inventory.records)
+elif which == "safe_open":
+    from safetensors import safe_open
+    def run():
+        n = 0
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                sl.get_shape(), sl.get_dtype()
+                n += 1
+        return n
+else:
+    import torch
+    def run():
+        obj = torch.load(path, weights_only=True, mmap=True)
+        return sum(1 for _ in obj.values())
+n = run()
+times = []
+for _ in range(5):
+    t = time.perf_counter()
+    assert run() == n
+    times.append(time.perf_counter() - t)
+print(json.dumps({"s": min(times), "tensors": n,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+#: ``modelsize inspect --json`` as a whole process, its peak RSS.
+_CLI_JSON = r"""
+import json, resource, sys, time, os
+from modelsize.cli import main
+t = time.perf_counter()
+with open(os.devnull, "w") as null:
+    fd = os.dup(1); os.dup2(null.fileno(), 1)
+    try:
+        rc = main(["inspect", sys.argv[1], "--json"])
+    finally:
+        sys.stdout.flush(); os.dup2(fd, 1)
+assert rc == 0
+print(json.dumps({"s": time.perf_counter() - t,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
 
 def build_checkpoint(path: Path) -> dict[str, int]:
     """Write the checkpoint; return the byte counts we know independently."""
@@ -89,6 +140,10 @@ def build_checkpoint(path: Path) -> dict[str, int]:
     loss.backward()
     opt.step()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, path)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(path.with_name("weights.safetensors")))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"weights": weights, "params": sum(p.numel() for p in model.parameters())}
 
@@ -109,6 +164,28 @@ def known_counts(path: Path) -> dict[str, int]:
         storages[s.data_ptr()] = (s.nbytes(), s.nbytes() // t.element_size())
     return {"weights": sum(n for n, _ in storages.values()),
             "params": sum(p for _, p in storages.values())}
+
+
+def build_small(folder: Path, n: int = 100_000) -> None:
+    """``n`` tensors of 4 float32 each, as safetensors and as a torch.save'd dict."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {f"layer.{i}.weight": torch.full((4,), float(i)) for i in range(n)}
+    save_file(tensors, str(folder / "small.safetensors"))
+    torch.save(tensors, folder / "small.pt")
+
+
+def listing(which: str, path: Path) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, "-c", _LISTING, which, str(path)],
+                          capture_output=True, text=True, check=True, env=_env())
+    return json.loads(proc.stdout)
+
+
+def cli_json(path: Path) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, "-c", _CLI_JSON, str(path)],
+                          capture_output=True, text=True, check=True, env=_env())
+    return json.loads(proc.stdout)
 
 
 def _env() -> dict[str, str]:
@@ -139,9 +216,13 @@ def main() -> None:
                     help="measure this checkpoint (written by an earlier --keep run)")
     ap.add_argument("--build-only", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--known-only", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--small-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.build_only:
         print(json.dumps(build_checkpoint(Path(args.build_only))))
+        return
+    if args.small_only:
+        build_small(Path(args.small_only))
         return
     if args.known_only:
         print(json.dumps(known_counts(Path(args.known_only))))
@@ -177,12 +258,34 @@ def main() -> None:
             "detail": runs[0]["detail"],
         }
         print(which, json.dumps(rows[which]), flush=True)
+    weights_st = path.with_name("weights.safetensors")
+    small_tmp = tempfile.TemporaryDirectory(dir=args.dir)
+    small_dir = Path(small_tmp.name)
+    subprocess.run([sys.executable, __file__, "--small-only", str(small_dir)], check=True)
+    lists: dict[tuple[str, str], dict[str, float]] = {}
+    for label, file, ways in (
+            ("weights.safetensors (1.42 GB)", weights_st, ("modelsize", "safe_open")),
+            ("100,000 tensors, safetensors", small_dir / "small.safetensors",
+             ("modelsize", "safe_open")),
+            ("100,000 tensors, torch.save", small_dir / "small.pt",
+             ("modelsize", "torch.load(mmap=True)"))):
+        if not file.exists():
+            continue
+        for way in ways:
+            lists[(label, way)] = listing(way, file)
+            print(label, way, lists[(label, way)], flush=True)
+        cli = [cli_json(file) for _ in range(args.repeat)]
+        lists[(label, "cli")] = {"s": statistics.median(c["s"] for c in cli),
+                                 "rss_mb": max(c["rss_mb"] for c in cli)}
+        print(label, "cli --json", lists[(label, "cli")], flush=True)
+    small_tmp.cleanup()
     load_after = os.getloadavg()
     ms = rows["modelsize"]
     cats = ms["detail"]["categories"]
     assert cats["weights"] == known["weights"], (cats["weights"], known["weights"])
     assert sum(cats.values()) == size
     full = rows["torch.load(weights_only=True)"]
+    mm = rows["torch.load(mmap=True)"]
     lines = [
         "## inspect speed: modelsize inspect vs torch.load",
         "",
@@ -211,6 +314,45 @@ def main() -> None:
         f"Categories: weights {cats['weights']:,} B, "
         f"optimizer_state {cats['optimizer_state']:,} B, "
         f"metadata {cats['metadata']:,} B (sum = file size).",
+        "",
+        f"Against `torch.load(mmap=True)`: {mm['op_s'] / ms['op_s']:.1f}x on the operation, "
+        f"{mm['process_s'] / ms['process_s']:.1f}x on whole processes.",
+        "",
+        "Listings in-process (names, dtypes, shapes; best of 5 after a warm-up, fresh process "
+        "per way: `modelsize.inspect(path)`, `safe_open(framework=\"pt\")` with each key's "
+        "`get_slice` shape and dtype, `torch.load(mmap=True, weights_only=True)`), and "
+        f"`modelsize inspect --json` as a whole process (median of {args.repeat}, its peak RSS):",
+        "",
+        "| file | way | in-process (s) | peak RSS (MB) |",
+        "|---|---|---:|---:|",
+    ]
+    for (label, way), r in lists.items():
+        shown = "`modelsize inspect --json` (whole process)" if way == "cli" else f"`{way}`"
+        lines.append(f"| {label} | {shown} | {r['s']:.3f} | {r['rss_mb']:.0f} |")
+    full_x = full["process_s"] / ms["process_s"]
+    mmap_x = mm["process_s"] / ms["process_s"]
+    goals = [("inspect >= 50x `torch.load(weights_only=True)`, whole process", full_x >= 50,
+              f"{full_x:.0f}x"),
+             ("inspect >= 5x `torch.load(mmap=True)`, whole process", mmap_x >= 5,
+              f"{mmap_x:.1f}x")]
+    st = lists.get(("weights.safetensors (1.42 GB)", "modelsize"))
+    so = lists.get(("weights.safetensors (1.42 GB)", "safe_open"))
+    if st and so:
+        goals.append(("in-process safetensors listing within 2x `safe_open`",
+                      st["s"] <= 2 * so["s"], f"{st['s'] / so['s']:.1f}x"))
+    for label, limit in (("100,000 tensors, safetensors", 1.0),
+                         ("100,000 tensors, torch.save", 3.0)):
+        r = lists.get((label, "modelsize"))
+        if r:
+            goals.append((f"{label} in-process under {limit:.0f} s", r["s"] < limit,
+                          f"{r['s']:.2f} s"))
+        c = lists.get((label, "cli"))
+        if c:
+            goals.append((f"{label}, `inspect --json` whole process under 150 MB",
+                          c["rss_mb"] < 150, f"{c['rss_mb']:.0f} MB"))
+    lines += ["", "Goals (issue 22):"]
+    lines += [f"- {g}: {'met' if ok else 'missed'} ({fig})." for g, ok, fig in goals]
+    lines += [
         "",
         "Reproduce: `.venv/bin/python benchmarks/inspect_speed.py`",
     ]

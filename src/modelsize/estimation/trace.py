@@ -323,7 +323,7 @@ def transformers_sees_real(real: Callable[[FakeTensor], bool]) -> Iterator[None]
     ``real`` accepts, as it is for the real run's tensors; unchanged for any other. Only
     where transformers is imported already (a model of its own imported it): importing it for
     another model's trace would cost a second."""
-    import_utils = sys.modules.get("transformers.utils.import_utils")
+    import_utils: Any = sys.modules.get("transformers.utils.import_utils")
     if import_utils is None:
         yield
         return
