@@ -402,3 +402,27 @@ def test_tensor_of_an_unknown_type_is_not_rewritten(tmp_path: Path) -> None:
     assert_one_line_error(proc, src)
     assert "b.weight has ggml type 735, unknown to modelsize, and 18 bytes" in proc.stderr
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_a_split_model_is_refused_in_one_line_and_written_whole_to_safetensors(
+        tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama", split_max_tensors=2)
+    for i in range(5):
+        w.add_tensor(f"blk.{i}.w", np.full((4, 8), i, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    first = tmp_path / "m-00001-of-00003.gguf"
+    proc = run_cli("slim", str(first))
+    assert_one_line_error(proc, first)
+    assert "split GGUF" in proc.stderr and "--merge" in proc.stderr
+    assert not list(tmp_path.glob("*.slim.*"))
+    out = tmp_path / "whole.safetensors"
+    modelsize.slim(first, out, to="safetensors")
+    from safetensors.numpy import load_file
+
+    got = load_file(out)
+    assert sorted(got) == [f"blk.{i}.w" for i in range(5)]
+    assert all((got[f"blk.{i}.w"] == i).all() for i in range(5))

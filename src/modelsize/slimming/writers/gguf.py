@@ -195,9 +195,16 @@ class GgufWriter:
     def prepare(self, plan: Plan, target: Path) -> GgufJob:
         """Fit the plan to what GGUF and llama.cpp accept, then lay out every byte."""
         inv = plan.inventory
-        if inv.format != "gguf" or len(inv.files) != 1:
+        if inv.format != "gguf":
             raise UsageError(f"the gguf writer writes GGUF inputs only, not {inv.format}; "
                              "use --to safetensors, --to pytorch or --to npz")
+        if len(inv.files) != 1:
+            first = inv.files[0].path
+            raise UsageError(
+                f"{first.name} is the first of {len(inv.files)} shards of a split GGUF model, "
+                "and slim writes one GGUF file: merge them first (llama-gguf-split --merge "
+                f"{first.name} merged.gguf) and slim that, or write the whole model with "
+                "--to safetensors")
         source = inv.files[0].path
         layout = read_layout(source)
         infos = {info.name: info for info in layout.infos}
