@@ -69,7 +69,7 @@ if which == "modelsize":
     import modelsize
     def run():
         rep = modelsize.inspect(path)
-        return len(rep.inventory.records)
+        return len(rep.inventory.tensors)
 elif which == "safe_open":
     from safetensors import safe_open
     def run():
