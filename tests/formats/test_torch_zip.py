@@ -514,3 +514,33 @@ def test_duplicates_are_found_without_reading_storages_whose_crc_differs(
     assert len({crcs[k] for k in ("0", "1", "2", "3")}) == 3
     assert {k.rsplit("/", 1)[-1] for k in read_keys} == {by_name["a"].storage.rsplit("/", 1)[-1],
                                                          by_name["b"].storage.rsplit("/", 1)[-1]}
+
+
+def test_close_local_headers_are_read_together_and_far_ones_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """formats/_zip.py's _Window: 3,000 small tensors' headers in a few reads, a large
+    tensor's data never read; the inventory is the one a read per header gives."""
+    from modelsize.formats import _zip
+
+    small = {f"t{i}": torch.full((3,), float(i)) for i in range(3000)}
+    path = tmp_path / "many.pt"
+    torch.save({**small, "big": torch.zeros(2**20)}, path)
+    reads: list[int] = []
+    real = os.pread
+
+    def counted(fd: int, n: int, at: int) -> bytes:
+        reads.append(n)
+        return real(fd, n, at)
+
+    monkeypatch.setattr(_zip.os, "pread", counted)
+    inv = read(path)
+    windowed = len(reads)
+    monkeypatch.setattr(_zip, "_GAP", -1)  # every header read alone, and only it
+    monkeypatch.setattr(_zip, "_HEAD", 30)
+    reads.clear()
+    alone = read(path)
+    assert [(t.name, t.nbytes, t.storage_offset) for t in inv.tensors] == \
+        [(t.name, t.nbytes, t.storage_offset) for t in alone.tensors]
+    assert inv.bytes_by_category == alone.bytes_by_category
+    assert len(reads) > 3000 > 100 > windowed
+    assert max(reads) < 2**20 + 4096 and sum(reads) < 4 * 2**20  # not the 4 MiB tensor

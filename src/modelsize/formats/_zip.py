@@ -98,11 +98,11 @@ def members(
             ) from exc
     out: list[Member] = []
     local_size = _LOCAL.size
-    # One pread per header (no seek): each is a small read at a far offset.
     with open(path, "rb", buffering=0) as fh:
         fd = fh.fileno()
         _check_directory(fd, size, len(infos), builder, file)
-        for info in infos:
+        window = _Window(fd, [info.header_offset for info in infos])
+        for i, info in enumerate(infos):
             header = info.header_offset
             flagged = [w for bit, w in _UNREADABLE_FLAGS.items() if info.flag_bits & bit]
             if flagged:
@@ -115,7 +115,7 @@ def members(
                     f"member {info.filename!r} header at {header} is outside "
                     f"the file ({size} bytes)", header, file
                 )
-            raw = os.pread(fd, local_size, header)
+            raw = window.read(i, local_size)
             if len(raw) < local_size or raw[:4] != _LOCAL_MAGIC:
                 raise builder.corrupt(
                     f"member {info.filename!r}: no local header at {header}", header, file,
@@ -123,7 +123,8 @@ def members(
             name_len, extra_len = _NAME_EXTRA.unpack_from(raw, 26)
             data_offset = header + local_size + name_len + extra_len
             if names:
-                _check_local_name(fd, info, header + local_size, name_len, builder, file)
+                _check_local_name(window.read(i, local_size + name_len)[local_size:], info,
+                                  builder, file)
             compress_size, file_size, method = (
                 info.compress_size, info.file_size, info.compress_type
             )
@@ -186,10 +187,49 @@ def _check_directory(fd: int, size: int, count: int, builder: InventoryBuilder,
         p += 46 + n + x + c
 
 
-def _check_local_name(fd: int, info: zipfile.ZipInfo, at: int, length: int,
+class _Window:
+    """The local headers of a zip's members, read in few syscalls where they lie close together.
+
+    One ``pread`` per header costs 0.3 s at 100,000 small members (a ``torch.save`` of many
+    small tensors). Where the next headers start within :data:`_GAP` bytes of each other, one
+    read takes them all (and the few bytes of data between them), up to :data:`_SPAN` bytes;
+    a header far from the next one is read alone, as before: what is read beyond the headers
+    is bounded by ``_GAP`` a member, never a large tensor's bytes.
+    """
+
+    def __init__(self, fd: int, offsets: list[int]) -> None:
+        self.fd = fd
+        self.offsets = offsets
+        self.start = -1
+        self.buf = b""
+
+    def read(self, i: int, n: int) -> bytes:
+        """``n`` bytes at the ``i``-th member's local header."""
+        at = self.offsets[i]
+        if not (self.start <= at and at + n <= self.start + len(self.buf)):
+            end = at + max(n, _HEAD)
+            offsets = self.offsets
+            j = i + 1
+            while (j < len(offsets) and 0 <= offsets[j] - offsets[j - 1] <= _GAP
+                   and offsets[j] + _HEAD - at <= _SPAN):
+                end = offsets[j] + _HEAD
+                j += 1
+            self.start, self.buf = at, os.pread(self.fd, end - at, at)
+        return self.buf[at - self.start : at - self.start + n]
+
+
+#: Bytes read at a header: the fixed part and a name of up to 226 bytes (torch's member names
+#: are ``archive/data/123``); a longer name is read again by itself.
+_HEAD = 256
+#: Headers closer than this to the one before are read together...
+_GAP = 4096
+#: ...in reads of at most this many bytes.
+_SPAN = 1 << 20
+
+
+def _check_local_name(local: bytes, info: zipfile.ZipInfo,
                       builder: InventoryBuilder, file: int) -> None:
     """Refuse a local header whose name is not the central directory's (as zipfile does)."""
-    local = os.pread(fd, length, at)
     encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
     try:
         same = local.decode(encoding) == info.orig_filename
