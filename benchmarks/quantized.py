@@ -39,28 +39,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _files import SAFETENSORS_BYTES, sparse_safetensors
 from _results import write_section
 
-_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "I64": 8, "U8": 1, "I8": 1,
-          "F8_E4M3": 1}
+_BYTES = SAFETENSORS_BYTES
 
 Tensor = tuple[str, str, tuple[int, ...]]  # name, safetensors dtype, shape
 
 
 def write_safetensors(path: Path, tensors: list[Tensor]) -> int:
     """A safetensors file with these headers and a sparse data region; returns its size."""
-    header: dict[str, object] = {}
-    offset = 0
-    for name, dtype, shape in tensors:
-        n = _BYTES[dtype] * math.prod(shape)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-    return 8 + len(raw) + offset
+    return sparse_safetensors(path, tensors)[1]
 
 
 def motif_counts() -> Iterator[tuple[str, tuple[int, ...], bool]]:

@@ -62,6 +62,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # _results
 sys.path.insert(0, str(HERE.parent))  # tests.loopback_hub, the server the tests use
 
+from _files import sparse_safetensors  # noqa: E402
 from _results import write_section  # noqa: E402
 
 LATENCY = 0.050
@@ -106,18 +107,7 @@ def _numel(shape: list[int]) -> int:
 
 def write_safetensors(path: Path, tensors: list[tuple[str, list[int]]]) -> int:
     """A bf16 safetensors file of these tensors, its data a hole; returns its data bytes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    at = 0
-    for name, shape in tensors:
-        n = _numel(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [at, at + n]}
-        at += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + at)
-    return at
+    return sparse_safetensors(path, ((n, "BF16", s) for n, s in tensors), {"format": "pt"})[0]
 
 
 def safetensors_repo(folder: Path, tensors: list[tuple[str, list[int]]], shards: int) -> int:
