@@ -315,19 +315,21 @@ class RangeSource:
             self._keep(0, data, total)
             self._next = len(data) // BLOCK
             return total
+        self._fs, self._fs_path = _fsspec_open(self.url, scheme)
         try:
-            import fsspec
-        except ImportError as exc:
-            raise MissingDependencyError("fsspec", f"reading {scheme}:// paths",
-                                         extra="remote") from exc
-        try:
-            self._fs, self._fs_path = fsspec.core.url_to_fs(self.url)
-            return int(self._fs.size(self._fs_path))
-        except (ImportError, ValueError) as exc:
-            raise MissingDependencyError(f"the fsspec filesystem for {scheme}://",
-                                         f"reading {scheme}:// paths", extra="remote") from exc
-        except (OSError, KeyError) as exc:
-            raise RemoteError(f"{printable(self.url)}: {printable(str(exc))}") from None
+            total = int(self._fs.size(self._fs_path))
+        except Exception as exc:  # any filesystem's own errors: one line
+            raise _fsspec_error(self.url, exc) from None
+        with self._lock:
+            self.stats.requests += 1  # the size: a HEAD or a listing on a real store
+        self.size = total
+        if self.first > 1:  # first=1 asks for the size (HTTP learns it from a 1-byte range)
+            data = self.fetch(0, min(self.first, total))
+            self._keep(0, data, total)
+            self._next = len(data) // BLOCK
+        else:
+            self._next = 0
+        return total
 
     def _keep(self, start: int, data: bytes, total: int) -> None:
         """Cache the whole blocks of ``data`` fetched at ``start`` (block-aligned)."""
@@ -443,12 +445,24 @@ class RangeSource:
         """Bytes ``[start, stop)`` in one request, past the cache (scattered small reads)."""
         if self._fs is None:
             return self._http(start, stop)[0]
-        with self._fs.open(self._fs_path, "rb", block_size=0) as fh:
-            fh.seek(start)
-            data = bytes(fh.read(stop - start))
+        stop = min(stop, self.size)
+        if start >= stop:
+            return b""
+        try:  # one ranged read (s3fs, gcsfs: a GET with Range)
+            data = bytes(self._fs.cat_file(self._fs_path, start=start, end=stop))
+        except Exception as exc:  # any filesystem's own errors: one line
+            raise _fsspec_error(self.url, exc) from None
         with self._lock:
             self.stats.requests += 1
             self.stats.fetched += len(data)
+            over = self.stats.fetched > self.stats.budget
+        if len(data) != stop - start:
+            raise RemoteError(f"{printable(self.url)}: asked for bytes {start}-{stop - 1} and "
+                              f"got {len(data)} bytes (the file changed, or its store lies)")
+        if over:
+            raise RemoteError(f"{printable(self.url)}: stopped after fetching "
+                              f"{self.stats.fetched:,} bytes, above the "
+                              f"{self.stats.budget:,}-byte budget of a remote inspection")
         if self.sink is not None and data:
             self.sink(start, data)
         return data
@@ -508,6 +522,45 @@ class RangeSource:
             while len(self._cache) > CACHE_BLOCKS:
                 self._cache.popitem(last=False)
         return out[start - first * BLOCK: stop - first * BLOCK]
+
+
+def _fsspec_open(url: str, scheme: str) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url`` and the path in it; a missing fsspec, or a missing
+    filesystem package (gcsfs for ``gs://``, s3fs for ``s3://``), is one line naming what to
+    install."""
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise MissingDependencyError("fsspec", f"reading {scheme}:// paths",
+                                     extra="remote") from exc
+    from fsspec.registry import known_implementations
+
+    known = known_implementations.get(scheme)
+    try:
+        return fsspec.core.url_to_fs(url)  # type: ignore[no-any-return]
+    except ImportError as exc:
+        # the package fsspec's registry names for the protocol ("gcsfs.GCSFileSystem")
+        package = (str((known or {}).get("class", "")).split(".", 1)[0]
+                   or f"a {scheme}:// filesystem")
+        raise MissingDependencyError(package, f"reading {scheme}:// paths") from exc
+    except ValueError as exc:
+        if known is None:
+            raise RemoteError(f"{printable(url)}: {scheme}:// is not a protocol modelsize "
+                              "reads (http://, https://, hf://, or an fsspec protocol such as "
+                              "s3:// or gs://)") from None
+        raise _fsspec_error(url, exc) from None
+    except Exception as exc:  # any filesystem's own errors: one line
+        raise _fsspec_error(url, exc) from None
+
+
+def _fsspec_error(url: str, exc: BaseException) -> RemoteError:
+    """One line for what an fsspec filesystem raised (no such file, no credentials...)."""
+    if isinstance(exc, FileNotFoundError):
+        return RemoteError(f"{printable(url)}: no such file")
+    if isinstance(exc, PermissionError):
+        return RemoteError(f"{printable(url)}: access denied ({printable(str(exc), 200)})")
+    return RemoteError(f"{printable(url)}: cannot read: {type(exc).__name__}: "
+                       f"{printable(str(exc), 200)}")
 
 
 class _Retry(Exception):
@@ -736,13 +789,22 @@ def _fill_with(url: str, root: Path, fetch: Any, stats: Stats) -> Remote:
     local = root / name
     urls = [url]
     for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others too
-        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(shard)))
+        urls.append(beside_url(url, shard))
         fetch(urls[-1], root / shard, stats)
     for sibling in fetch(url, local, stats) or ():
         dest = _beside(root, sibling, url)
-        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(sibling)))
+        urls.append(beside_url(url, sibling))
         sized(urls[-1], dest, stats)
     return Remote(url, local, stats, urls)
+
+
+def beside_url(url: str, name: str) -> str:
+    """The URL of the file ``name`` beside the one at ``url`` (relative to its folder). HTTP
+    URLs are joined and quoted as URLs; any other scheme (``s3://``, ``gs://``: fsspec paths,
+    which urljoin leaves alone and which are not quoted) by replacing the last part."""
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        return urllib.parse.urljoin(url, urllib.parse.quote(name))
+    return url.rsplit("/", 1)[0] + "/" + name
 
 
 def _beside(root: Path, name: str, url: str) -> Path:
