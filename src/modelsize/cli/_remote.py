@@ -68,8 +68,8 @@ def inventory_or_path(path: str, subs: dict[str, str]) -> Any:
 
 def diff_note(subs: dict[str, str]) -> str:
     """The line a diff with a remote side ends with."""
-    return "".join(f"\n{printable(url)} read remotely by its headers: duplicate tensors not "
-                   "searched (that reads tensor data)\n" for url in subs.values())
+    return "".join(f"\n{printable(url)} read remotely by its headers: duplicate tensors "
+                   "compared by samples of their bytes, not whole\n" for url in subs.values())
 
 
 def slim_url(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:
