@@ -22,7 +22,6 @@ import pytest
 from modelsize import formats, remote
 from modelsize.cli import main
 from modelsize.inspection import report_for
-from modelsize.inventory import READ_DATA
 from modelsize.remote import read_remote
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -108,11 +107,7 @@ def _summary(inventory: Any) -> dict[str, Any]:
 
 
 def _local(path: Path) -> dict[str, Any]:
-    token = READ_DATA.set(False)
-    try:
-        return _summary(formats.read(path))
-    finally:
-        READ_DATA.reset(token)
+    return _summary(formats.read(path))  # duplicates compared whole
 
 
 def _remote(server: Any, name: str) -> tuple[dict[str, Any], remote.Stats]:
@@ -123,7 +118,8 @@ def _remote(server: Any, name: str) -> tuple[dict[str, Any], remote.Stats]:
 # -- every format: the report of the remote file is the local report ---------------------------
 
 CASES = [
-    # (fixture files to serve: the first is inspected; the most requests it may take)
+    # (fixture files to serve: the first is inspected; the most requests its headers may
+    # take, the duplicate search's samples apart)
     (["gguf/tiny.gguf"], 1),
     (["gguf/big_endian.gguf"], 1),
     (["onnx/external.onnx", "onnx/external.onnx.data"], 2),
@@ -148,9 +144,10 @@ def test_remote_report_equals_the_local_one(server: Any, files: list[str], most:
         shutil.copy(FIXTURES / f, server.root / f)
     got, stats = _remote(server, files[0])
     assert got == _local(server.root / files[0])
-    assert stats.requests == len(server.log) <= most
-    for f in files[1:]:  # data files: sized by one 1-byte request, never read
-        assert [n for name, n in server.log if name == f] == [1]
+    assert stats.requests == len(server.log) <= most + stats.duplicates.requests
+    for f in files[1:]:  # data files: sized by one 1-byte request, then only samples read
+        sizes = [n for name, n in server.log if name == f]
+        assert sizes[0] == 1 and sum(sizes[1:]) <= stats.duplicates.fetched
 
 
 def test_tflite_by_everything_but_its_buffers(server: Any) -> None:
@@ -214,7 +211,9 @@ def test_a_big_plain_pickle_skips_its_array_bytes(server: Any) -> None:
     assert got == _local(server.root / "weights.pkl")
     assert got["tensor_count"] == 16
     assert stats.fetched < 0.005 * 16 * MIB * 4 + 64 * 1024
-    assert stats.requests <= 16 + 2
+    # the pickles; then the middle KiB of each array (equal zeros: their ends not fetched)
+    assert stats.requests - stats.duplicates.requests <= 16 + 2
+    assert stats.duplicates.requests <= 16 and stats.duplicates.found == 0
 
 
 def test_a_legacy_torch_checkpoint_by_its_pickles_and_storage_sizes(server: Any) -> None:
@@ -225,7 +224,9 @@ def test_a_legacy_torch_checkpoint_by_its_pickles_and_storage_sizes(server: Any)
     assert got == _local(server.root / "legacy.pt")
     assert got["tensor_count"] == 8
     assert stats.fetched < 128 * 1024
-    assert stats.requests <= 8 + 2
+    # the pickles; then the middle KiB of each storage (equal zeros: their ends not fetched)
+    assert stats.requests - stats.duplicates.requests <= 8 + 2
+    assert stats.duplicates.requests <= 8 and stats.duplicates.found == 0
 
 
 # -- faults: one line, exit 2, bounded bytes ---------------------------------------------------

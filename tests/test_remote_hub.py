@@ -121,8 +121,10 @@ def test_a_header_longer_than_the_index_tells_costs_one_more_request(
     local = formats.read(repos / "org" / "fat")
     assert remote.report.inventory.bytes_by_category == local.bytes_by_category
     shards = [(p.rsplit("/", 1)[-1], n) for p, n in hub.log if p.endswith(".safetensors")]
-    assert sorted(shards)[0] == ("model-00001-of-00002.safetensors", 16 * 1024)
-    assert [n for p, n in shards if p.startswith("model-00002")] == [16 * 1024, 32 * 1024]
+    # the header; then the duplicate search's middle KiB of w0 and w1 (one shape; zeros)
+    assert [n for p, n in shards if p.startswith("model-00001")] == [16 * 1024, 1024]
+    assert [n for p, n in shards if p.startswith("model-00002")] == [16 * 1024, 32 * 1024,
+                                                                     1024]
 
 
 def test_the_report_lists_every_file_by_size(hub: Any, capsys: Any) -> None:
@@ -160,7 +162,9 @@ def test_one_file_and_a_revision(hub: Any) -> None:
     remote = inspect_remote("hf://org/sharded@main/model-00002-of-00008.safetensors")
     assert [t.name for t in remote.report.inventory.tensors] == [
         f"model.layers.1.w{i}" for i in range(4)]
-    assert remote.stats.requests == 2  # the listing, the shard's first 64 KiB
+    # the listing, the shard's first 64 KiB; the middle KiB of its 4 tensors of one shape
+    # (the duplicate search; zeros: their ends are not fetched)
+    assert remote.stats.requests == 2 + 4 == 2 + remote.stats.duplicates.requests
 
 
 def test_a_repository_is_read_over_a_few_kept_connections(hub: Any) -> None:
@@ -242,7 +246,8 @@ def test_later_reads_of_a_redirected_file_go_to_the_cdn_directly(
     assert len(remote.report.inventory.tensors) == 2
     second = ["cdn" if p.startswith("/cdn/") else "resolve" for p, _ in hub.log
               if "model-00002" in p]
-    assert second == ["resolve", "cdn", "cdn"]  # its header took 2 reads; 1 redirect
+    # its header took 2 reads, 1 redirect; the duplicate search's sample went to the CDN
+    assert second == ["resolve", "cdn", "cdn", "cdn"]
 
 
 def test_plain_org_repo_is_the_hub_unless_a_local_path_has_that_name(

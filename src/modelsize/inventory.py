@@ -38,6 +38,12 @@ from modelsize.errors import AccountingError, CorruptFileError
 #: Whether building an inventory may read tensor bytes (the duplicate search does): off for a
 #: sparse mirror of a remote file (:mod:`modelsize.remote`), whose tensor bytes are holes.
 READ_DATA: ContextVar[bool] = ContextVar("modelsize_read_data", default=True)
+#: Where the duplicate search goes when READ_DATA is off: ``compare(builder, candidates,
+#: storages) -> {key: original key}`` for the candidate groups ``(dtype, keys)`` (a remote
+#: file's sampled ranges, fetched by range requests); None: no duplicate search.
+SAMPLED_DUPLICATES: ContextVar[Callable[[InventoryBuilder, list[tuple[str, list[str]]],
+                                         Mapping[str, StorageRecord]], dict[str, str]] | None]
+SAMPLED_DUPLICATES = ContextVar("modelsize_sampled_duplicates", default=None)
 
 
 @dataclass(frozen=True)
@@ -609,7 +615,7 @@ class InventoryBuilder:
                 "(unused_storage may be understated)"
             )
 
-        dedupe = dedupe and READ_DATA.get()
+        dedupe = dedupe and (READ_DATA.get() or SAMPLED_DUPLICATES.get() is not None)
         dup_of: dict[str, str] = self._find_duplicates(by_storage) if dedupe else {}
         del by_storage
         for key, original in dup_of.items():
@@ -816,6 +822,9 @@ class InventoryBuilder:
         result: dict[str, str] = {}
         if not candidates:
             return result
+        sampled = None if READ_DATA.get() else SAMPLED_DUPLICATES.get()
+        if sampled is not None:
+            return sampled(self, candidates, storages)
         with _FileReader(self, storages) as reader:
             for dtype, keys in candidates:
                 itemsize = _itemsize(dtype)

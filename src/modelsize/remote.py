@@ -15,7 +15,8 @@ fetches only the byte ranges its reader needs, per format:
 
 and writes them at their offsets into a *sparse* local file of the remote file's size, which
 the ordinary reader then reads. Holes are never read as data: the duplicate search (the one
-place ``inspect`` reads tensor bytes) is switched off, and the report says so. The
+place ``inspect`` reads tensor bytes) compares sampled ranges of the candidates fetched by
+range requests within a budget (:mod:`modelsize.remote_duplicates`), and the report says so. The
 :class:`RangeSource` counts every byte fetched; reads go through a block cache of bounded size.
 
 ``hf://org/repo`` lists the repo's files through the hub's API (``$HF_ENDPOINT``, default
@@ -252,6 +253,25 @@ def _urllib_reply(url: str, headers: dict[str, str]) -> Reply:
 
 
 @dataclass
+class Origin:
+    """The remote file a sparse local file mirrors: its URL, the headers its requests carry,
+    its size, and the ``(start, stop)`` ranges of it fetched (and so in the mirror)."""
+
+    url: str
+    headers: dict[str, str]
+    size: int
+    fetched: list[tuple[int, int]] = field(default_factory=list)
+    #: Where its reads were redirected (the Hub's CDN): later reads go there directly.
+    location: str | None = None
+
+    def source(self, stats: Stats) -> RangeSource:
+        """A :class:`RangeSource` of the file that makes no request until a read."""
+        src = RangeSource(self.url, stats, self.headers, size=self.size)
+        src._location = self.location
+        return src
+
+
+@dataclass
 class Stats:
     """What reading a remote checkpoint cost."""
 
@@ -262,6 +282,11 @@ class Stats:
     budget: int = FETCH_BUDGET
     #: Files of a repository that the report's reader did not read (name, bytes): listed.
     others: list[tuple[str, int]] = field(default_factory=list)
+    #: Where each mirrored or sized file came from, by its real local path; the duplicate
+    #: search fetches its samples there.
+    origins: dict[str, Origin] = field(default_factory=dict, repr=False, compare=False)
+    #: What the duplicate search by samples compared and fetched (None: it did not run).
+    duplicates: Any = field(default=None, repr=False, compare=False)
     #: The keep-alive connections the inspection's requests share.
     connections: Connections = field(default_factory=lambda: Connections(), repr=False,
                                      compare=False)
@@ -270,7 +295,8 @@ class Stats:
         """JSON-ready form."""
         return {"url": self.url, "bytes": self.size, "fetched_bytes": self.fetched,
                 "requests": self.requests,
-                "other_files": [{"path": n, "bytes": b} for n, b in self.others]}
+                "other_files": [{"path": n, "bytes": b} for n, b in self.others],
+                "duplicates": None if self.duplicates is None else self.duplicates.to_dict()}
 
 
 class RangeSource:
@@ -284,12 +310,14 @@ class RangeSource:
     sees every byte fetched (the sparse mirror writes it at its offset). A dropped connection,
     a timeout or a 429/5xx is retried :data:`RETRIES` times with a doubling pause; a reply
     whose ``Content-Range`` is not the range asked for, or a 200 with the whole file, stops
-    the read (one line), having read none of its body.
+    the read (one line), having read none of its body. Given the file's ``size`` (known
+    already), it makes no request until a read.
     """
 
     def __init__(self, url: str, stats: Stats | None = None,
                  headers: dict[str, str] | None = None,
-                 sink: Callable[[int, bytes], None] | None = None, first: int = FIRST) -> None:
+                 sink: Callable[[int, bytes], None] | None = None, first: int = FIRST,
+                 size: int | None = None) -> None:
         self.url = url
         self.first = first
         #: Files beside this one that its reader only sizes (found by the walker).
@@ -304,6 +332,12 @@ class RangeSource:
         self._location: str | None = None  # the URL a redirect led to
         self._ahead = 1
         self.size = -1
+        if size is not None:
+            scheme = url.split("://", 1)[0].lower()
+            if scheme not in ("http", "https"):
+                self._fs, self._fs_path = _fsspec_open(url, scheme)
+            self.size = size
+            return
         self.size = self._open()
         self.stats.size += self.size
 
@@ -315,19 +349,21 @@ class RangeSource:
             self._keep(0, data, total)
             self._next = len(data) // BLOCK
             return total
+        self._fs, self._fs_path = _fsspec_open(self.url, scheme)
         try:
-            import fsspec
-        except ImportError as exc:
-            raise MissingDependencyError("fsspec", f"reading {scheme}:// paths",
-                                         extra="remote") from exc
-        try:
-            self._fs, self._fs_path = fsspec.core.url_to_fs(self.url)
-            return int(self._fs.size(self._fs_path))
-        except (ImportError, ValueError) as exc:
-            raise MissingDependencyError(f"the fsspec filesystem for {scheme}://",
-                                         f"reading {scheme}:// paths", extra="remote") from exc
-        except (OSError, KeyError) as exc:
-            raise RemoteError(f"{printable(self.url)}: {printable(str(exc))}") from None
+            total = int(self._fs.size(self._fs_path))
+        except Exception as exc:  # any filesystem's own errors: one line
+            raise _fsspec_error(self.url, exc) from None
+        with self._lock:
+            self.stats.requests += 1  # the size: a HEAD or a listing on a real store
+        self.size = total
+        if self.first > 1:  # first=1 asks for the size (HTTP learns it from a 1-byte range)
+            data = self.fetch(0, min(self.first, total))
+            self._keep(0, data, total)
+            self._next = len(data) // BLOCK
+        else:
+            self._next = 0
+        return total
 
     def _keep(self, start: int, data: bytes, total: int) -> None:
         """Cache the whole blocks of ``data`` fetched at ``start`` (block-aligned)."""
@@ -443,12 +479,24 @@ class RangeSource:
         """Bytes ``[start, stop)`` in one request, past the cache (scattered small reads)."""
         if self._fs is None:
             return self._http(start, stop)[0]
-        with self._fs.open(self._fs_path, "rb", block_size=0) as fh:
-            fh.seek(start)
-            data = bytes(fh.read(stop - start))
+        stop = min(stop, self.size)
+        if start >= stop:
+            return b""
+        try:  # one ranged read (s3fs, gcsfs: a GET with Range)
+            data = bytes(self._fs.cat_file(self._fs_path, start=start, end=stop))
+        except Exception as exc:  # any filesystem's own errors: one line
+            raise _fsspec_error(self.url, exc) from None
         with self._lock:
             self.stats.requests += 1
             self.stats.fetched += len(data)
+            over = self.stats.fetched > self.stats.budget
+        if len(data) != stop - start:
+            raise RemoteError(f"{printable(self.url)}: asked for bytes {start}-{stop - 1} and "
+                              f"got {len(data)} bytes (the file changed, or its store lies)")
+        if over:
+            raise RemoteError(f"{printable(self.url)}: stopped after fetching "
+                              f"{self.stats.fetched:,} bytes, above the "
+                              f"{self.stats.budget:,}-byte budget of a remote inspection")
         if self.sink is not None and data:
             self.sink(start, data)
         return data
@@ -508,6 +556,45 @@ class RangeSource:
             while len(self._cache) > CACHE_BLOCKS:
                 self._cache.popitem(last=False)
         return out[start - first * BLOCK: stop - first * BLOCK]
+
+
+def _fsspec_open(url: str, scheme: str) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url`` and the path in it; a missing fsspec, or a missing
+    filesystem package (gcsfs for ``gs://``, s3fs for ``s3://``), is one line naming what to
+    install."""
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise MissingDependencyError("fsspec", f"reading {scheme}:// paths",
+                                     extra="remote") from exc
+    from fsspec.registry import known_implementations
+
+    known = known_implementations.get(scheme)
+    try:
+        return fsspec.core.url_to_fs(url)  # type: ignore[no-any-return]
+    except ImportError as exc:
+        # the package fsspec's registry names for the protocol ("gcsfs.GCSFileSystem")
+        package = (str((known or {}).get("class", "")).split(".", 1)[0]
+                   or f"a {scheme}:// filesystem")
+        raise MissingDependencyError(package, f"reading {scheme}:// paths") from exc
+    except ValueError as exc:
+        if known is None:
+            raise RemoteError(f"{printable(url)}: {scheme}:// is not a protocol modelsize "
+                              "reads (http://, https://, hf://, or an fsspec protocol such as "
+                              "s3:// or gs://)") from None
+        raise _fsspec_error(url, exc) from None
+    except Exception as exc:  # any filesystem's own errors: one line
+        raise _fsspec_error(url, exc) from None
+
+
+def _fsspec_error(url: str, exc: BaseException) -> RemoteError:
+    """One line for what an fsspec filesystem raised (no such file, no credentials...)."""
+    if isinstance(exc, FileNotFoundError):
+        return RemoteError(f"{printable(url)}: no such file")
+    if isinstance(exc, PermissionError):
+        return RemoteError(f"{printable(url)}: access denied ({printable(str(exc), 200)})")
+    return RemoteError(f"{printable(url)}: cannot read: {type(exc).__name__}: "
+                       f"{printable(str(exc), 200)}")
 
 
 class _Retry(Exception):
@@ -669,12 +756,20 @@ def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = 
     size; return the names of the files beside it that the reader only sizes. The first
     request fetches ``first`` bytes (a multiple of :data:`BLOCK`)."""
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    have: list[tuple[int, int]] = []
+
+    def sink(at: int, data: bytes) -> None:
+        _pwrite(fd, data, at)
+        have.append((at, at + len(data)))
+
     try:
-        src = RangeSource(url, stats, headers, sink=lambda at, data: _pwrite(fd, data, at),
-                          first=first)
+        src = RangeSource(url, stats, headers, sink=sink, first=first)
+        origin = Origin(url, dict(headers or {}), src.size, have)
+        stats.origins[os.path.realpath(dest)] = origin
         os.ftruncate(fd, src.size)
         for offset, data in _regions(src, dest.name):
             _pwrite(fd, data, offset)
+        origin.location = src._location
     finally:
         os.close(fd)
     return src.siblings
@@ -695,6 +790,7 @@ def sized(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = N
         size = RangeSource(url, stats, headers, first=1).size
     with open(dest, "wb") as fh:
         fh.truncate(size)
+    stats.origins[os.path.realpath(dest)] = Origin(url, dict(headers or {}), size)
 
 
 @dataclass
@@ -736,13 +832,22 @@ def _fill_with(url: str, root: Path, fetch: Any, stats: Stats) -> Remote:
     local = root / name
     urls = [url]
     for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others too
-        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(shard)))
+        urls.append(beside_url(url, shard))
         fetch(urls[-1], root / shard, stats)
     for sibling in fetch(url, local, stats) or ():
         dest = _beside(root, sibling, url)
-        urls.append(urllib.parse.urljoin(url, urllib.parse.quote(sibling)))
+        urls.append(beside_url(url, sibling))
         sized(urls[-1], dest, stats)
     return Remote(url, local, stats, urls)
+
+
+def beside_url(url: str, name: str) -> str:
+    """The URL of the file ``name`` beside the one at ``url`` (relative to its folder). HTTP
+    URLs are joined and quoted as URLs; any other scheme (``s3://``, ``gs://``: fsspec paths,
+    which urljoin leaves alone and which are not quoted) by replacing the last part."""
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        return urllib.parse.urljoin(url, urllib.parse.quote(name))
+    return url.rsplit("/", 1)[0] + "/" + name
 
 
 def _beside(root: Path, name: str, url: str) -> Path:
@@ -1136,7 +1241,7 @@ class RemoteReport:
                     + (", ..." if len(s.others) > 20 else "") + "\n")
         return out + (f"\nRead remotely: {s.fetched:,} bytes fetched in {s.requests} requests "
                       f"for a {s.size:,}-byte checkpoint ({100 * s.fetched / max(s.size, 1):.4f}%"
-                      "); duplicate tensors not searched (that reads tensor data).\n")
+                      f"); {duplicates_line(s)}.\n")
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         """The inspect JSON with ``path`` the URL and a ``remote`` object."""
@@ -1145,6 +1250,13 @@ class RemoteReport:
         data["path"] = self.url
         data["remote"] = self.stats.to_dict()
         return data
+
+
+def duplicates_line(stats: Stats) -> str:
+    """How the duplicate search of a remote inspection went, in one clause."""
+    if stats.duplicates is None:
+        return "duplicate tensors not searched (that reads tensor data)"
+    return str(stats.duplicates.summary())
 
 
 def inspect_remote(url: str) -> RemoteReport:
@@ -1165,19 +1277,29 @@ def read_remote(url: str) -> tuple[Any, Stats, str]:
 
 @contextmanager
 def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
-    """The :class:`~modelsize.inventory.Inventory` of a URL (header regions only, duplicates
-    not searched), what reading it cost, and the path of its temporary mirror, which exists
+    """The :class:`~modelsize.inventory.Inventory` of a URL (header regions, and duplicates
+    compared by sampled ranges: :mod:`modelsize.remote_duplicates`), what reading it cost,
+    and the path of its temporary mirror, which exists
     until the context ends (the inventory's paths name it: reports put the URL in its
     place). ``facts[URL_FACT]`` is the URL."""
     from modelsize import formats
-    from modelsize.inventory import READ_DATA
+    from modelsize.inventory import READ_DATA, SAMPLED_DUPLICATES
+    from modelsize.remote_duplicates import SampledDuplicates
 
     with mirrored(url) as remote:
+        stats = remote.stats
+        stats.duplicates = SampledDuplicates(
+            stats.origins,
+            lambda origin: origin.source(stats),
+            header_requests=lambda: stats.requests)
         token = READ_DATA.set(False)
+        sampled = SAMPLED_DUPLICATES.set(stats.duplicates)
         try:
             inventory = formats.read(remote.local)
         finally:
+            SAMPLED_DUPLICATES.reset(sampled)
             READ_DATA.reset(token)
+            stats.connections.close()
         inventory.facts[URL_FACT] = url
         folder = remote.folder or (remote.local if remote.local.is_dir() else None)
         if folder is not None:

@@ -1,5 +1,6 @@
 """URLs on the command line: ``slim URL`` and ``diff URL PATH`` (``inspect URL`` and
-``check URL`` go through :mod:`modelsize.remote` directly).
+``check URL`` go through :mod:`modelsize.remote` directly); a plain ``ORG/REPO`` that names
+nothing on this disk is the Hub's repository for ``check`` and ``diff`` as for ``inspect``.
 
 A remote file is read from a local copy (header regions mirrored sparsely for ``diff``, the
 whole file downloaded for ``slim``) whose temporary path the reports would name: every report
@@ -15,6 +16,7 @@ import contextlib
 import html
 import io
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +46,16 @@ def _localize_page(path: str | None, subs: dict[str, str]) -> None:
         write_text(path, localize(page, subs, as_html=True))
 
 
+def hub_or_path(text: str) -> str:
+    """``hf://ORG/REPO`` for a plain ``ORG/REPO[@REVISION]`` that names nothing on this disk
+    (as ``inspect`` reads it: :func:`modelsize.remote.hub_url`), else ``text`` itself."""
+    if "/" not in text or "://" in text or os.path.lexists(text):
+        return text
+    from modelsize.remote import hub_url
+
+    return hub_url(text) or text
+
+
 def _url(text: str) -> str:
     from modelsize.remote import is_remote
 
@@ -68,8 +80,8 @@ def inventory_or_path(path: str, subs: dict[str, str]) -> Any:
 
 def diff_note(subs: dict[str, str]) -> str:
     """The line a diff with a remote side ends with."""
-    return "".join(f"\n{printable(url)} read remotely by its headers: duplicate tensors not "
-                   "searched (that reads tensor data)\n" for url in subs.values())
+    return "".join(f"\n{printable(url)} read remotely by its headers: duplicate tensors "
+                   "compared by samples of their bytes, not whole\n" for url in subs.values())
 
 
 def slim_url(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:

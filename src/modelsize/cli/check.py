@@ -25,10 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize check``: 0 when every file passes, 1 when one breaks a rule."""
     from modelsize.checking import check, parse_forbid, parse_max_size
+    from modelsize.cli._remote import hub_or_path
 
     max_size = parse_max_size(args.max_size, "--max-size")
     forbid = parse_forbid(args.forbid)
-    results = [check(p, max_size=max_size, forbid=forbid) for p in args.paths]
+    results = [check(hub_or_path(p), max_size=max_size, forbid=forbid) for p in args.paths]
     failed = [r for r in results if not r.ok]
     if args.json:
         print(json.dumps({"ok": not failed, "files": [r.to_dict() for r in results]}))

@@ -19,13 +19,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize diff``."""
+    from modelsize.cli._remote import hub_or_path
     from modelsize.diff import diff
     from modelsize.report.diff_text import render_diff
     from modelsize.report.files import check_output_file
 
     check_output_file(args.html)
-    a: Any = args.a
-    b: Any = args.b
+    a: Any = hub_or_path(args.a)  # ORG/REPO naming nothing here: the Hub's repository
+    b: Any = hub_or_path(args.b)
     subs: dict[str, str] = {}  # a URL's temporary mirror -> the URL
     if "://" in a or "://" in b:  # URLs: read by their headers, named in place of the mirrors
         from modelsize.cli._remote import diff_note, inventory_or_path, localize
