@@ -265,3 +265,21 @@ def test_plain_org_repo_is_the_hub_unless_a_local_path_has_that_name(
     data = json.loads(capsys.readouterr().out)
     assert data["path"] == "org/sharded" and data["tensor_count"] == 1
     assert hub.log == []  # nothing asked of the Hub
+
+
+def test_a_local_folder_keeps_its_names_off_the_hub(
+        hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """``run1/model.ckpt`` (a TensorFlow checkpoint's prefix: no file has that exact name) and
+    a typo inside a local folder are local paths, never the Hub's ``run1/model.ckpt``."""
+    from modelsize.remote import hub_url
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "model.ckpt.index").write_bytes(b"")
+    assert hub_url("run1/model.ckpt") is None and hub_url("run1/typo") is None
+    assert hub_url("org/sharded") == "hf://org/sharded"
+    del hub.log[:]
+    assert main(["inspect", "run1/typo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run1/typo" in err[0] and "no such file" in err[0], err
+    assert hub.log == []

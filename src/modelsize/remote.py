@@ -59,6 +59,7 @@ from typing import Any
 
 from modelsize import __version__
 from modelsize.errors import InputError, MissingDependencyError, printable
+from modelsize.formats.base import real_path
 
 #: Block size of the read cache (a read is rounded out to blocks) and its capacity.
 BLOCK = 16 * 1024
@@ -88,8 +89,12 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
 def hub_url(text: str) -> str | None:
     """``hf://ORG/REPO`` for a plain ``ORG/REPO[@REVISION]`` that names nothing on this
-    disk (a local file or folder of that name wins); else None."""
-    if "://" in text or not _HUB_NAME.fullmatch(text) or os.path.lexists(text):
+    disk; else None. A local file or folder of that name wins, and so does a local folder
+    ``ORG``: ``run1/model.ckpt`` is a TensorFlow checkpoint's prefix (its files are
+    ``model.ckpt.index`` and ``model.ckpt.data-*``), and a typo in a local path must say the
+    path is not there, not send the name to the Hub."""
+    if ("://" in text or not _HUB_NAME.fullmatch(text) or os.path.lexists(text)
+            or os.path.isdir(text.split("/", 1)[0])):
         return None
     return "hf://" + text
 
@@ -765,7 +770,7 @@ def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = 
     try:
         src = RangeSource(url, stats, headers, sink=sink, first=first)
         origin = Origin(url, dict(headers or {}), src.size, have)
-        stats.origins[os.path.realpath(dest)] = origin
+        stats.origins[str(real_path(dest, must_exist=False))] = origin
         os.ftruncate(fd, src.size)
         for offset, data in _regions(src, dest.name):
             _pwrite(fd, data, offset)
@@ -790,7 +795,8 @@ def sized(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = N
         size = RangeSource(url, stats, headers, first=1).size
     with open(dest, "wb") as fh:
         fh.truncate(size)
-    stats.origins[os.path.realpath(dest)] = Origin(url, dict(headers or {}), size)
+    stats.origins[str(real_path(dest, must_exist=False))] = Origin(url, dict(headers or {}),
+                                                                  size)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from typing import Any
 
 from modelsize.dtypes import DTYPES
 from modelsize.errors import InputError, printable
+from modelsize.formats.base import real_path
 
 #: Bytes of one sample (the local search's probes are 4 KiB: remote ones cost the network).
 PROBE = 1024
@@ -129,7 +130,7 @@ class SampledDuplicates:
         whose samples are equal (see the module docstring)."""
         if self.failed:
             return {}
-        paths = [os.path.realpath(f.path) for f in builder.files]
+        paths = [str(real_path(f.path, must_exist=False)) for f in builder.files]
         for info, path in zip(builder.files, paths, strict=True):
             self._budgets.setdefault(path, _Budget(MAX_BYTES, max_requests(info.nbytes)))
         if self._total is None:
