@@ -120,3 +120,17 @@ def _frozen_heap() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def preads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every ``os.pread`` from now on, in order (the test's reads of a file)."""
+    sizes: list[int] = []
+    real = os.pread
+
+    def counted(fd: int, n: int, at: int) -> bytes:
+        sizes.append(n)
+        return real(fd, n, at)
+
+    monkeypatch.setattr(os, "pread", counted)
+    return sizes

@@ -310,15 +310,13 @@ def test_huge_overlapping_views_are_merged_conservatively_with_a_note(tmp_path: 
 
 
 def test_large_candidates_are_read_past_their_start_only_where_starts_agree(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, preads: list[int]) -> None:
     """inventory._FileReader.probe_groups: 24 trained layers of one shape differ in their
     first 4 KiB and are read there only (one read each); two that start alike and differ at
     the end are read further and told apart; a true copy is found."""
-    import os
-
     np = pytest.importorskip("numpy")
     st = pytest.importorskip("safetensors.numpy")
-    from modelsize import formats, inventory
+    from modelsize import formats
 
     rng = np.random.default_rng(0)
     n = 16384  # 64 KiB of float32: sampled at its start, middle and end
@@ -329,18 +327,10 @@ def test_large_candidates_are_read_past_their_start_only_where_starts_agree(
     tensors.update({"alike": alike, "other": other, "copy": tensors["layer.3"].copy()})
     path = tmp_path / "m.safetensors"
     st.save_file(tensors, path)
-    reads: list[int] = []
-    real = os.pread
-
-    def counted(fd: int, size: int, at: int) -> bytes:
-        reads.append(size)
-        return real(fd, size, at)
-
-    monkeypatch.setattr(inventory.os, "pread", counted)
     inv = formats.read(path)
     dupes = {t.name for t in inv.tensors if t.category is Category.DUPLICATES}
     assert dupes in ({"copy"}, {"layer.3"})  # the later of the two in the file
-    samples = [r for r in reads if r == 4096]
+    samples = [r for r in preads if r == 4096]
     # 27 starts; the middle and end of alike, other, layer.3 and copy; a few more for the
     # constant check of the equal pair (84 when every candidate's three samples were read)
     assert len(samples) <= 27 + 2 * 4 + 4

@@ -517,7 +517,7 @@ def test_duplicates_are_found_without_reading_storages_whose_crc_differs(
 
 
 def test_close_local_headers_are_read_together_and_far_ones_alone(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preads: list[int]) -> None:
     """formats/_zip.py's _Window: 3,000 small tensors' headers in a few reads, a large
     tensor's data never read; the inventory is the one a read per header gives."""
     from modelsize.formats import _zip
@@ -525,14 +525,7 @@ def test_close_local_headers_are_read_together_and_far_ones_alone(
     small = {f"t{i}": torch.full((3,), float(i)) for i in range(3000)}
     path = tmp_path / "many.pt"
     torch.save({**small, "big": torch.zeros(2**20)}, path)
-    reads: list[int] = []
-    real = os.pread
-
-    def counted(fd: int, n: int, at: int) -> bytes:
-        reads.append(n)
-        return real(fd, n, at)
-
-    monkeypatch.setattr(_zip.os, "pread", counted)
+    reads = preads
     inv = read(path)
     windowed = len(reads)
     monkeypatch.setattr(_zip, "_GAP", -1)  # every header read alone, and only it
