@@ -62,6 +62,8 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, code: int, body: bytes, extra: dict[str, str] | None = None,
               head: bool = False) -> None:
+        # logged before the answer goes out: a client that has its answer finds it logged
+        self.log.append((self.path, 0 if head else len(body)))
         self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         for k, v in (extra or {}).items():
@@ -69,7 +71,6 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if not head:
             self.wfile.write(body)
-        self.log.append((self.path, 0 if head else len(body)))
 
     def _route(self, head: bool) -> None:
         time.sleep(self.latency)
@@ -120,6 +121,7 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
             return
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
         if head or not m:
+            self.log.append((self.path, 0 if head else size))
             self.send_response(200)
             for k, v in meta.items():
                 self.send_header(k, v)
@@ -129,7 +131,6 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
                 with open(target, "rb") as fh:
                     while chunk := fh.read(1 << 20):
                         self.wfile.write(chunk)
-            self.log.append((self.path, 0 if head else size))
             return
         start = int(m.group(1))
         stop = min(int(m.group(2) or size - 1), size - 1)

@@ -40,15 +40,17 @@ class _Hub(http.server.BaseHTTPRequestHandler):
         pass
 
     def _send(self, code: int, body: bytes, extra: dict[str, str] | None = None) -> None:
+        # logged before the answer goes out: a client that has its answer finds it logged
+        # (after, a test that clears the log as the client returns could catch it late)
+        self.log.append({"path": self.path, "bytes": len(body), "code": code,
+                         "auth": self.headers.get("Authorization"),
+                         "range": self.headers.get("Range")})
         self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
         for k, v in (extra or {}).items():
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(body)
-        self.log.append({"path": self.path, "bytes": len(body), "code": code,
-                         "auth": self.headers.get("Authorization"),
-                         "range": self.headers.get("Range")})
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]

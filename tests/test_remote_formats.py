@@ -47,8 +47,8 @@ class _Server(http.server.BaseHTTPRequestHandler):
         target = self.root / name
         fault = self.faults.get(name, "")
         if not target.is_file():
+            self.log.append((name, 0))  # (logged before the answer: see the 206 below)
             self.send_error(404)
-            self.log.append((name, 0))
             return
         size = target.stat().st_size
         if fault == "drop-always" or (fault == "drop" and name not in self.dropped):
@@ -79,12 +79,13 @@ class _Server(http.server.BaseHTTPRequestHandler):
             body = fh.read(stop - start + 1)
         shown = f"bytes {start + 1}-{stop + 1}/{size}" if fault == "lie" else (
             f"bytes {start}-{stop}/{size}")
+        # logged before the answer goes out: a client that has its answer finds it logged
+        self.log.append((name, len(body)))
         self.send_response(206)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Content-Range", shown)
         self.end_headers()
         self.wfile.write(body)
-        self.log.append((name, len(body)))
 
 
 @pytest.fixture()
