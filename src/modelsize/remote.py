@@ -452,7 +452,14 @@ class RangeSource:
                              f"{start}-{stop - 1}")
             raise RemoteError(f"{printable(self.url)}: the server sent more than the "
                               f"{want} bytes of range {start}-{stop - 1}")
+        self._arrived(start, data)
+        return data, total
+
+    def _arrived(self, start: int, data: bytes, requests: int = 0) -> None:
+        """``data``, read at ``start`` in ``requests`` more requests, counted against the
+        inspection's budget (over it: one line) and given to the sink."""
         with self._lock:
+            self.stats.requests += requests
             self.stats.fetched += len(data)
             over = self.stats.fetched > self.stats.budget
         if over:
@@ -461,7 +468,6 @@ class RangeSource:
                               f"{self.stats.budget:,}-byte budget of a remote inspection")
         if self.sink is not None and data:
             self.sink(start, data)
-        return data, total
 
     def _check_range(self, content_range: str, start: int, stop: int) -> int:
         """The total size a 206's ``Content-Range`` announces, checked against the request
@@ -491,19 +497,10 @@ class RangeSource:
             data = bytes(self._fs.cat_file(self._fs_path, start=start, end=stop))
         except Exception as exc:  # any filesystem's own errors: one line
             raise _fsspec_error(self.url, exc) from None
-        with self._lock:
-            self.stats.requests += 1
-            self.stats.fetched += len(data)
-            over = self.stats.fetched > self.stats.budget
         if len(data) != stop - start:
             raise RemoteError(f"{printable(self.url)}: asked for bytes {start}-{stop - 1} and "
                               f"got {len(data)} bytes (the file changed, or its store lies)")
-        if over:
-            raise RemoteError(f"{printable(self.url)}: stopped after fetching "
-                              f"{self.stats.fetched:,} bytes, above the "
-                              f"{self.stats.budget:,}-byte budget of a remote inspection")
-        if self.sink is not None and data:
-            self.sink(start, data)
+        self._arrived(start, data, requests=1)
         return data
 
     # -- reads -------------------------------------------------------------------------------
