@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from modelsize.estimation.trace import Program, run_trace  # noqa: E402
-from tests.estimation.replay_helpers import snapshot  # noqa: E402
+from modelsize.estimation.trace import Program, run_trace
+from tests.estimation.replay_helpers import snapshot
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

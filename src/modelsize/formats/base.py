@@ -19,10 +19,13 @@ import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from modelsize.errors import InputError, PathNotFoundError, printable
 from modelsize.inventory import Inventory
+
+if TYPE_CHECKING:
+    from modelsize.formats import _zip
 
 HEAD_BYTES = 4096
 #: How deep :meth:`Source.open` looks into a directory for special files: the directory and
@@ -143,7 +146,7 @@ class Source:
     kind: str  # "file", "dir" or "missing"
     head: bytes = b""
     size: int = 0
-    _zip_infos: list[zipfile.ZipInfo] | None = field(default=None, repr=False)
+    _zip_infos: list[_zip.Entry] | None = field(default=None, repr=False)
     _zip_checked: bool = field(default=False, repr=False)
 
     @classmethod
@@ -186,7 +189,7 @@ class Source:
         """A zip archive (local file header magic)."""
         return self.head[:4] == b"PK\x03\x04"
 
-    def zip_infos(self) -> list[zipfile.ZipInfo] | None:
+    def zip_infos(self) -> list[_zip.Entry] | None:
         """The central directory of a zip archive, parsed once; ``None`` if unreadable.
 
         Sniffing reads it and the reader reuses it: parsing it costs as much as a checkpoint's
@@ -195,9 +198,10 @@ class Source:
         if not self._zip_checked:
             self._zip_checked = True
             if self.is_zip:
+                from modelsize.formats import _zip
+
                 try:
-                    with zipfile.ZipFile(self.path) as zf:
-                        self._zip_infos = zf.infolist()
+                    self._zip_infos = _zip.directory(self.path)
                 except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
                     # NotImplementedError: zipfile on a version field it does not know.
                     self._zip_infos = None
