@@ -71,6 +71,7 @@ class Entry(NamedTuple):
 
 #: A central directory record's fixed part (``zipfile.structCentralDir``).
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
+_MAX_EXTRACT_VERSION: int = getattr(zipfile, "MAX_EXTRACT_VERSION", 63)
 _ZIP64_MASKED = (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF)
 
 
@@ -97,10 +98,12 @@ def directory(path: Path | str) -> list[Entry]:
             raise zipfile.BadZipFile("File is not a zip file") from None
         if not endrec:
             raise zipfile.BadZipFile("File is not a zip file")
-        size_cd, offset_cd = endrec[zipfile._ECD_SIZE], endrec[zipfile._ECD_OFFSET]
-        concat = endrec[zipfile._ECD_LOCATION] - size_cd - offset_cd
-        if endrec[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:
-            concat -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator
+        # zipfile's end record: [0] its signature, [5] the directory's size, [6] its offset,
+        # [9] where the record lies.
+        size_cd, offset_cd = endrec[5], endrec[6]
+        concat = endrec[9] - size_cd - offset_cd
+        if endrec[0] == b"PK\x06\x06":  # ZIP64: its end record (56 B) and locator (20 B)
+            concat -= 56 + 20
         start_dir = offset_cd + concat
         if start_dir < 0:
             raise zipfile.BadZipFile("Bad offset for central directory")
@@ -122,7 +125,7 @@ def directory(path: Path | str) -> list[Entry]:
         raw_name = data[p : p + n]
         p = min(p + n, have)
         orig = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
-        if extract_version > zipfile.MAX_EXTRACT_VERSION:
+        if extract_version > _MAX_EXTRACT_VERSION:
             raise NotImplementedError(f"zip file version {extract_version / 10:.1f}")
         if x:
             file_size, compress_size, header_offset = _zip64_extra(
