@@ -197,3 +197,48 @@ def test_a_dcp_checkpoint_by_the_url_of_its_metadata(hub: Any, repos: Path) -> N
     # .metadata; each of the 4 data files' first 16 KiB with its size (no listing); the one
     # of 18 KiB once more, for its last items
     assert stats.requests - stats.duplicates.requests <= 1 + 4 + 1
+
+
+# -- a TF1 checkpoint whose .meta is mostly graph: its collections only ------------------------
+
+_BIG_META = """
+import sys
+import numpy as np
+import tensorflow as tf
+tf.compat.v1.disable_eager_execution()
+with tf.Graph().as_default():
+    table = tf.constant(np.arange(1 << 20, dtype=np.float32))  # 4 MiB inside the graph
+    w = tf.compat.v1.get_variable("w", [64, 64])
+    b = tf.compat.v1.get_variable("b", [64], trainable=False)
+    loss = tf.reduce_sum(w) + tf.reduce_sum(b) + tf.reduce_sum(table)
+    step = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.compat.v1.Session() as s:
+        s.run(tf.compat.v1.global_variables_initializer())
+        tf.compat.v1.train.Saver().save(s, sys.argv[1] + "/model.ckpt")
+"""
+
+
+@pytest.fixture(scope="module")
+def big_meta(repos: Path) -> Path:
+    """org/tf1-graph: a TF1 Saver checkpoint whose .meta holds a 4 MiB constant."""
+    from tests.conftest import run_in_tf
+
+    folder = repos / "org" / "tf1-graph"
+    folder.mkdir()
+    run_in_tf(_BIG_META, str(folder), timeout=300)
+    return folder
+
+
+def test_a_big_meta_is_read_by_its_collections_not_its_graph(hub: Any, big_meta: Path) -> None:
+    meta = (big_meta / "model.ckpt.meta").stat().st_size
+    assert meta > 4 * MIB
+    for url in ("hf://org/tf1-graph", _resolve(hub, "org/tf1-graph", "model.ckpt.index")):
+        del hub.log[:]
+        got, _ = _remote(url)
+        local = big_meta if url.startswith("hf://") else big_meta / "model.ckpt.index"
+        assert got == _local(local)
+        # the .meta's trainable_variables collection made b a buffer (64 float32)
+        assert got["bytes_by_category"]["buffers"] == 64 * 4
+        fetched = _fetched(hub, "model.ckpt.meta")
+        # its first block; past the graph, its collections (and what the read-ahead adds)
+        assert sum(fetched) < 128 * KIB and len(fetched) <= 3
