@@ -242,3 +242,17 @@ def test_a_big_meta_is_read_by_its_collections_not_its_graph(hub: Any, big_meta:
         fetched = _fetched(hub, "model.ckpt.meta")
         # its first block; past the graph, its collections (and what the read-ahead adds)
         assert sum(fetched) < 128 * KIB and len(fetched) <= 3
+
+
+@pytest.mark.parametrize(("repo", "name", "most"), [
+    ("org/saved", "saved_model.pb", 4),  # the listing; the index; the object graph
+    ("org/tf1", "model.ckpt.index", 4),  # the listing; the index; the .meta's two reads
+    ("org/dcp", ".metadata", 6),  # the listing; .metadata; each data file in one
+])
+def test_the_file_that_names_a_folder_by_its_hf_path(hub: Any, repos: Path, repo: str,
+                                                      name: str, most: int) -> None:
+    got, stats = _remote(f"hf://{repo}/{name}")
+    assert got == _local(repos / repo / name)
+    # sizes from the listing: no request to learn one
+    assert stats.requests - stats.duplicates.requests <= most
+    assert not [n for _, n in hub.log if n == 1]
