@@ -25,8 +25,9 @@ range requests within a budget (:mod:`modelsize.remote_duplicates`), and the rep
 ``hf://org/repo`` lists the repo's files through the hub's API (``$HF_ENDPOINT``, default
 ``https://huggingface.co``) and inspects its weight files (``*.safetensors`` with their index,
 else ``pytorch_model*.bin``...), or the checkpoint folder it is (a SavedModel, a DCP or
-DeepSpeed checkpoint: :func:`_folder_model`); ``hf://org/repo/path/file`` one file. ``s3://``, ``gs://`` and
-any other protocol go through fsspec when the user has it and the filesystem installed.
+DeepSpeed checkpoint: :func:`_folder_model`); ``hf://org/repo/path/file`` one file.
+``s3://``, ``gs://`` and any other protocol go through fsspec when the user has it and the
+filesystem installed.
 
 ``slim`` needs every byte: :func:`downloaded` copies the remote files through the same range
 requests, in chunks of :data:`CHUNK` bytes (memory stays bounded whatever the file's size),
