@@ -370,12 +370,12 @@ class RangeSource:
             self._next = len(data) // BLOCK
             return total
         self._fs, self._fs_path = _fsspec_open(self.url, scheme)
+        with self._lock:
+            self.stats.requests += 1  # the size: a HEAD or a listing on a real store
         try:
             total = int(self._fs.size(self._fs_path))
         except Exception as exc:  # any filesystem's own errors: one line
             raise _fsspec_error(self.url, exc) from None
-        with self._lock:
-            self.stats.requests += 1  # the size: a HEAD or a listing on a real store
         self.size = total
         if self.first > 1:  # first=1 asks for the size (HTTP learns it from a 1-byte range)
             data = self.fetch(0, min(self.first, total))

@@ -340,9 +340,10 @@ def walk_tf_index(src: RangeSource, name: str) -> list[str]:
         shard = src.beside(names[graph.shard])
         if shard is not None and graph.offset + graph.size <= shard.size:
             shard.fetch(graph.offset, graph.offset + graph.size)
-    meta = src.beside(prefix + ".meta", optional=True, first=BLOCK if graph is None else 1)
-    if meta is not None and graph is None:
-        walk_tf_meta(meta)
+    if graph is None:  # a name-based (TF1 Saver) checkpoint: its .meta, if it wrote one
+        meta = src.beside(prefix + ".meta", optional=True, first=BLOCK)
+        if meta is not None:
+            walk_tf_meta(meta)
     return names
 
 
