@@ -754,13 +754,13 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
 
 
 def _fetch_exact(src: RangeSource, ranges: list[tuple[int, int]]) -> list[bytes]:
-    """The bytes of each range ``[start, stop)``: ranges within
-    :data:`~modelsize.remote_regions.NEAR` of each other fetched in one request (small
-    tensors' headers, a few at a time)."""
+    """The bytes of each range ``[start, stop)``: from the block cache when fetched already,
+    else ranges within :data:`~modelsize.remote_regions.NEAR` of each other fetched in one
+    request (small tensors' headers), a few at a time."""
     from modelsize.remote_regions import NEAR, WORKERS
 
     merged: list[list[int]] = []
-    for start, stop in sorted(ranges):
+    for start, stop in sorted(r for r in ranges if not src.cached(*r)):
         if merged and start <= merged[-1][1] + NEAR:
             merged[-1][1] = max(merged[-1][1], stop)
         else:
@@ -770,6 +770,9 @@ def _fetch_exact(src: RangeSource, ranges: list[tuple[int, int]]) -> list[bytes]
     starts = [m[0] for m in merged]
     out = []
     for start, stop in ranges:
+        if src.cached(start, stop):  # in the first bytes fetched, or the end's
+            out.append(src.read(start, stop))
+            continue
         i = bisect.bisect_right(starts, start) - 1
         out.append(got[i][start - starts[i]:stop - starts[i]])
     return out
