@@ -182,3 +182,58 @@ def test_a_real_s3_bucket(bucket: Path, s3: str, capsys: Any) -> None:
     inventory, stats, _ = read_remote(f"{s3}/external.onnx")
     assert _summary(inventory) == _local(bucket / "external.onnx")
     assert "no such file" in _one_line(capsys, f"{s3}/nothere.safetensors")
+
+
+# -- fsspec's HTTP filesystem (aiohttp) on loopback: a network store through the same path -------
+
+@pytest.fixture(scope="module")
+def http_store(bucket: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The bucket's files, a TF1 checkpoint with its .meta and a DCP checkpoint, served by
+    the loopback Hub (HEAD, GET with Range) and reached as ``loophttp://HOST/...``: a protocol
+    registered here for fsspec's own ``HTTPFileSystem``, so that modelsize reads them through
+    fsspec (as it reads ``s3://``) and not through its own HTTP client."""
+    pytest.importorskip("aiohttp")
+    from fsspec.implementations.http import HTTPFileSystem
+    from fsspec.registry import _registry  # (fsspec.registry is the registry's mapping)
+
+    from tests.loopback_hub import serve
+
+    class LoopHTTP(HTTPFileSystem):  # type: ignore[misc]
+        protocol = ("loophttp",)
+
+        @classmethod
+        def _strip_protocol(cls, path: str) -> str:
+            return "http://" + str(path).split("://", 1)[-1]
+
+    root = tmp_path_factory.mktemp("store")
+    files = root / "org" / "files"
+    shutil.copytree(bucket, files)
+    shutil.copytree(FIXTURES.parent / "fixtures/tensorflow/tf1", files / "tf1")
+    shutil.copytree(FIXTURES.parent / "fixtures/torch_dcp/two_ranks", files / "dcp")
+    with pytest.MonkeyPatch.context() as mp, serve(root) as hub:
+        mp.setitem(_registry, "loophttp", LoopHTTP)
+        hub.base = f"loophttp://{hub.endpoint.split('://', 1)[1]}/org/files/resolve/main"
+        yield hub
+
+
+@pytest.mark.parametrize(("name", "most"), [
+    ("model.safetensors", 2),  # its size (a HEAD), its first 64 KiB
+    # the size; the first 64 KiB; the end; the local headers past the first 64 KiB (16 KiB
+    # tensors: one request each)
+    ("model.pt", 3 + 3),
+    # the index's size and read; the .meta's size, first block and collections; the data's size
+    ("tf1/model.ckpt.index", 6),
+    ("dcp/.metadata", 6),  # .metadata's size and read; each data file's size and first 16 KiB
+])
+def test_fsspec_http_filesystem(http_store: Any, bucket: Path, name: str, most: int) -> None:
+    del http_store.log[:]
+    inventory, stats, _ = read_remote(f"{http_store.base}/{name}")
+    local = bucket / name if "/" not in name else FIXTURES / {
+        "tf1": "tensorflow/tf1", "dcp": "torch_dcp/two_ranks"}[name.split("/")[0]] / (
+        name.split("/", 1)[1])
+    assert _summary(inventory) == _local(local)
+    # every request counted as the server saw it, every byte it sent
+    assert stats.requests == len(http_store.log) <= most + stats.duplicates.requests
+    assert stats.fetched == sum(n for _, n in http_store.log)
+    if name == "model.safetensors":
+        assert stats.fetched == 65536 < (bucket / name).stat().st_size // 200

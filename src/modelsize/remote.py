@@ -10,8 +10,11 @@ fetches only the byte ranges its reader needs, per format:
 * NumPy ``.npy``: the magic, the version and the header (``.npz``: each member's);
 * GGUF, pickles and legacy ``torch.save`` files, ONNX (its external data sized only), HDF5
   (Keras ``.h5``, and the weights inside a ``.keras``), TFLite and TensorFlow checkpoints (the
-  ``.index``; data shards sized only): what the walkers of :mod:`modelsize.remote_regions`
-  read, every byte fetched reaching the mirror;
+  ``.index``, the ``.meta``'s collections; data shards sized, a TF2 object graph read from
+  one), a SavedModel by its ``saved_model.pb`` (the graph sized; ``variables/`` as a
+  checkpoint), a ``torch.distributed.checkpoint`` by its ``.metadata`` (each item's archive
+  headers in its data file): what the walkers of :mod:`modelsize.remote_regions` read, every
+  byte fetched reaching the mirror (the files beside one through :class:`Beside`);
 
 and writes them at their offsets into a *sparse* local file of the remote file's size, which
 the ordinary reader then reads. Holes are never read as data: the duplicate search (the one
@@ -21,8 +24,10 @@ range requests within a budget (:mod:`modelsize.remote_duplicates`), and the rep
 
 ``hf://org/repo`` lists the repo's files through the hub's API (``$HF_ENDPOINT``, default
 ``https://huggingface.co``) and inspects its weight files (``*.safetensors`` with their index,
-else ``pytorch_model*.bin``); ``hf://org/repo/path/file`` one file. ``s3://``, ``gs://`` and
-any other protocol go through fsspec when the user has it and the filesystem installed.
+else ``pytorch_model*.bin``...), or the checkpoint folder it is (a SavedModel, a DCP or
+DeepSpeed checkpoint: :func:`_folder_model`); ``hf://org/repo/path/file`` one file.
+``s3://``, ``gs://`` and any other protocol go through fsspec when the user has it and the
+filesystem installed.
 
 ``slim`` needs every byte: :func:`downloaded` copies the remote files through the same range
 requests, in chunks of :data:`CHUNK` bytes (memory stays bounded whatever the file's size),
@@ -34,6 +39,8 @@ a remote file name the URL as the input of their fix and put its output in the c
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import http.client
 import json
@@ -50,7 +57,7 @@ import urllib.request
 import weakref
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -111,6 +118,11 @@ _STATS_LOCK = threading.Lock()
 
 class RemoteError(InputError):
     """A remote file that cannot be inspected (one line, exit 2)."""
+
+
+class RemoteNotFound(RemoteError):
+    """A remote file that is not there (HTTP 404, or no such object in an fsspec store): a
+    file looked for beside a checkpoint (a TF1 ``.meta``) may be absent."""
 
 
 #: Redirects followed for one request (the Hub sends weights to its CDN: one).
@@ -327,6 +339,8 @@ class RangeSource:
         self.first = first
         #: Files beside this one that its reader only sizes (found by the walker).
         self.siblings: list[str] = []
+        #: Opens a file beside this one whose reader reads parts of it (set by :func:`mirror`).
+        self.beside: Beside | None = None
         self.stats = stats or Stats(url)
         self.headers = dict(headers or {})
         self.sink = sink
@@ -342,6 +356,7 @@ class RangeSource:
             if scheme not in ("http", "https"):
                 self._fs, self._fs_path = _fsspec_open(url, scheme)
             self.size = size
+            self._next = 0  # nothing fetched: a read from the start reads ahead
             return
         self.size = self._open()
         self.stats.size += self.size
@@ -355,12 +370,12 @@ class RangeSource:
             self._next = len(data) // BLOCK
             return total
         self._fs, self._fs_path = _fsspec_open(self.url, scheme)
+        with self._lock:
+            self.stats.requests += 1  # the size: a HEAD or a listing on a real store
         try:
             total = int(self._fs.size(self._fs_path))
         except Exception as exc:  # any filesystem's own errors: one line
             raise _fsspec_error(self.url, exc) from None
-        with self._lock:
-            self.stats.requests += 1  # the size: a HEAD or a listing on a real store
         self.size = total
         if self.first > 1:  # first=1 asks for the size (HTTP learns it from a 1-byte range)
             data = self.fetch(0, min(self.first, total))
@@ -419,7 +434,8 @@ class RangeSource:
                         raise RemoteError(token_needed(self.url, code))
                     if code == 429 or code >= 500:
                         raise _Retry(f"HTTP {code} {reply.reason}")
-                    raise RemoteError(f"{printable(self.url)}: HTTP {code} {reply.reason}")
+                    raise (RemoteNotFound if code == 404 else RemoteError)(
+                        f"{printable(self.url)}: HTTP {code} {reply.reason}")
                 if reply.status != 206:
                     raise RemoteError(
                         f"{printable(self.url)}: the server ignores range requests (HTTP "
@@ -592,7 +608,7 @@ def _fsspec_open(url: str, scheme: str) -> tuple[Any, str]:
 def _fsspec_error(url: str, exc: BaseException) -> RemoteError:
     """One line for what an fsspec filesystem raised (no such file, no credentials...)."""
     if isinstance(exc, FileNotFoundError):
-        return RemoteError(f"{printable(url)}: no such file")
+        return RemoteNotFound(f"{printable(url)}: no such file")
     if isinstance(exc, PermissionError):
         return RemoteError(f"{printable(url)}: access denied ({printable(str(exc), 200)})")
     return RemoteError(f"{printable(url)}: cannot read: {type(exc).__name__}: "
@@ -623,7 +639,11 @@ def _regions(src: RangeSource, name: str = "") -> Iterator[tuple[int, bytes]]:
     head = src.read(0, min(src.size, 4096))
     yield 0, head
     lower = name.lower()
-    if head[:4] == b"PK\x03\x04":
+    if name == ".metadata" and head[:1] == b"\x80":  # torch.distributed.checkpoint
+        src.siblings.extend(rr.walk_dcp(src))
+    elif lower.endswith(".meta") and not head.startswith(b"\x80"):  # a TF1 MetaGraphDef
+        rr.walk_tf_meta(src)
+    elif head[:4] == b"PK\x03\x04":
         yield from _zip_regions(src)
     elif head[:6] == b"\x93NUMPY":
         yield 0, src.read(0, _npy_header_end(head))
@@ -650,9 +670,10 @@ def _regions(src: RangeSource, name: str = "") -> Iterator[tuple[int, bytes]]:
     else:
         raise RemoteError(
             f"{printable(src.url)}: remote inspection reads safetensors, GGUF, ONNX, PyTorch "
-            "(zip and legacy), pickle, NumPy, Keras/HDF5, TFLite files and TensorFlow "
-            "checkpoints (their .index) by their headers; this one is none of them: download "
-            "it and inspect the file")
+            "(zip and legacy), pickle, NumPy, Keras/HDF5, TFLite files, TensorFlow "
+            "checkpoints (their .index), SavedModels (their saved_model.pb) and DCP "
+            "checkpoints (their .metadata) by their headers; this one is none of them: "
+            "download it and inspect the file")
 
 
 def _npy_header_end(head: bytes) -> int:
@@ -668,9 +689,14 @@ _EOCD64_LOCATOR = b"PK\x06\x07"
 
 def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
     size = src.size
-    tail_start = max(0, size - (65536 + 22 + 20))
+    # the end record (22 bytes, and a comment of up to 64 KiB): its last block first
+    tail_start = max(0, size - BLOCK)
     tail = src.read(tail_start, size)
     at = tail.rfind(_EOCD)
+    if at < 0 and tail_start:
+        tail_start = max(0, size - (65536 + 22 + 20))
+        tail = src.read(tail_start, size)
+        at = tail.rfind(_EOCD)
     if at < 0:
         raise RemoteError(f"{printable(src.url)}: a zip file without its end record")
     yield tail_start, tail
@@ -704,8 +730,7 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
     slack = 128
     wanted = [(name, offset, csize, 30 + len(name.encode()) + slack)
               for name, offset, csize in members]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        heads = list(pool.map(lambda w: src.fetch(w[1], min(w[1] + w[3], src.size)), wanted))
+    heads = _fetch_exact(src, [(w[1], min(w[1] + w[3], src.size)) for w in wanted])
     for (name, offset, csize, _n), header in zip(wanted, heads, strict=True):
         if header[:4] != b"PK\x03\x04" or len(header) < 30:
             yield offset, header
@@ -726,6 +751,31 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
             yield data_at, src.read(data_at, data_at + min(csize, _npy_header_end(head)))
         else:
             yield data_at, src.read(data_at, data_at + csize)
+
+
+def _fetch_exact(src: RangeSource, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each range ``[start, stop)``: from the block cache when fetched already,
+    else ranges within :data:`~modelsize.remote_regions.NEAR` of each other fetched in one
+    request (small tensors' headers), a few at a time."""
+    from modelsize.remote_regions import NEAR, WORKERS
+
+    merged: list[list[int]] = []
+    for start, stop in sorted(r for r in ranges if not src.cached(*r)):
+        if merged and start <= merged[-1][1] + NEAR:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        got = list(pool.map(lambda r: src.fetch(r[0], r[1]), merged))
+    starts = [m[0] for m in merged]
+    out = []
+    for start, stop in ranges:
+        if src.cached(start, stop):  # in the first bytes fetched, or the end's
+            out.append(src.read(start, stop))
+            continue
+        i = bisect.bisect_right(starts, start) - 1
+        out.append(got[i][start - starts[i]:stop - starts[i]])
+    return out
 
 
 def _zip64(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int]:
@@ -753,10 +803,15 @@ def _is_payload(name: str) -> bool:
 # -- sparse mirrors ---------------------------------------------------------------------------
 
 def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = None,
-           first: int = FIRST) -> list[str]:
+           first: int = FIRST, listed: Mapping[str, int | None] | None = None,
+           prefix: str = "") -> list[str]:
     """Write every byte the reader of ``url`` needs into the sparse file ``dest`` of the same
     size; return the names of the files beside it that the reader only sizes. The first
-    request fetches ``first`` bytes (a multiple of :data:`BLOCK`)."""
+    request fetches ``first`` bytes (a multiple of :data:`BLOCK`). The files beside it whose
+    reader reads parts of them (a checkpoint's object graph in its data shard, the archive
+    headers of a DCP file) are mirrored through :class:`Beside`; ``listed`` (the sizes of a
+    repository's files, by their paths relative to ``dest``'s folder less ``prefix``, which
+    is ``dest``'s own folder there) says which exist without asking."""
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     have: list[tuple[int, int]] = []
 
@@ -769,6 +824,7 @@ def mirror(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = 
         origin = Origin(url, dict(headers or {}), src.size, have)
         stats.origins[str(real_path(dest, must_exist=False))] = origin
         os.ftruncate(fd, src.size)
+        src.beside = Beside(url, dest.parent, stats, headers, listed, prefix)
         for offset, data in _regions(src, dest.name):
             _pwrite(fd, data, offset)
         origin.location = src._location
@@ -794,6 +850,86 @@ def sized(url: str, dest: Path, stats: Stats, headers: dict[str, str] | None = N
         fh.truncate(size)
     stats.origins[str(real_path(dest, must_exist=False))] = Origin(url, dict(headers or {}),
                                                                   size)
+
+
+class Beside:
+    """Opens the files beside a mirrored one (by their names relative to its folder) whose
+    reader reads parts of them: each becomes a sparse file of its remote size, as
+    :func:`sized` makes it, and a :class:`RangeSource` whose fetched bytes are written into
+    it at their offsets (and recorded in its :class:`Origin`, so the duplicate search knows
+    them for real bytes). A file already on this disk (the HF cache's) is read there: no
+    source. ``listed`` (a repository's files and sizes, by path relative to ``folder``'s
+    root; ``prefix`` is ``folder`` there) says which files exist without a request; without
+    it, a file not there is a 404."""
+
+    def __init__(self, url: str, folder: Path, stats: Stats, headers: dict[str, str] | None,
+                 listed: Mapping[str, int | None] | None = None, prefix: str = "") -> None:
+        self.url, self.folder, self.stats = url, folder, stats
+        self.headers = dict(headers or {})
+        self.listed, self.prefix = listed, prefix
+        self._opened: dict[str, RangeSource | None] = {}
+
+    def __call__(self, name: str, optional: bool = False, first: int = 1
+                 ) -> RangeSource | None:
+        """The source of file ``name`` beside the mirrored one; None when ``optional`` and
+        the file is not there, or when it is on this disk. A file that must be there and is
+        not is one line. Where its size is not listed, the request that learns it fetches
+        its ``first`` bytes (a file to be read from its start: one round trip saved)."""
+        if name not in self._opened:
+            self._opened[name] = self._open(name, optional, first)
+        return self._opened[name]
+
+    def _open(self, name: str, optional: bool, first: int) -> RangeSource | None:
+        dest = _beside(self.folder, name, self.url)
+        rel = self.prefix + name
+        url = beside_url(self.url, name)
+        key = str(real_path(dest, must_exist=False))
+        origin = self.stats.origins.get(key)
+        probe: RangeSource | None = None
+        if origin is None:
+            if os.path.lexists(dest):
+                return None  # its real bytes (a file of the local HF cache): read there
+            size = None
+            if self.listed is not None:
+                if rel not in self.listed:
+                    if optional:
+                        return None
+                    raise RemoteError(f"{printable(self.url)}: names {printable(name, 80)!r} "
+                                      "beside it, which the repository does not hold")
+                listed = self.listed[rel]
+                size = listed if isinstance(listed, int) and listed >= 0 else None
+            try:
+                if size is None and first > 1:
+                    probe = RangeSource(url, self.stats, self.headers, first=first)
+                    size = probe.size
+                sized(url, dest, self.stats, self.headers, size)
+            except RemoteNotFound:
+                if optional:
+                    return None
+                raise
+            origin = self.stats.origins[key]
+            if probe is not None:  # its first bytes: in its cache and, now, in the mirror
+                head = probe.read(0, min(first, probe.size))
+                with open(dest, "r+b") as fh:
+                    fh.write(head)
+                origin.fetched.append((0, len(head)))
+                origin.location = probe._location
+        have = origin.fetched
+
+        def sink(at: int, data: bytes) -> None:
+            fd = os.open(dest, os.O_WRONLY)
+            try:
+                _pwrite(fd, data, at)
+            finally:
+                os.close(fd)
+            have.append((at, at + len(data)))
+
+        src = probe if probe is not None else origin.source(self.stats)
+        src.sink = sink
+        folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+        src.beside = Beside(url, dest.parent, self.stats, self.headers, self.listed,
+                            self.prefix + folder)
+        return src
 
 
 @dataclass
@@ -834,14 +970,53 @@ def _fill_with(url: str, root: Path, fetch: Any, stats: Stats) -> Remote:
     name = _safe_name(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] or "model")
     local = root / name
     urls = [url]
+    if fetch is mirror and name == SAVED_MODEL:
+        return Remote(url, local, stats, [url, *mirror_saved_model(url, local, stats)])
     for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others too
         urls.append(beside_url(url, shard))
         fetch(urls[-1], root / shard, stats)
     for sibling in fetch(url, local, stats) or ():
         dest = _beside(root, sibling, url)
         urls.append(beside_url(url, sibling))
-        sized(urls[-1], dest, stats)
+        if not _is_mirrored(dest, stats):  # (the walker may have opened it: its graph)
+            sized(urls[-1], dest, stats)
     return Remote(url, local, stats, urls)
+
+
+#: A SavedModel's graph: the name its folder is reached by over a plain URL.
+SAVED_MODEL = "saved_model.pb"
+#: Files a SavedModel folder may hold beside its graph that its reader counts by name.
+_SAVED_MODEL_FILES = ("fingerprint.pb", "keras_metadata.pb")
+
+
+def mirror_saved_model(url: str, local: Path, stats: Stats,
+                       headers: dict[str, str] | None = None,
+                       listed: Mapping[str, int | None] | None = None,
+                       prefix: str = "") -> list[str]:
+    """A SavedModel reached by its ``saved_model.pb`` at ``url``, mirrored as its reader
+    reads the folder: the graph, ``fingerprint.pb`` and ``keras_metadata.pb`` sized (when
+    there), ``variables/variables.index`` read whole (and what it needs of its data shards)
+    and the shards sized. Without ``listed`` (a plain URL: no listing) each file beside it is
+    asked for, and a folder's other files (``assets/``) cannot be found. Returns the URLs of
+    the files found beside the graph."""
+    size = None if listed is None else listed.get(prefix + SAVED_MODEL)
+    sized(url, local, stats, headers, size if isinstance(size, int) and size >= 0 else None)
+    beside = Beside(url, local.parent, stats, headers, listed, prefix)
+    found = [name for name in _SAVED_MODEL_FILES if beside(name, optional=True) is not None]
+    index = beside("variables/variables.index", optional=True, first=FIRST)
+    if index is not None:
+        found.append("variables/variables.index")
+        for _ in _regions(index, "variables.index"):
+            pass  # every byte fetched reached the mirror through its sink
+        for shard in index.siblings:
+            assert index.beside is not None
+            index.beside(shard)
+            found.append("variables/" + shard)
+    return [beside_url(url, name) for name in found]
+
+
+def _is_mirrored(dest: Path, stats: Stats) -> bool:
+    return str(real_path(dest, must_exist=False)) in stats.origins
 
 
 def beside_url(url: str, name: str) -> str:
@@ -909,6 +1084,8 @@ def downloaded(url: str, near: str | os.PathLike[str] = ".") -> Iterator[Remote]
 
 def _safe_name(name: str) -> str:
     name = urllib.parse.unquote(name)
+    if name == ".metadata":  # a DCP checkpoint's: its reader finds it by that name
+        return name
     keep = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
     return keep[:200] or "model"
 
@@ -1037,10 +1214,14 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
         for shard in split_gguf_rest(name):  # the first shard of a split GGUF: the others
             urls.append(hub.resolve_url(folder + shard))
             mirror(urls[-1], root / _safe_name(shard), stats, headers)
-        for sibling in mirror(remote_url, local, stats, headers):
+        if name == SAVED_MODEL:
+            urls += mirror_saved_model(remote_url, local, stats, headers, listed, folder)
+            return Remote(url, local, stats, urls)
+        for sibling in mirror(remote_url, local, stats, headers, listed=listed, prefix=folder):
             dest = _beside(root, sibling, url)
             urls.append(hub.resolve_url(folder + sibling))
-            sized(urls[-1], dest, stats, headers, listed.get(folder + sibling))
+            if not _is_mirrored(dest, stats):
+                sized(urls[-1], dest, stats, headers, listed.get(folder + sibling))
         return Remote(url, local, stats, urls)
     prefix = hub.path.strip("/") + "/" if hub.path else ""
     names = sorted(n for n in listed if n.startswith(prefix))
@@ -1065,15 +1246,21 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
     local = root / _safe_name(hub.path.rsplit("/", 1)[-1] if hub.path
                               else hub.repo.split("/")[-1])
     local.mkdir()
+    whole: dict[str, bytes] = {}
+    if not weights:  # a checkpoint folder: what its reader reads first
+        weights = _folder_model(hub, names, prefix, listed, stats, whole)
     jobs: list[tuple[str, Path, str]] = []  # (name, destination, how)
     for name in names:
         dest = _beside(local, name[len(prefix):], url)
         cached = hub.cached(commit, name)
         if cached is not None:
             dest.symlink_to(cached)
+        elif name in whole:
+            dest.write_bytes(whole[name])
         elif name in weights:
             jobs.append((name, dest, "mirror"))
-        elif name.endswith((".json", ".meta")) and (listed[name] or 0) <= _SMALL_JSON:
+        elif ((name.endswith(".json") or name[len(prefix):] in _SMALL_NAMES)
+              and (listed[name] or 0) <= _SMALL_JSON):
             jobs.append((name, dest, "whole"))
         else:
             jobs.append((name, dest, "sized"))
@@ -1090,10 +1277,14 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
         folder = index[0].rsplit("/", 1)[0] + "/" if "/" in index[0] else ""
         firsts = {folder + shard: n for shard, n in header_sizes(raw).items()}
 
+    relative = {n[len(prefix):]: listed[n] for n in names}
+
     def run(job: tuple[str, Path, str]) -> None:
         name, dest, how = job
-        if how == "mirror":  # siblings: listed already
-            mirror(hub.resolve_url(name), dest, stats, headers, firsts.get(name, FIRST))
+        rel = name[len(prefix):]
+        if how == "mirror":  # siblings: listed (and sized) already
+            mirror(hub.resolve_url(name), dest, stats, headers, firsts.get(name, FIRST),
+                   listed=relative, prefix=rel.rsplit("/", 1)[0] + "/" if "/" in rel else "")
         elif how == "whole":
             dest.write_bytes(hub_get(hub.resolve_url(name), stats, limit=_SMALL_JSON))
         else:
@@ -1102,11 +1293,44 @@ def _hf_repository(url: str, root: Path, stats: Stats) -> Remote:
                   size if isinstance(size, int) and size >= 0 else None)
 
     with ThreadPoolExecutor(max_workers=_FILE_WORKERS) as pool:
-        list(pool.map(run, jobs))
+        # the sized files first: a walker may read parts of one (a TF2 checkpoint's object
+        # graph in its data shard, the archives of a DCP checkpoint's items)
+        list(pool.map(run, [j for j in jobs if j[2] == "sized"]))
+        list(pool.map(run, [j for j in jobs if j[2] != "sized"]))
     urls = [hub.resolve_url(n) for n in names]
     if len(weights) == 1 and not _is_model_folder(local):  # one model file, listed files
         return Remote(url, local / weights[0][len(prefix):], stats, urls, folder=local)
     return Remote(url, local, stats, urls)
+
+
+#: Small files without a suffix that readers read whole: a TensorFlow checkpoint's state
+#: file, the tag file of a DeepSpeed checkpoint.
+_SMALL_NAMES = ("checkpoint", "latest")
+
+
+def _folder_model(hub: HubPath, names: list[str], prefix: str,
+                  listed: Mapping[str, int | None], stats: Stats,
+                  whole: dict[str, bytes]) -> list[str]:
+    """The files to mirror of a repository folder without weight files of its own kind:
+    a SavedModel (``variables/variables.index``), a ``torch.distributed.checkpoint``
+    (``.metadata``: its walker reads its data files' archive headers) or a DeepSpeed
+    checkpoint (the states files of the tag ``latest`` names, fetched into ``whole``; of
+    every tag without one); none for anything else."""
+    from modelsize.formats.deepspeed import LATEST, MAX_LATEST, parse_name
+
+    rel = {n[len(prefix):]: n for n in names}
+    if SAVED_MODEL in rel:
+        return [rel[n] for n in ("variables/variables.index",) if n in rel]
+    if ".metadata" in rel:
+        return [rel[".metadata"]]
+    states = [n for r, n in rel.items() if r.count("/") == 1
+              and parse_name(Path(r)) is not None]
+    if LATEST in rel and (listed[rel[LATEST]] or 0) <= MAX_LATEST:
+        raw = hub_get(hub.resolve_url(rel[LATEST]), stats, limit=MAX_LATEST)
+        whole[rel[LATEST]] = raw
+        tag = raw.decode("utf-8", "replace").strip()
+        return [n for n in states if n[len(prefix):].split("/", 1)[0] == tag]
+    return states
 
 
 def _hf_name(hub: HubPath, name: str) -> str:
@@ -1304,6 +1528,11 @@ def remote_inventory(url: str) -> Iterator[tuple[Any, Stats, str]]:
             READ_DATA.reset(token)
             stats.connections.close()
         inventory.facts[URL_FACT] = url
+        if remote.local.name == SAVED_MODEL and not url.lower().startswith("hf://"):
+            inventory = dataclasses.replace(inventory, notes=(
+                *inventory.notes, "a SavedModel over a plain URL: its folder cannot be listed, "
+                "so only saved_model.pb, fingerprint.pb, keras_metadata.pb and variables/ are "
+                "counted (not assets/ or other files)"))
         folder = remote.folder or (remote.local if remote.local.is_dir() else None)
         if folder is not None:
             used = {os.path.abspath(f.path) for f in inventory.files}

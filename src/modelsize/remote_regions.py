@@ -11,24 +11,36 @@ here from the format's layout.
 
 Each walker returns the names of the files beside the remote one that the reader also opens
 and only sizes (an ONNX model's external data, a TensorFlow checkpoint's data shards): the
-mirror creates them sparse, at their remote size, without fetching a byte of them.
+mirror creates them sparse, at their remote size, without fetching a byte of them. A walker
+whose reader reads parts of such a file (a TF2 checkpoint's object graph in a data shard, the
+archive headers of a DCP checkpoint's items, a TF1 ``.meta``) opens it through
+``src.beside`` (:class:`modelsize.remote.Beside`): sparse too, with those parts fetched.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import io
 import pickletools
 import struct
+import zipfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, overload
+from typing import IO, TYPE_CHECKING, Any, cast, overload
 
 if TYPE_CHECKING:
     from modelsize.remote import RangeSource
 
+#: The first bytes asked of a file beside a checkpoint that is read from its start.
+BLOCK = 16 * 1024
 #: Ranges closer than this are fetched in one request (the gap costs less than a round trip).
 MERGE_GAP = 64 * 1024
+#: Ranges of many (the headers of a checkpoint's tensors, the ends of its items) closer than
+#: this are fetched in one request: gaps of small tensors between them add up, and a small
+#: gap costs less than a round trip.
+NEAR = 4096
 #: Concurrent requests for scattered ranges.
 WORKERS = 8
 
@@ -302,20 +314,51 @@ def walk_hdf5(src: RangeSource, base: int = 0, size: int | None = None) -> None:
 
 def walk_tf_index(src: RangeSource, name: str) -> list[str]:
     """A checkpoint's ``.index`` (read whole: a table of a few entries per variable) and the
-    names of the ``.data-*`` shards its header counts."""
+    names of the ``.data-*`` shards its header counts. Through ``src.beside``: the object
+    graph a TF2 checkpoint keeps in a data shard (the reader reads it for the categories),
+    and the TF1 ``.meta`` beside it, if there is one (sized; its ``trainable_variables``
+    collection walked when there is no object graph)."""
     from modelsize.formats._sstable import SSTableError, iter_table
+    from modelsize.formats.tensorflow import OBJECT_GRAPH_KEY, decode_entry
 
     data = src.read(0, src.size)
     shards = 1
+    graph = None
     try:
         for key, start, end in iter_table(data, verify=False):
             if key == b"":
                 shards = _bundle_shards(data[start:end])
-                break
+            elif key == OBJECT_GRAPH_KEY:
+                graph = decode_entry(key, data, start, end)
     except (SSTableError, ValueError, IndexError):
         return []
     prefix = name[: -len(".index")]
-    return [f"{prefix}.data-{i:05d}-of-{shards:05d}" for i in range(min(shards, 10_000))]
+    names = [f"{prefix}.data-{i:05d}-of-{shards:05d}" for i in range(min(shards, 10_000))]
+    if src.beside is None:
+        return names
+    if graph is not None and 0 <= graph.shard < len(names) and graph.size <= _MAX_GRAPH:
+        shard = src.beside(names[graph.shard])
+        if shard is not None and graph.offset + graph.size <= shard.size:
+            shard.fetch(graph.offset, graph.offset + graph.size)
+    if graph is None:  # a name-based (TF1 Saver) checkpoint: its .meta, if it wrote one
+        meta = src.beside(prefix + ".meta", optional=True, first=BLOCK)
+        if meta is not None:
+            walk_tf_meta(meta)
+    return names
+
+
+#: The largest object graph fetched (the reader reads one up to its proto limit).
+_MAX_GRAPH = 256 * 2**20
+
+
+def walk_tf_meta(src: RangeSource) -> None:
+    """A TF1 ``MetaGraphDef`` (``.meta``): its ``trainable_variables`` collection, walked by
+    the reader's own parser (the graph and the other fields are stepped over by length)."""
+    from modelsize.formats._protobuf import ProtobufError
+    from modelsize.formats.tensorflow import trainable_from_meta
+
+    with contextlib.suppress(ProtobufError, UnicodeDecodeError, ValueError, IndexError):
+        trainable_from_meta(RemoteBuffer(src))  # type: ignore[arg-type]
 
 
 def _bundle_shards(header: bytes) -> int:
@@ -326,6 +369,166 @@ def _bundle_shards(header: bytes) -> int:
         if f.number == 1 and f.wire_type == VARINT:
             return max(1, f.value)
     return 1
+
+
+# -- torch.distributed.checkpoint: .metadata whole; each item's archive headers ------------------
+
+#: Bytes guessed at each end of a DCP item (a ``torch.save`` archive: its pickle and small
+#: members at the start, its central directory and end records at the end), fetched first.
+DCP_END = 2048
+#: Rounds of fetching what the items' archives turned out to need beyond the guesses.
+_DCP_ROUNDS = 8
+
+
+class Missing(Exception):
+    """A read of bytes ``[start, stop)`` of a remote file that were not fetched."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__(f"bytes {start}-{stop - 1} not fetched")
+        self.start, self.stop = start, stop
+
+
+class Pieces(io.RawIOBase):
+    """A file of ``size`` bytes known by the pieces fetched of it: a read of bytes not
+    fetched raises :class:`Missing` (the range to fetch), so a reader's own code, run over
+    it, says what it needs."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.pos = size, 0
+        self._starts: list[int] = []
+        self._data: list[bytes] = []
+
+    def add(self, start: int, data: bytes) -> None:
+        """Keep ``data``, fetched at ``start`` (merged with the pieces it touches)."""
+        stop = start + len(data)
+        i = bisect.bisect_left(self._starts, start)
+        if i and self._starts[i - 1] + len(self._data[i - 1]) >= start:
+            i -= 1
+        j = i
+        while j < len(self._starts) and self._starts[j] <= stop:
+            j += 1
+        if i == j:
+            self._starts.insert(i, start)
+            self._data.insert(i, data)
+            return
+        lo = min(start, self._starts[i])
+        hi = max(stop, self._starts[j - 1] + len(self._data[j - 1]))
+        buf = bytearray(hi - lo)
+        for at, piece in zip(self._starts[i:j], self._data[i:j], strict=True):
+            buf[at - lo:at - lo + len(piece)] = piece
+        buf[start - lo:stop - lo] = data
+        self._starts[i:j] = [lo]
+        self._data[i:j] = [bytes(buf)]
+
+    def has(self, start: int, stop: int) -> bool:
+        """Whether bytes ``[start, stop)`` were all fetched."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        return i >= 0 and self._starts[i] + len(self._data[i]) >= stop
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, {0: 0, 1: self.pos, 2: self.size}[whence] + pos)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.size - self.pos))
+        if n == 0:
+            return 0
+        if not self.has(self.pos, self.pos + n):
+            raise Missing(self.pos, self.pos + n)
+        i = bisect.bisect_right(self._starts, self.pos) - 1
+        at = self.pos - self._starts[i]
+        buffer[:n] = self._data[i][at:at + n]
+        self.pos += n
+        return n
+
+
+def walk_dcp(src: RangeSource) -> list[str]:
+    """A ``.metadata`` of ``torch.distributed.checkpoint`` (read whole: the reader unpickles
+    it whole) and, through ``src.beside``, what the reader reads of each item of the
+    ``.distcp`` files it names: each item's archive's end records, central directory, local
+    headers and pickle. Both ends of every item are fetched first (neighbouring items' ends
+    in one request); the reader's own archive code, run over what was fetched, asks for the
+    rest, in rounds. Returns the data files' names."""
+    from modelsize.formats._pickle import PickleError
+    from modelsize.formats.torch_dcp import MAX_METADATA, read_item_pickle, storage_items
+
+    if src.size > MAX_METADATA:
+        return []
+    try:
+        items = storage_items(src.read(0, src.size))
+    except (PickleError, ValueError, TypeError, AttributeError):
+        return []  # the reader reports it
+    names = sorted({file for file, *_ in items})
+    if src.beside is None:
+        return names
+    views: dict[str, tuple[RangeSource, Pieces]] = {}
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    pending: list[tuple[str, int, int]] = []
+    for file, start, length, transformed in items:
+        if transformed or not length:
+            continue  # the reader reads none of it
+        if file not in views:
+            sib = src.beside(file, first=BLOCK)
+            if sib is None:
+                continue  # on this disk, or the reader reports it missing
+            views[file] = (sib, Pieces(sib.size))
+            if sib.cached(0, min(BLOCK, sib.size)):  # its first bytes came with its size
+                views[file][1].add(0, sib.read(0, min(BLOCK, sib.size)))
+        if start + length > views[file][0].size:
+            continue  # the reader reports it
+        pending.append((file, start, length))
+        head = min(length, DCP_END)
+        wanted.setdefault(file, []).extend([(start, start + head),
+                                            (start + length - head, start + length)])
+    for _round in range(_DCP_ROUNDS):
+        _fetch_into(views, wanted)
+        wanted, still = {}, []
+        for file, start, length in pending:
+            try:
+                read_item_pickle(cast("IO[bytes]", views[file][1]), start, length)
+            except Missing as gap:
+                wanted.setdefault(file, []).append((gap.start, gap.stop))
+                still.append((file, start, length))
+            except (zipfile.BadZipFile, ValueError, EOFError, struct.error,
+                    NotImplementedError, OSError):
+                continue  # a broken archive: the reader says what is wrong
+        pending = still
+        if not pending:
+            break
+    return names
+
+
+def _fetch_into(views: dict[str, tuple[RangeSource, Pieces]],
+                wanted: dict[str, list[tuple[int, int]]]) -> None:
+    """Fetch the ``wanted`` ranges of each file (those :data:`NEAR` merged), a few requests at a
+    time, into its :class:`Pieces` (the source's sink writes them to its mirror too)."""
+    jobs: list[tuple[str, int, int]] = []
+    for file, ranges in wanted.items():
+        merged: list[list[int]] = []
+        for start, stop in sorted(r for r in ranges if not views[file][1].has(*r)):
+            if merged and start <= merged[-1][1] + NEAR:
+                merged[-1][1] = max(merged[-1][1], stop)
+            else:
+                merged.append([start, stop])
+        jobs.extend((file, a, b) for a, b in merged)
+
+    def fetch(job: tuple[str, int, int]) -> tuple[str, int, bytes]:
+        file, start, stop = job
+        return file, start, views[file][0].fetch(start, stop)
+
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for file, start, data in pool.map(fetch, jobs):
+            views[file][1].add(start, data)
 
 
 # -- TFLite: everything but the payloads of its buffers ------------------------------------------

@@ -200,6 +200,33 @@ def _item_members(fh: IO[bytes], start: int, length: int) -> dict[str, _Member]:
     return out
 
 
+def pickle_member(members: dict[str, _Member]) -> str | None:
+    """The name of an item archive's pickle (``data.pkl``, or ``ARCHIVE/data.pkl``)."""
+    return next((n for n in members if n == "data.pkl" or (
+        n.endswith("/data.pkl") and n.count("/") == 1)), None)
+
+
+def storage_items(data: bytes) -> list[tuple[str, int, int, bool]]:
+    """``(relative_path, offset, length, transformed)`` of each ``storage_data`` item of a
+    ``.metadata`` pickle: where the remote walker (:mod:`modelsize.remote_regions`) finds the
+    archives whose headers the reader reads. Raises ``PickleError`` or ``ValueError``."""
+    read = _DcpRead(Path(), Path())
+    read.notes = []
+    items = read.structure(scan(data).value)[2]
+    return [(i.file, i.start, i.length, i.transformed) for i in items]
+
+
+def read_item_pickle(fh: IO[bytes], start: int, length: int) -> bytes:
+    """What the reader reads of one item's archive (its end records, central directory,
+    local headers and pickle), read through ``fh``; returns the pickle. Raises what a broken
+    archive raises (``_ZIP_ERRORS``), and whatever ``fh`` raises."""
+    members = _item_members(fh, start, length)
+    pkl = pickle_member(members)
+    if pkl is None or not members[pkl].stored or members[pkl].size > MAX_ITEM_PICKLE:
+        return b""
+    return _read(fh, start + members[pkl].data_offset, members[pkl].size)
+
+
 def _read(fh: IO[bytes], offset: int, n: int) -> bytes:
     fh.seek(offset)
     data = fh.read(n)
@@ -438,8 +465,7 @@ class _DcpRead:
             members = _item_members(fh, item.start, item.length)
         except _ZIP_ERRORS as exc:
             raise self.corrupt_item(item, file, f"expected a torch.save archive ({exc})") from exc
-        pkl = next((n for n in members if n == "data.pkl" or (
-            n.endswith("/data.pkl") and n.count("/") == 1)), None)
+        pkl = pickle_member(members)
         if pkl is None:
             raise self.corrupt_item(item, file, "the item's archive has no data.pkl")
         return members, pkl
