@@ -430,3 +430,45 @@ def test_empty_bytes_and_odd_calls_at_protocol_2() -> None:
     # Calling None (a load fails there) is kept as the call it is: the stack stays whole.
     value = scan(b"\x80\x02]N)R\x85.").value
     assert isinstance(value, tuple) and isinstance(value[0], Call) and value[0].func is None
+
+
+def _memo_program(rng: random.Random) -> bytes:
+    """A protocol-4 pickle building a list from memo puts and gets at random indices: in
+    order, ahead of order, overwritten, MEMOIZE after out-of-order puts, 1- and 4-byte forms."""
+    out = [b"\x80\x04]"]  # PROTO 4, EMPTY_LIST
+    stored: list[int] = []
+    for step in range(rng.randint(1, 40)):
+        out.append(b"K" + bytes([step % 256]))  # the value to memoize: BININT1
+        kind = rng.random()
+        if kind < 0.2:
+            out.append(b"\x94")  # MEMOIZE
+            stored.append(-1)  # its index is the count of distinct ones: not tracked here
+        else:
+            idx = rng.choice([len(stored), len(stored) + 1, rng.randrange(0, 300),
+                              rng.randrange(0, 2**20)])
+            out.append(b"q" + bytes([idx]) if idx < 256 and rng.random() < 0.5
+                       else b"r" + idx.to_bytes(4, "little"))
+            stored.append(idx)
+        out.append(b"a")  # APPEND the value
+        known = [i for i in stored if i >= 0]
+        if known and rng.random() < 0.5:
+            i = rng.choice(known)
+            out.append((b"h" + bytes([i]) if i < 256 else b"j" + i.to_bytes(4, "little")) + b"a")
+    return b"".join(out) + b"."
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_memo_puts_and_gets_in_any_order_read_as_pickle_reads_them(seed: int) -> None:
+    """The memo is a list for the indices pickle writes in order and a dict for any other:
+    every put and get gives what CPython's unpickler gives (MEMOIZE counts distinct indices)."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        data = _memo_program(rng)
+        assert scan(data).value == pickle.loads(data), data
+
+
+def test_a_negative_text_memo_index_is_kept_apart_from_the_list() -> None:
+    """PUT -1 (only the text opcodes can say it; CPython refuses it) names its own entry, never
+    the list's last one."""
+    data = b"(lI3\np0\naI4\np-1\nag0\nag-1\na."
+    assert scan(data).value == [3, 4, 3, 4]

@@ -392,7 +392,12 @@ class _Machine:
         self.persistent_load = persistent_load
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
-        self.memo: dict[int, Any] = {}
+        # The memo: pickle writes its indices 0, 1, 2... in order, so they are a list (8 bytes
+        # an entry where a dict took about 60: torch.save memoizes 8 values a tensor); an index
+        # put out of that order (only a hand-made pickle) goes to ``far``, whose keys are always
+        # past the list's end. Distinct indices: ``len(memo) + len(far)``.
+        self.memo: list[Any] = []
+        self.far: dict[int, Any] = {}
         self.proto = 0
         self.globals: dict[Global, None] = {}
         self.unsafe: dict[str, None] = {}
@@ -607,7 +612,8 @@ class _Machine:
         """
         data, size, view = self.data, self.size, self.view
         table = [getattr(self, f"op_{n.lower()}", None) if n else None for n in _NAMES]
-        memo, metastack = self.memo, self.metastack
+        memo, far, metastack = self.memo, self.far, self.metastack
+        memo_put, memo_far = self.put, self.memo_far
         nested, judge_call, set_items, extend = (
             self.nested, self.judge_call, self.set_items, self.extend
         )
@@ -637,7 +643,11 @@ class _Machine:
                             raise self.short(4)
                         if not stack:
                             raise _Fail("stack underflow")
-                        memo[_U32(data, pos)[0]] = stack[-1]
+                        idx = _U32(data, pos)[0]
+                        if idx == len(memo) and not far:
+                            memo.append(stack[-1])
+                        else:
+                            memo_put(idx, stack[-1])
                         pos += 4
                     elif c == 0x68:  # BINGET
                         if pos >= size:
@@ -645,10 +655,7 @@ class _Machine:
                             raise self.short(1)
                         idx = data[pos]
                         pos += 1
-                        try:
-                            stack.append(memo[idx])
-                        except KeyError:
-                            raise _Fail(f"memo entry {idx} was never stored") from None
+                        stack.append(memo[idx] if idx < len(memo) else memo_far(idx))
                     elif c == 0x4B:  # BININT1
                         if pos >= size:
                             self.pos = pos
@@ -754,22 +761,23 @@ class _Machine:
                         if not stack:
                             self.pos = pos + 1
                             raise _Fail("stack underflow")
-                        memo[data[pos]] = stack[-1]
+                        idx = data[pos]
+                        if idx == len(memo) and not far:
+                            memo.append(stack[-1])
+                        else:
+                            memo_put(idx, stack[-1])
                         pos += 1
                     elif c == 0x94:  # MEMOIZE
                         if not stack:
                             raise _Fail("stack underflow")
-                        memo[len(memo)] = stack[-1]
+                        memo_put(len(memo) + len(far), stack[-1])
                     elif c == 0x6A:  # LONG_BINGET
                         if pos + 4 > size:
                             self.pos = pos
                             raise self.short(4)
                         idx = _U32(data, pos)[0]
                         pos += 4
-                        try:
-                            stack.append(memo[idx])
-                        except KeyError:
-                            raise _Fail(f"memo entry {idx} was never stored") from None
+                        stack.append(memo[idx] if idx < len(memo) else memo_far(idx))
                     elif c == 0x7D:  # EMPTY_DICT
                         stack.append({})
                     elif c == 0x75:  # SETITEMS
@@ -856,7 +864,7 @@ class _Machine:
             raise _Fail(f"more than {MAX_STACK} items on the stack")
         if len(self.metastack) > MAX_STACK:
             raise _Fail("too many MARKs")
-        if len(self.memo) > MAX_MEMO:
+        if len(self.memo) + len(self.far) > MAX_MEMO:
             raise _Fail(f"more than {MAX_MEMO} memo entries")
 
     # -- opcodes -----------------------------------------------------------------------
@@ -1040,14 +1048,40 @@ class _Machine:
             raise _Fail(f"cannot add items to a {type(target).__name__}")
 
     # memo
-    def memo_put(self, idx: int) -> None:
-        self.memo[idx] = self.top()
+    def put(self, idx: int, value: object) -> None:
+        """Memoize ``value`` at ``idx``: in the list where the index is in it or next, else in
+        ``far`` (an index the list then reaches leaves ``far``; a negative one, which only the
+        text opcodes can write, stays there)."""
+        memo = self.memo
+        n = len(memo)
+        if 0 <= idx < n:
+            memo[idx] = value
+        elif idx == n:
+            memo.append(value)
+            far = self.far
+            if far:
+                far.pop(n, None)
+                while n + 1 in far:  # indices put ahead of order join the list
+                    n += 1
+                    memo.append(far.pop(n))
+        else:
+            self.far[idx] = value
 
-    def memo_get(self, idx: int) -> None:
+    def memo_far(self, idx: int) -> object:
+        """The memo entry at ``idx``, past the list's end."""
         try:
-            self.stack.append(self.memo[idx])
+            return self.far[idx]
         except KeyError:
             raise _Fail(f"memo entry {idx} was never stored") from None
+
+    def memo_put(self, idx: int) -> None:
+        if not self.stack:
+            raise _Fail("stack underflow")
+        self.put(idx, self.stack[-1])
+
+    def memo_get(self, idx: int) -> None:
+        memo = self.memo
+        self.stack.append(memo[idx] if 0 <= idx < len(memo) else self.memo_far(idx))
 
     def op_put(self) -> None:
         self.memo_put(self.parse_int(self.readline()))
