@@ -496,8 +496,8 @@ def main() -> None:
         "the header forward, its read-ahead doubling from the first 64 KiB up to 8 MiB a "
         "request, and walks its strings (408,403 here) in Python; hf-mem asks again from byte "
         "0 for twice as much (1, 2, 4, 8 MB) until the header parses: fewer round trips, "
-        "more bytes. `bin`: one request per tensor's zip local header (its data offset), 8 "
-        "at a time.",
+        "more bytes. `bin`: the zip local headers (each tensor's data offset) read 8 at a "
+        "time, those within 4 KiB of each other in one request, the others one each.",
         "",
         *notes,
     ])
