@@ -756,15 +756,11 @@ def _zip_regions(src: RangeSource) -> Iterator[tuple[int, bytes]]:
 def _fetch_exact(src: RangeSource, ranges: list[tuple[int, int]]) -> list[bytes]:
     """The bytes of each range ``[start, stop)``: from the block cache when fetched already,
     else ranges within :data:`~modelsize.remote_regions.NEAR` of each other fetched in one
-    request (small tensors' headers), a few at a time."""
-    from modelsize.remote_regions import NEAR, WORKERS
+    request (small tensors' headers; gaps of :data:`~modelsize.remote_regions.ZIP_GAPS` at
+    most in all, the smallest first), a few at a time."""
+    from modelsize.remote_regions import NEAR, WORKERS, ZIP_GAPS, merge_ranges
 
-    merged: list[list[int]] = []
-    for start, stop in sorted(r for r in ranges if not src.cached(*r)):
-        if merged and start <= merged[-1][1] + NEAR:
-            merged[-1][1] = max(merged[-1][1], stop)
-        else:
-            merged.append([start, stop])
+    merged = merge_ranges((r for r in ranges if not src.cached(*r)), NEAR, ZIP_GAPS)
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         got = list(pool.map(lambda r: src.fetch(r[0], r[1]), merged))
     starts = [m[0] for m in merged]

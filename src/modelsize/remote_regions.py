@@ -41,6 +41,10 @@ MERGE_GAP = 64 * 1024
 #: this are fetched in one request: gaps of small tensors between them add up, and a small
 #: gap costs less than a round trip.
 NEAR = 4096
+#: Bytes of gaps between the local headers of one zip fetched at most to save requests:
+#: 1,168 headers of a 4.26 GB training checkpoint took 2.1 MB where every gap under
+#: :data:`NEAR` was fetched.
+ZIP_GAPS = 256 * 1024
 #: Concurrent requests for scattered ranges.
 WORKERS = 8
 
@@ -100,18 +104,45 @@ class RemoteBlob:
         return self.src.read(start, start + nbytes)
 
 
+def merge_ranges(ranges: Iterable[tuple[int, int]], gap: int,
+                 waste: int | None = None) -> list[list[int]]:
+    """Sorted ``[start, stop)`` ranges as the requests that fetch them: overlapping ones
+    joined, and those at most ``gap`` bytes apart. With ``waste``, the gaps fetched (bytes no
+    reader asked for) add up to at most that many, the smallest joined first: a file's many
+    small ranges (the headers of its tensors) cost few requests where small tensors lie
+    between them, and bounded bytes where many do."""
+    merged: list[list[int]] = []
+    for start, stop in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    if len(merged) < 2:
+        return merged
+    gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)]
+    join = [False] * len(merged)
+    left = waste
+    for size, i in sorted(g for g in gaps if g[0] <= gap):
+        if left is not None:
+            if size > left:
+                break
+            left -= size
+        join[i] = True
+    out = [merged[0]]
+    for i in range(1, len(merged)):
+        if join[i - 1]:
+            out[-1][1] = merged[i][1]
+        else:
+            out.append(merged[i])
+    return out
+
+
 def fetch_ranges(src: RangeSource, ranges: Iterable[tuple[int, int]],
                  gap: int = MERGE_GAP) -> None:
     """Fetch byte ranges ``[start, stop)`` exactly (past the block cache: the sink keeps
     them): neighbours merged, a few requests at a time."""
-    merged: list[list[int]] = []
-    for start, stop in sorted((max(0, a), min(b, src.size)) for a, b in ranges):
-        if stop <= start or src.cached(start, stop):
-            continue
-        if merged and start <= merged[-1][1] + gap:
-            merged[-1][1] = max(merged[-1][1], stop)
-        else:
-            merged.append([start, stop])
+    clipped = ((max(0, a), min(b, src.size)) for a, b in ranges)
+    merged = merge_ranges(((a, b) for a, b in clipped if b > a and not src.cached(a, b)), gap)
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         list(pool.map(lambda r: src.fetch(r[0], r[1]), merged))
 
@@ -514,12 +545,7 @@ def _fetch_into(views: dict[str, tuple[RangeSource, Pieces]],
     time, into its :class:`Pieces` (the source's sink writes them to its mirror too)."""
     jobs: list[tuple[str, int, int]] = []
     for file, ranges in wanted.items():
-        merged: list[list[int]] = []
-        for start, stop in sorted(r for r in ranges if not views[file][1].has(*r)):
-            if merged and start <= merged[-1][1] + NEAR:
-                merged[-1][1] = max(merged[-1][1], stop)
-            else:
-                merged.append([start, stop])
+        merged = merge_ranges((r for r in ranges if not views[file][1].has(*r)), NEAR)
         jobs.extend((file, a, b) for a, b in merged)
 
     def fetch(job: tuple[str, int, int]) -> tuple[str, int, bytes]:
