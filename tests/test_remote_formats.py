@@ -204,6 +204,24 @@ def test_a_gguf_header_of_many_blocks_is_read_whole(server: Any) -> None:
     assert stats.requests <= 8  # the read-ahead doubles: 64 KiB, 32, 64, 128... KiB
 
 
+def test_a_gguf_vocabulary_is_walked_from_the_fetched_bytes(server: Any,
+                                                             monkeypatch: Any) -> None:
+    """The header walk parses its 40,000 strings from the bytes fetched, asking the source
+    again only past them (a ``read`` per string made Llama-3's vocabulary take 2.5 s)."""
+    _big_gguf(server.root / "vocab.gguf", n_tokens=40_000, n_tensors=50)
+    reads = []
+    real = remote.RangeSource.read
+
+    def counted(self: Any, start: int, stop: int) -> bytes:
+        reads.append(stop - start)
+        return real(self, start, stop)
+
+    monkeypatch.setattr(remote.RangeSource, "read", counted)
+    got, _ = _remote(server, "vocab.gguf")
+    assert got == _local(server.root / "vocab.gguf")
+    assert len(reads) < 200  # 40,000 strings, 50 tensor infos
+
+
 def test_a_big_plain_pickle_skips_its_array_bytes(server: Any) -> None:
     arrays = {f"layer{i}": np.zeros((256, 1024), np.float32) for i in range(16)}  # 16 MiB
     with open(server.root / "weights.pkl", "wb") as fh:

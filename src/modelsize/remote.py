@@ -525,6 +525,19 @@ class RangeSource:
         with self._lock:
             return all(b in self._cache for b in range(start // BLOCK, (stop - 1) // BLOCK + 1))
 
+    def cached_from(self, start: int, limit: int) -> bytes:
+        """The bytes from ``start`` that the block cache holds without a break, at most
+        ``limit`` of them (a parse walks them without a ``read`` per field)."""
+        out: list[bytes] = []
+        b = start // BLOCK
+        last = (start + limit - 1) // BLOCK
+        with self._lock:
+            while b <= last and b in self._cache:
+                out.append(self._cache[b])
+                b += 1
+        data = b"".join(out)[start % BLOCK:]
+        return data[:limit]
+
     def _has_any(self, first: int, stop: int) -> bool:
         with self._lock:
             return any(b in self._cache for b in range(first, stop))

@@ -45,6 +45,8 @@ NEAR = 4096
 #: 1,168 headers of a 4.26 GB training checkpoint took 2.1 MB where every gap under
 #: :data:`NEAR` was fetched.
 ZIP_GAPS = 256 * 1024
+#: Bytes of a header parsed from the block cache at a time.
+WINDOW = 4 * 2**20
 #: Concurrent requests for scattered ranges.
 WORKERS = 8
 
@@ -161,15 +163,25 @@ def walk_gguf(src: RangeSource) -> list[str]:
     endian = "<" if struct.unpack_from("<I", head, 4)[0] & 0xFFFF else ">"
     tensor_count, kv_count = struct.unpack_from(endian + "QQ", head, 8)
     pos = 24
+    # The fields are parsed from a window of the bytes fetched so far (a vocabulary is
+    # hundreds of thousands of strings: a ``read`` each took seconds); past its end, a read
+    # fetches on (reading ahead as it does) and the window takes what the cache then holds.
+    window, base = b"", 0
+    packs = {f: struct.Struct(endian + f) for f in ("Q", "I")}
 
     def u(fmt: str) -> int:
-        nonlocal pos
-        n = struct.calcsize(fmt)
-        raw = src.read(pos, pos + n)
-        if len(raw) < n:
-            raise _Stop
+        nonlocal pos, window, base
+        pack = packs[fmt]
+        n = pack.size
+        at = pos - base
+        if not (at >= 0 and at + n <= len(window)):
+            if len(src.read(pos, pos + n)) < n:
+                raise _Stop
+            window, base, at = src.cached_from(pos, WINDOW), pos, 0
+            if len(window) < n:  # (the cache let the bytes go at once: read them alone)
+                window = src.read(pos, pos + n)
         pos += n
-        return int(struct.unpack(endian + fmt, raw)[0])
+        return int(pack.unpack_from(window, at)[0])
 
     def skip(vtype: int, depth: int) -> None:
         nonlocal pos
