@@ -845,6 +845,7 @@ def _trace_once(model: nn.Module, inputs: Any, program: GenerateProgram,
         mode.counting = False
         replay.finish(watch.decode_steps)
         repeated.finish()
+        mode.end_program()
     seconds = time.perf_counter() - start
     trace = Trace(mode, sum(p.numel() for p in unique),
                   sum(p.numel() for p in unique if p.requires_grad), seconds)

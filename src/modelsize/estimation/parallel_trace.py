@@ -661,6 +661,7 @@ def run_rank_trace(
                 [p for p in params if program.optimize_frozen or p.requires_grad]),
             after_backward=lambda: _mark_grads(mode, params), local=_local)
         mode.counting = False
+        mode.end_program()
         seconds = time.perf_counter() - start
     trace = Trace(mode, n_params, n_train, seconds, module_acts)
     return RankTrace(trace, rank, tuple(names), comm, offload)

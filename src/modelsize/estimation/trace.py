@@ -525,6 +525,7 @@ def _run_trace(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
         if not train:
             repeated.finish()
         mode.counting = False
+        mode.end_program()
     seconds = time.perf_counter() - start
     trace = Trace(mode, n_params, n_train, seconds, module_acts)
     trace.blocks = repeated.summary.describe()

@@ -4,8 +4,11 @@ Every tensor op runs on fake tensors (metadata only, no data, no real memory). A
 the tracker registers the storages of its outputs that it has not seen yet and attaches a
 weak-reference finalizer to each, so a storage is counted from the op that allocated it until
 the moment Python or C++ drops its last reference: views share a storage and count once, and
-frees happen exactly where the real allocator would see them. Bytes that no tensor owns (kernel
-scratch, see :mod:`modelsize.estimation.scratch`) are added for the duration of the op.
+frees happen exactly where the real allocator would see them. Once the program has ended
+(:meth:`CountingFakeMode.end_program`), frees are no longer stamped: what outlives the program
+stays unfreed, however soon the garbage collector reaches the trace's own reference cycles.
+Bytes that no tensor owns (kernel scratch, see :mod:`modelsize.estimation.scratch`) are added
+for the duration of the op.
 
 Where a fake run and a real CPU run part ways, and what bridges them (each one found by
 comparing the two, allocation by allocation, against the CPU profiler; see tests/estimate):
@@ -25,6 +28,11 @@ comparing the two, allocation by allocation, against the CPU profiler; see tests
   scalars): :mod:`modelsize.estimation.scratch`;
 * a few meta kernels report output sizes the CPU kernels do not produce (oneDNN LSTM
   workspace, eval-mode BatchNorm statistics): corrected by the same module;
+* a meta kernel may return one tensor as two outputs where the real kernel returns two
+  (``mkldnn_rnn_layer_backward``'s two bias gradients), while the fake-tensor dispatch cache
+  answers the same call with two: the counting mode makes every such output its own tensor,
+  as the cache does, so a trace does not depend on whether the process ran the call before
+  (:meth:`CountingFakeMode._unshared`);
 * autograd keeps wrapped Python scalars saved for backward: ``trace._SavedScalars``;
 * activation checkpointing copies the CPU generator's state (C++, no dispatch):
   :mod:`modelsize.estimation.rng`.
@@ -225,6 +233,7 @@ class CountingFakeMode(FakeTensorMode):
         #: (tick, sequence number) of each backward node that dispatches, while not None
         #: (block_replay checks that a block's backward ran alone)
         self.node_log: list[tuple[int, int]] | None = None
+        self.ended = False
 
     # -- registration -----------------------------------------------------------------------
 
@@ -289,7 +298,20 @@ class CountingFakeMode(FakeTensorMode):
         recs = (self.live.get(t.untyped_storage()._cdata) for t in parts(tensor))
         return [r for r in recs if r is not None]
 
+    def end_program(self) -> None:
+        """The traced program has ended: its records are final.
+
+        What is still live now (parameters, inputs, optimizer state) outlives the program,
+        so a storage freed from here on, by the trace's own tear-down, keeps its record
+        unfreed. Without this the record would read freed at the last tick or never,
+        depending on whether the garbage collector happened to reach a reference cycle that
+        holds the fake tensors before the trace was read.
+        """
+        self.ended = True
+
     def _free(self, key: int) -> None:
+        if self.ended:
+            return
         rec = self.live.pop(key, None)
         if rec is not None:
             rec.freed = self.tick
@@ -484,6 +506,33 @@ class CountingFakeMode(FakeTensorMode):
         self._ops[func] = info
         return info
 
+    def _unshared(self, out: tuple[Any, ...], args: Any, kwargs: dict[str, Any]
+                  ) -> tuple[Any, ...]:
+        """``out`` with each tensor it returns twice (not an argument: an in-place or
+        ``out=`` result) replaced, after its first place, by a new tensor of the same shape,
+        strides and dtype.
+
+        Some meta kernels return one tensor as two outputs (``mkldnn_rnn_layer_backward``:
+        ``diff_b, diff_b``) where the real kernel returns two. The fake-tensor dispatch
+        cache, shared by the process, builds each output of a cached call anew, so only
+        the first such call in a process would share: a shared gradient is cloned by
+        autograd's gradient accumulation, one that is not is stolen, and the trace of the
+        same model would change with what the process ran before.
+        """
+        inputs = {id(t) for t in _tensors((*args, *kwargs.values()))}
+        seen: set[int] = set()
+        items = list(out)
+        for i, t in enumerate(items):
+            if not isinstance(t, FakeTensor):
+                continue
+            if id(t) in seen and id(t) not in inputs:
+                items[i] = super().__torch_dispatch__(
+                    torch.ops.aten.empty_strided.default, (FakeTensor,),
+                    (t.shape, t.stride()), {"dtype": t.dtype, "layout": t.layout,
+                                            "device": t.device})
+            seen.add(id(t))
+        return tuple(items)
+
     def __torch_dispatch__(  # type: ignore[override]
         self,
         func: Any,
@@ -509,6 +558,8 @@ class CountingFakeMode(FakeTensorMode):
                 out = rule(self, func, args, kwargs or {})
             else:
                 out = super().__torch_dispatch__(func, types, args, kwargs or {})
+                if type(out) is tuple and len({id(x) for x in out}) < len(out):
+                    out = self._unshared(out, args, kwargs)
         finally:
             self.depth -= nested
         if not self.counting or self.depth:
