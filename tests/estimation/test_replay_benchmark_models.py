@@ -67,9 +67,12 @@ def test_replayed_and_full_traces_are_identical(name: str, mode: str) -> None:
             model = case.build()
             torch.manual_seed(0)
             inputs = case.inputs(1)
-            # The benchmark's program: two AdamW steps (for-loop, fp32), or one forward.
+            # The benchmark's program (AdamW for-loop, fp32; or one forward), one training
+            # step where the benchmark runs two: the second repeats the first's blocks, and
+            # two-step programs are compared both ways in test_train_blocks.py (this file
+            # stays a minute of the suite's time).
             trace = run_trace(model, inputs, Program(
-                mode=mode, optimizer=bench.ADAMW, replay_blocks=replay,
+                mode=mode, optimizer=bench.ADAMW, steps=1, replay_blocks=replay,
                 replay_optimizer=replay))
         out[replay] = snapshot(trace)
         if replay:
