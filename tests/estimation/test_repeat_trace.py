@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from modelsize.estimation import probe_cache
 from modelsize.estimation.trace import Program, Trace, run_trace
 from modelsize.estimation.tracker import Origin
+from modelsize.inventory import paused_gc
 from tests.estimation.replay_helpers import snapshot
 
 
@@ -49,17 +49,6 @@ def _trace(make: Callable[[], nn.Module], inputs: tuple[torch.Tensor, ...], mode
         return run_trace(make(), inputs, Program(mode=mode, steps=1))
 
 
-@contextmanager
-def _no_collection() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def test_first_lstm_trace_equals_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     # a process that has traced nothing yet: no cached fake result, no kept probe answer
     FakeTensorMode.cache_clear()
@@ -83,7 +72,7 @@ def test_first_lstm_trace_equals_the_next(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize("mode", ["infer", "train"])
 def test_records_do_not_depend_on_the_garbage_collector(mode: str) -> None:
     inputs = (torch.randn(2, 1, 8, 8),)
-    with _no_collection():
+    with paused_gc():
         kept = snapshot(_trace(_conv, inputs, mode))
     trace = _trace(_conv, inputs, mode)
     gc.collect()  # whatever a reference cycle of the trace held is freed now
