@@ -55,7 +55,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -1448,12 +1447,6 @@ def _hf_weight_files(url: str, repo: str, stats: Stats) -> list[str]:
             return index + chosen
     raise RemoteError(f"{printable(url)}: no weight file (*.safetensors, pytorch_model*.bin) "
                       f"at the top of {repo}; name one: hf://{repo}/FILE")
-
-
-def check_zip(path: Path) -> None:
-    """Raise if the mirrored zip's central directory does not parse (a truncated mirror)."""
-    with zipfile.ZipFile(path):
-        pass
 
 
 @dataclass(frozen=True)

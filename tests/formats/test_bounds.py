@@ -489,3 +489,21 @@ def test_hostile_sizes_module_runs_as_a_script(tmp_path: Path) -> None:
                            "--only", "npz-200k"], capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["case"] == "npz-200k"
+
+
+@pytest.mark.parametrize("name", ["lying.pt", "lying.npz", "lying.keras"])
+def test_a_central_directory_size_that_lies_reads_no_more_than_its_records(
+        tmp_path: Path, name: str) -> None:
+    """A 3 GiB sparse file whose end record claims a 3 GiB central directory: zipfile reads
+    the claimed size whole (3 GiB of RSS before its first record fails); modelsize reads the
+    directory as it walks it, so the first bad record ends it in one line."""
+    path = tmp_path / name
+    n = 3 * GiB
+    with open(path, "wb") as fh:
+        fh.write(b"PK\x03\x04" + bytes(26))
+        fh.truncate(n - 22)
+        fh.seek(n - 22)
+        fh.write(struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, n - 22, 0, 0))
+    run = _cli("inspect", str(path))
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.maxrss < GiB // 4, f"peaked at {run.maxrss / 2**20:.0f} MiB"

@@ -107,36 +107,52 @@ def directory(path: Path | str) -> list[Entry]:
         start_dir = offset_cd + concat
         if start_dir < 0:
             raise zipfile.BadZipFile("Bad offset for central directory")
-        fp.seek(start_dir, 0)
-        data = fp.read(size_cd)
-    out: list[Entry] = []
-    unpack = _CENTRAL.unpack_from
-    fixed = _CENTRAL.size
-    have = len(data)
-    p = total = 0
-    while total < size_cd:
-        if p + fixed > have:
-            raise zipfile.BadZipFile("Truncated central directory")
-        (sig, _cv, _cs, extract_version, _r, flags, method, _t, _d, crc, compress_size,
-         file_size, n, x, c, volume, _ia, _ea, header_offset) = unpack(data, p)
-        if sig != b"PK\x01\x02":
-            raise zipfile.BadZipFile("Bad magic number for central directory")
-        p += fixed
-        raw_name = data[p : p + n]
-        p = min(p + n, have)
-        orig = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
-        if extract_version > _MAX_EXTRACT_VERSION:
-            raise NotImplementedError(f"zip file version {extract_version / 10:.1f}")
-        if x:
-            file_size, compress_size, header_offset = _zip64_extra(
-                data[p : p + x], file_size, compress_size, header_offset)
-        p = min(p + x + c, have)
-        nul = orig.find("\0")
-        name = orig if nul < 0 else orig[:nul]
-        out.append(Entry(name, orig, header_offset + concat, compress_size, file_size, method,
-                         crc, flags, volume))
-        total += fixed + n + x + c
+        # Read as the walk goes, a few MiB at a time: what zipfile reads whole at once, so
+        # a directory size that lies (3 GB claimed by a 3 GB file of zeros) costs the records
+        # walked before it fails, not the bytes claimed.
+        fd = fp.fileno()
+        have = max(0, min(size_cd, os.fstat(fd).st_size - start_dir))
+        data, base = b"", 0  # the window: bytes base .. base + len(data) of the directory
+        out: list[Entry] = []
+        unpack = _CENTRAL.unpack_from
+        fixed = _CENTRAL.size
+        p = total = 0
+        while total < size_cd:
+            end = base + len(data)
+            if end - p < _RECORD_MAX and end < have:
+                more = os.pread(fd, min(max(_CD_CHUNK, _RECORD_MAX), have - end), start_dir + end)
+                data, base = data[p - base :] + more, p
+                if not more:  # (the file shrank while it was read)
+                    have = end
+            if p + fixed > have:
+                raise zipfile.BadZipFile("Truncated central directory")
+            q = p - base
+            (sig, _cv, _cs, extract_version, _r, flags, method, _t, _d, crc, compress_size,
+             file_size, n, x, c, volume, _ia, _ea, header_offset) = unpack(data, q)
+            if sig != b"PK\x01\x02":
+                raise zipfile.BadZipFile("Bad magic number for central directory")
+            q += fixed
+            raw_name = data[q : q + n]
+            orig = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
+            if extract_version > _MAX_EXTRACT_VERSION:
+                raise NotImplementedError(f"zip file version {extract_version / 10:.1f}")
+            if x:
+                file_size, compress_size, header_offset = _zip64_extra(
+                    data[q + n : q + n + x], file_size, compress_size, header_offset)
+            p = min(p + fixed + n + x + c, have)
+            nul = orig.find("\0")
+            name = orig if nul < 0 else orig[:nul]
+            out.append(Entry(name, orig, header_offset + concat, compress_size, file_size,
+                             method, crc, flags, volume))
+            total += fixed + n + x + c
     return out
+
+
+#: The longest central directory record: the fixed part and a name, an extra field and a
+#: comment of 65,535 bytes each.
+_RECORD_MAX = 46 + 3 * 0xFFFF
+#: Bytes of a central directory read at a time.
+_CD_CHUNK = 4 << 20
 
 
 def _zip64_extra(extra: bytes, file_size: int, compress_size: int,
@@ -289,20 +305,29 @@ def _check_directory(fd: int, size: int, count: int, builder: InventoryBuilder,
         cd_size = int.from_bytes(record[40:48], "little")
     if not 0 <= cd_size <= end:
         return
-    raw = os.pread(fd, cd_size, end - cd_size)
+    # Read as the walk goes (the sizes of this end record are not the ones zipfile used, and
+    # may lie): what is read is what the records walked cover, a few MiB ahead.
+    start = end - cd_size
+    raw, base = b"", 0  # the window: bytes base .. base + len(raw) of the directory
     p = 0
     for i in range(count):
-        if p + 46 > len(raw) or raw[p : p + 4] != b"PK\x01\x02":
+        if base + len(raw) - p < _RECORD_MAX and base + len(raw) < cd_size:
+            at = base + len(raw)
+            raw = raw[p - base :] + os.pread(fd, min(max(_CD_CHUNK, _RECORD_MAX), cd_size - at),
+                                             start + at)
+            base = p
+        q = p - base
+        if q + 46 > len(raw) or raw[q : q + 4] != b"PK\x01\x02":
             raise builder.corrupt(f"central directory record {i} is not where the one before "
                                   "it ends (torch's zip reader refuses the archive)",
-                                  end - cd_size + p, file)
-        n, x, c = struct.unpack_from("<HHH", raw, p + 28)
-        if p + 46 + n + x + c > len(raw):
-            name = raw[p + 46 : p + 46 + min(n, 80)]
+                                  start + p, file)
+        n, x, c = struct.unpack_from("<HHH", raw, q + 28)
+        if q + 46 + n + x + c > len(raw):
+            name = raw[q + 46 : q + 46 + min(n, 80)]
             raise builder.corrupt(
                 f"central directory record of {name!r} declares a {n}-byte name, a {x}-byte "
                 f"extra field and a {c}-byte comment, past the directory's end (torch's zip "
-                "reader refuses the archive)", end - cd_size + p, file)
+                "reader refuses the archive)", start + p, file)
         p += 46 + n + x + c
 
 

@@ -553,9 +553,8 @@ def _deflated(path: Path, key: str) -> bool:
     cache_key = (str(path), st.st_mtime_ns, st.st_size)
     names = _DEFLATED_CACHE.get(cache_key)
     if names is None:
-        with zipfile.ZipFile(path) as zf:
-            names = frozenset(i.filename.removesuffix(".npy") for i in zf.infolist()
-                              if i.compress_type == zipfile.ZIP_DEFLATED)
+        names = frozenset(i.filename.removesuffix(".npy") for i in _zip.directory(path)
+                          if i.compress_type == zipfile.ZIP_DEFLATED)
         _DEFLATED_CACHE.clear()
         _DEFLATED_CACHE[cache_key] = names
     return key in names
