@@ -63,6 +63,8 @@ def test_real_archives_read_as_zipfile_reads_them(tmp_path: Path) -> None:
     for path in (tmp_path / "a.pt", tmp_path / "b.npz", big):
         assert _ours(path) == _zipfile(path)
         assert isinstance(_ours(path), list)
+        with open(path, "rb") as fh:  # an open binary file reads the same (DCP's items)
+            assert _zip.directory(fh) == _zip.directory(path)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -21,9 +21,9 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError
@@ -75,8 +75,9 @@ _MAX_EXTRACT_VERSION: int = getattr(zipfile, "MAX_EXTRACT_VERSION", 63)
 _ZIP64_MASKED = (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF)
 
 
-def directory(path: Path | str) -> list[Entry]:
-    """The central directory of the zip archive at ``path``, read as :mod:`zipfile` reads it.
+def directory(path: Path | str | IO[bytes]) -> list[Entry]:
+    """The central directory of the zip archive at ``path`` (or in a seekable binary file),
+    read as :mod:`zipfile` reads it.
 
     What ``zipfile.ZipFile(path).infolist()`` gives, record for record (the same end record
     search, the same "concat" offset for bytes before the archive, the same name decoding and
@@ -91,60 +92,68 @@ def directory(path: Path | str) -> list[Entry]:
             return [Entry(i.filename, i.orig_filename, i.header_offset, i.compress_size,
                           i.file_size, i.compress_type, i.CRC, i.flag_bits, i.volume)
                     for i in zf.infolist()]
+    if not isinstance(path, (str, os.PathLike)):
+        return _directory(path, end_record)
     with open(path, "rb") as fp:
-        try:
-            endrec = end_record(fp)
-        except OSError:
-            raise zipfile.BadZipFile("File is not a zip file") from None
-        if not endrec:
-            raise zipfile.BadZipFile("File is not a zip file")
-        # zipfile's end record: [0] its signature, [5] the directory's size, [6] its offset,
-        # [9] where the record lies.
-        size_cd, offset_cd = endrec[5], endrec[6]
-        concat = endrec[9] - size_cd - offset_cd
-        if endrec[0] == b"PK\x06\x06":  # ZIP64: its end record (56 B) and locator (20 B)
-            concat -= 56 + 20
-        start_dir = offset_cd + concat
-        if start_dir < 0:
-            raise zipfile.BadZipFile("Bad offset for central directory")
-        # Read as the walk goes, a few MiB at a time: what zipfile reads whole at once, so
-        # a directory size that lies (3 GB claimed by a 3 GB file of zeros) costs the records
-        # walked before it fails, not the bytes claimed.
-        fd = fp.fileno()
-        have = max(0, min(size_cd, os.fstat(fd).st_size - start_dir))
-        data, base = b"", 0  # the window: bytes base .. base + len(data) of the directory
-        out: list[Entry] = []
-        unpack = _CENTRAL.unpack_from
-        fixed = _CENTRAL.size
-        p = total = 0
-        while total < size_cd:
-            end = base + len(data)
-            if end - p < _RECORD_MAX and end < have:
-                more = os.pread(fd, min(max(_CD_CHUNK, _RECORD_MAX), have - end), start_dir + end)
-                data, base = data[p - base :] + more, p
-                if not more:  # (the file shrank while it was read)
-                    have = end
-            if p + fixed > have:
-                raise zipfile.BadZipFile("Truncated central directory")
-            q = p - base
-            (sig, _cv, _cs, extract_version, _r, flags, method, _t, _d, crc, compress_size,
-             file_size, n, x, c, volume, _ia, _ea, header_offset) = unpack(data, q)
-            if sig != b"PK\x01\x02":
-                raise zipfile.BadZipFile("Bad magic number for central directory")
-            q += fixed
-            raw_name = data[q : q + n]
-            orig = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
-            if extract_version > _MAX_EXTRACT_VERSION:
-                raise NotImplementedError(f"zip file version {extract_version / 10:.1f}")
-            if x:
-                file_size, compress_size, header_offset = _zip64_extra(
-                    data[q + n : q + n + x], file_size, compress_size, header_offset)
-            p = min(p + fixed + n + x + c, have)
-            nul = orig.find("\0")
-            name = orig if nul < 0 else orig[:nul]
-            out.append(Entry(name, orig, header_offset + concat, compress_size, file_size,
-                             method, crc, flags, volume))
-            total += fixed + n + x + c
+        return _directory(fp, end_record)
+
+
+def _directory(fp: IO[bytes], end_record: Callable[[IO[bytes]], list[Any] | None],
+               ) -> list[Entry]:
+    try:
+        endrec = end_record(fp)
+    except OSError:
+        raise zipfile.BadZipFile("File is not a zip file") from None
+    if not endrec:
+        raise zipfile.BadZipFile("File is not a zip file")
+    # zipfile's end record: [0] its signature, [5] the directory's size, [6] its offset,
+    # [9] where the record lies.
+    size_cd, offset_cd = endrec[5], endrec[6]
+    concat = endrec[9] - size_cd - offset_cd
+    if endrec[0] == b"PK\x06\x06":  # ZIP64: its end record (56 B) and locator (20 B)
+        concat -= 56 + 20
+    start_dir = offset_cd + concat
+    if start_dir < 0:
+        raise zipfile.BadZipFile("Bad offset for central directory")
+    # Read as the walk goes, a few MiB at a time: what zipfile reads whole at once, so
+    # a directory size that lies (3 GB claimed by a 3 GB file of zeros) costs the records
+    # walked before it fails, not the bytes claimed.
+    fp.seek(0, 2)
+    have = max(0, min(size_cd, fp.tell() - start_dir))
+    data, base = b"", 0  # the window: bytes base .. base + len(data) of the directory
+    out: list[Entry] = []
+    unpack = _CENTRAL.unpack_from
+    fixed = _CENTRAL.size
+    p = total = 0
+    while total < size_cd:
+        end = base + len(data)
+        if end - p < _RECORD_MAX and end < have:
+            fp.seek(start_dir + end)
+            more = fp.read(min(max(_CD_CHUNK, _RECORD_MAX), have - end))
+            data, base = data[p - base :] + more, p
+            if not more:  # (the file shrank while it was read)
+                have = end
+        if p + fixed > have:
+            raise zipfile.BadZipFile("Truncated central directory")
+        q = p - base
+        (sig, _cv, _cs, extract_version, _r, flags, method, _t, _d, crc, compress_size,
+         file_size, n, x, c, volume, _ia, _ea, header_offset) = unpack(data, q)
+        if sig != b"PK\x01\x02":
+            raise zipfile.BadZipFile("Bad magic number for central directory")
+        q += fixed
+        raw_name = data[q : q + n]
+        orig = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
+        if extract_version > _MAX_EXTRACT_VERSION:
+            raise NotImplementedError(f"zip file version {extract_version / 10:.1f}")
+        if x:
+            file_size, compress_size, header_offset = _zip64_extra(
+                data[q + n : q + n + x], file_size, compress_size, header_offset)
+        p = min(p + fixed + n + x + c, have)
+        nul = orig.find("\0")
+        name = orig if nul < 0 else orig[:nul]
+        out.append(Entry(name, orig, header_offset + concat, compress_size, file_size,
+                         method, crc, flags, volume))
+        total += fixed + n + x + c
     return out
 
 

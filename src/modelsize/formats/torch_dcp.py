@@ -30,11 +30,12 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
 from modelsize.errors import CorruptFileError, printable
+from modelsize.formats import _zip
 from modelsize.formats._pickle import Call, Global, PickleError, UnhashableKey, scan, scan_all
 from modelsize.formats._torch_tree import (
     StorageRef,
@@ -177,8 +178,7 @@ class _Member:
 def _item_members(fh: IO[bytes], start: int, length: int) -> dict[str, _Member]:
     """The members of the ``torch.save`` archive that fills one item, located inside it."""
     window = _Window(fh, start, length)
-    with zipfile.ZipFile(window) as zf:
-        infos = zf.infolist()
+    infos = _zip.directory(cast(IO[bytes], window))  # a seekable binary file
     out: dict[str, _Member] = {}
     for info in infos:
         if not 0 <= info.header_offset <= length - _LOCAL.size:
