@@ -770,10 +770,10 @@ def _fetch_exact(src: RangeSource, ranges: list[tuple[int, int]]) -> list[bytes]
     else ranges within :data:`~modelsize.remote_regions.NEAR` of each other fetched in one
     request (small tensors' headers; gaps of :data:`~modelsize.remote_regions.ZIP_GAPS` at
     most in all, the smallest first), a few at a time."""
-    from modelsize.remote_regions import NEAR, WORKERS, ZIP_GAPS, merge_ranges
+    from modelsize.remote_regions import HEADER_WORKERS, NEAR, ZIP_GAPS, merge_ranges
 
     merged = merge_ranges((r for r in ranges if not src.cached(*r)), NEAR, ZIP_GAPS)
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+    with ThreadPoolExecutor(max_workers=HEADER_WORKERS) as pool:
         got = list(pool.map(lambda r: src.fetch(r[0], r[1]), merged))
     starts = [m[0] for m in merged]
     out = []
