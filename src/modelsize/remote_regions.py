@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import io
 import pickletools
 import struct
 import zipfile
@@ -29,6 +28,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast, overload
+
+from modelsize.formats.base import SeekableBytes
 
 if TYPE_CHECKING:
     from modelsize.remote import RangeSource
@@ -435,14 +436,13 @@ class Missing(Exception):
         self.start, self.stop = start, stop
 
 
-class Pieces(io.RawIOBase):
+class Pieces(SeekableBytes):
     """A file of ``size`` bytes known by the pieces fetched of it: a read of bytes not
     fetched raises :class:`Missing` (the range to fetch), so a reader's own code, run over
     it, says what it needs."""
 
     def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size, self.pos = size, 0
+        super().__init__(size)
         self._starts: list[int] = []
         self._data: list[bytes] = []
 
@@ -472,19 +472,6 @@ class Pieces(io.RawIOBase):
         """Whether bytes ``[start, stop)`` were all fetched."""
         i = bisect.bisect_right(self._starts, start) - 1
         return i >= 0 and self._starts[i] + len(self._data[i]) >= stop
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, {0: 0, 1: self.pos, 2: self.size}[whence] + pos)
-        return self.pos
 
     def readinto(self, buffer: Any) -> int:
         n = max(0, min(len(buffer), self.size - self.pos))

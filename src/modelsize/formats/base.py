@@ -14,6 +14,7 @@ path it is given and, for a directory, the entries a reader may open inside it;
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import zipfile
@@ -233,3 +234,25 @@ class Reader(Protocol):
     def read(self, source: Source) -> Inventory:
         """Account for every byte of the source. Raises ``CorruptFileError`` on bad input."""
         ...
+
+
+class SeekableBytes(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes whose subclass says how to read them
+    (``readinto`` from ``pos``): a slice of another file, bytes fetched so far."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.pos = size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, {0: 0, 1: self.pos, 2: self.size}[whence] + pos)
+        return self.pos

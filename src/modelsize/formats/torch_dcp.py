@@ -23,7 +23,6 @@ reported as unsafe. Not read: files written with ``SerializationFormat.SAFETENSO
 
 from __future__ import annotations
 
-import io
 import math
 import re
 import struct
@@ -45,7 +44,7 @@ from modelsize.formats._torch_tree import (
     mapping_items,
     storage_dtype,
 )
-from modelsize.formats.base import Source, is_regular_file
+from modelsize.formats.base import SeekableBytes, Source, is_regular_file
 from modelsize.formats.safetensors import classify_name
 from modelsize.formats.torch_sharded import inside, relative, split_facts
 from modelsize.inventory import Inventory, InventoryBuilder
@@ -135,29 +134,15 @@ class _Item:
     transformed: bool
 
 
-class _Window(io.RawIOBase):
+class _Window(SeekableBytes):
     """Bytes ``start .. start + length`` of an open file, as a seekable file of their own."""
 
     def __init__(self, fh: IO[bytes], start: int, length: int) -> None:
-        super().__init__()
-        self.fh, self.start, self.length, self.pos = fh, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
+        super().__init__(length)
+        self.fh, self.start = fh, start
 
     def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
+        n = max(0, min(len(buffer), self.size - self.pos))
         if n == 0:
             return 0
         self.fh.seek(self.start + self.pos)
