@@ -290,6 +290,31 @@ def test_lora_on_bitsandbytes_4bit_linears() -> None:
     assert trainable and all("lora_" in n for n in trainable)
 
 
+def test_qlora_of_a_meta_model_equals_that_of_a_real_one() -> None:
+    """``estimate(meta_model, quantize="nf4", lora=...)`` and a model quantized on the meta
+    device: bitsandbytes' ``Params4bit.__deepcopy__`` fails on meta (it sets meta data on a
+    CPU tensor), which made both a traceback; each now equals the CPU-quantized model's."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from modelsize.estimation.quantized import quantize_model
+
+    def build(device: str) -> nn.Module:
+        torch.manual_seed(0)
+        with torch.device(device):
+            return models.Stack().to(torch.bfloat16)
+
+    x = torch.zeros(2, 8, 32, dtype=torch.bfloat16, device="meta")
+    spec = "r=4,alpha=8,targets=up,down"
+    kwargs: dict[str, Any] = {"optimizer": "adamw", "device": "cpu", "lora": spec}
+    real = estimate(quantize_model(build("cpu"), "nf4"), (x,), **kwargs)
+    on_meta = quantize_model(build("meta"), "nf4")
+    weights = [(n, type(p), p.is_meta) for n, p in on_meta.named_parameters()]
+    assert estimate(on_meta, (x,), **kwargs).peak_bytes == real.peak_bytes
+    assert estimate(build("meta"), (x,), quantize="nf4", **kwargs).peak_bytes == real.peak_bytes
+    assert [(n, type(p), p.is_meta) for n, p in on_meta.named_parameters()] == weights
+    assert any(kind.__name__ == "Params4bit" for _, kind, _ in weights)
+
+
 def test_cli_lora_and_gradient_checkpointing(capsys: Any, tmp_path: Any) -> None:
     import json
 

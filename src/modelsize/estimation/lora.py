@@ -156,17 +156,30 @@ def _flag_quantized(model: nn.Module) -> None:
 
 def adapted_copy(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
     """:func:`apply_lora` on a copy of ``model`` whose plain parameters are meta tensors of
-    the same shapes, dtypes and ``requires_grad`` (tied ones stay tied); buffers and
-    parameters of other types (quantized ones) are deep-copied. ``model`` is not touched."""
+    the same shapes, dtypes and ``requires_grad`` (tied ones stay tied); bitsandbytes
+    parameters on the meta device are remade there (:func:`~modelsize.estimation.quantized.
+    meta_twin`); buffers and other parameters (quantized ones) are deep-copied. ``model`` is
+    not touched."""
     import torch
     from torch import nn
 
+    from modelsize.estimation.quantized import is_wrapper, meta_twin
+
     memo: dict[int, Any] = {}
+    twins: list[tuple[Any, Any]] = []
     for p in model.parameters():
         if type(p) is nn.Parameter or isinstance(p, torch._subclasses.FakeTensor):
             meta = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta")
             memo[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
-    return apply_lora(copy.deepcopy(model, memo), spec)
+        elif p.is_meta and not is_wrapper(p) and id(p) not in memo:
+            twins.append((p, meta_twin(p)))  # bitsandbytes' own deepcopy fails on meta
+            memo[id(p)] = twins[-1][1]
+    work = copy.deepcopy(model, memo)
+    for p, twin in twins:  # Params4bit.module: the copy's layer, as deepcopy would set it
+        owner = p.__dict__.get("module")
+        if owner is not None:
+            twin.module = memo.get(id(owner), owner)  # type: ignore[attr-defined]
+    return apply_lora(work, spec)
 
 
 def lora_note(est: Estimate, model: nn.Module, spec: LoraSpec) -> Estimate:

@@ -463,10 +463,10 @@ def quantize_target(target: Any, scheme: str | Scheme) -> Any:
 
 def notes(model: nn.Module, device: str | None) -> tuple[str, ...]:
     """What the report says of ``model``'s quantized layers: the linear layers kept
-    unquantized, and for a CUDA estimate of bitsandbytes layers that the CUDA path is not
-    validated (the trace counts bitsandbytes' CPU and default kernels' allocations,
-    :mod:`modelsize.estimation.quant_kernels`; its CUDA kernels were not run against a GPU:
-    ``benchmarks/gpu/validate_quantized.py`` does that where one is lent)."""
+    unquantized, and for a CUDA estimate of bitsandbytes layers what the trace's kernels were
+    checked against: ``Linear4bit`` on an H100 (``benchmarks/gpu/validate_quantized.py``),
+    ``Linear8bitLt`` never (its CPU and default kernels' allocations are counted,
+    :mod:`modelsize.estimation.quant_kernels`)."""
     found = quantization_of(model)
     if found is None:
         return ()
@@ -477,9 +477,17 @@ def notes(model: nn.Module, device: str | None) -> tuple[str, ...]:
         out.append(f"--quantize {found.scheme}: {len(found.kept)} linear layers kept "
                    f"unquantized: {shown}")
     if (device or "cpu").startswith("cuda") and found.library == "bitsandbytes":
-        out.append("bitsandbytes on CUDA: unvalidated; the trace counts the allocations of "
-                   "bitsandbytes' CPU and default kernels (backends/cpu, backends/default), "
-                   "its CUDA kernels were not checked against a GPU run")
+        if found.layer == "Linear4bit":
+            out.append("bitsandbytes on CUDA: its 4-bit layers follow gemm_4bit's CUDA kernel "
+                       "(fused below the batch its heuristic sets for an H100, else the weight "
+                       "dequantized), checked on an H100 with bitsandbytes 0.50.2 within "
+                       "0.012% of max_memory_allocated for inference, QLoRA and 8-bit AdamW "
+                       "(benchmarks/RESULTS.md); other versions and GPUs are not")
+        else:
+            out.append("bitsandbytes on CUDA: unvalidated; the trace counts the allocations of "
+                       f"bitsandbytes' CPU and default kernels for {found.layer} "
+                       "(backends/cpu, backends/default), its CUDA kernels were not checked "
+                       "against a GPU run")
     return tuple(out)
 
 
@@ -500,16 +508,34 @@ def materialized(t: torch.Tensor) -> torch.Tensor:
 
     if is_wrapper(t):
         return fake_copy(t, zeros)
+    return _bnb_twin(t, zeros)
+
+
+def meta_twin(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the bitsandbytes parameter ``t`` on the meta device (``Params4bit`` with its
+    quantization state, or ``Int8Params`` with its ``SCB``), every inner tensor a new meta
+    tensor of its shape, stride and dtype: what ``copy.deepcopy`` cannot make (bitsandbytes'
+    ``__deepcopy__`` sets meta data on a CPU tensor and fails)."""
+
+    def empty(v: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+    return _bnb_twin(t, empty)
+
+
+def _bnb_twin(t: torch.Tensor, copy_plain: Callable[[torch.Tensor], torch.Tensor]
+              ) -> torch.Tensor:
+    """The bitsandbytes parameter ``t`` remade with ``copy_plain`` of each inner tensor."""
     scb = t.__dict__.get("SCB") if hasattr(t, "__dict__") else None
     if isinstance(scb, torch.Tensor):  # bitsandbytes Int8Params: the data is its CB
-        data = zeros(t.data)
+        data = copy_plain(t.data)
         return type(t).__new__(type(t), data, requires_grad=False,  # type: ignore[no-any-return]
                                has_fp16_weights=t.__dict__.get("has_fp16_weights", False),
-                               CB=data, SCB=zeros(scb))
+                               CB=data, SCB=copy_plain(scb))
     state = _quant_state(t)
     made: list[torch.Tensor] = []
-    twin = type(t).__new__(type(t), zeros(t.data), requires_grad=t.requires_grad,
-                           quant_state=_fake_state(state, zeros, made),
+    twin = type(t).__new__(type(t), copy_plain(t.data), requires_grad=t.requires_grad,
+                           quant_state=_fake_state(state, copy_plain, made),
                            blocksize=t.__dict__.get("blocksize"),
                            compress_statistics=t.__dict__.get("compress_statistics", True),
                            quant_type=t.__dict__.get("quant_type", "nf4"),

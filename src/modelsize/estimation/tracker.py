@@ -501,7 +501,7 @@ class CountingFakeMode(FakeTensorMode):
     def _op_info(self, func: Any) -> tuple[bool, Any, bool]:
         """Whether ``func`` runs as one kernel, its fake rule, whether it has scratch (once)."""
         info = (kernels.runs_as_kernel(func, self.device_type),
-                RULES.get(func) or quant_kernels.rule(func),
+                RULES.get(func) or quant_kernels.rule(func, self.device_type),
                 self.scratch is not None and self.scratch.covers(func))
         self._ops[func] = info
         return info
