@@ -128,6 +128,23 @@ def test_cuda_terms_add_up_and_are_marked_unvalidated() -> None:
     assert any("other GPUs and versions are not" in n for n in est.notes)
 
 
+def test_cuda_terms_when_the_blocks_peak_after_the_tensors() -> None:
+    """A CNN's tensors peak in its convolutions; cuBLAS's 32 MiB workspace comes with the
+    linear head, after them, and the blocks peak there. The terms still add up, and the
+    rounding is the blocks' excess at their own peak (it read -20.6 MiB for ResNet-50)."""
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(32, 10))
+    est = estimate(model, (torch.randn(4, 3, 64, 64),), mode="infer", device="cuda")
+    dev = est.device_estimate
+    terms = {t.name: t.nbytes for t in dev.terms}
+    assert terms["tensors"] + terms["kernel_scratch"] == est.peak_bytes
+    assert terms["peak_moment"] < 0
+    assert 0 <= terms["allocator_rounding"] < 512 * 16
+    assert terms["cublas_workspace"] >= 32 << 20
+    assert dev.allocated_bytes == sum(v for k, v in terms.items() if k != "cuda_context")
+    assert dev.allocated_bytes < est.peak_bytes + terms["cublas_workspace"]
+
+
 def test_bad_arguments_are_usage_errors() -> None:
     model = models.Wide()
     x = torch.randn(1, 256)

@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _interrupted()
     except ModelSizeError as exc:
-        if _Interrupts.pending:  # a failure the swallowed Ctrl-C caused (a half import)
+        if _Interrupts.pending:  # a failure a Ctrl-C caused
             return _interrupted()
         print(f"modelsize: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -115,20 +115,25 @@ def _interrupted() -> int:
 
 
 class _Interrupts:
-    """Ctrl-C for the command (``main()`` without arguments), never lost and never a traceback.
+    """Ctrl-C for the command (``main()`` without arguments), never lost and never a traceback
+    or an abort.
 
-    Python turns SIGINT into ``KeyboardInterrupt`` wherever the main thread is, and code we do
-    not own can swallow it: torch's C start-up imports NumPy and clears any error that import
-    raises, so a Ctrl-C landing there would be ignored and the command would run to its end.
-    So the handler also notes the interrupt, and an audit hook raises it again at the next
-    import until :func:`main` has it (never while it is on its way out: cleanup runs). Once
-    the command is finishing, a Ctrl-C is the signal's default (the process ends, without a
-    traceback from interpreter shutdown).
+    Python turns SIGINT into ``KeyboardInterrupt`` wherever the main thread is. Raised inside
+    the import machinery it goes wrong three ways: torch's C start-up imports NumPy and
+    clears any error that import raises (the Ctrl-C would be ignored and the command run to
+    its end); importlib's module-lock callbacks print "Exception ignored in ..." and a
+    traceback; and an exception thrown through torch's C++ start-up can end the process in
+    ``std::terminate`` (an abort, exit -6). So the handler raises only where no import is
+    under way (no frame of ``importlib._bootstrap`` on the stack). Elsewhere it notes the
+    interrupt and asks again every few milliseconds (``SIGALRM``) until the import is done,
+    then raises. Once the command is finishing, a Ctrl-C is the signal's default (the
+    process ends, without a traceback from interpreter shutdown).
     """
 
     pending = False
     finishing = False
-    hooked = False
+    #: How often a deferred Ctrl-C looks again for a point outside the import machinery.
+    RETRY_S = 0.005
 
     @classmethod
     def catch(cls) -> None:
@@ -142,23 +147,33 @@ class _Interrupts:
             if signal.getsignal(signal.SIGINT) in (signal.default_int_handler,
                                                    _interrupted_at_start):
                 signal.signal(signal.SIGINT, cls._on_sigint)
-                if not cls.hooked:
-                    sys.addaudithook(cls._audit)
-                    cls.hooked = True
 
     @classmethod
     def _on_sigint(cls, signum: int, frame: object) -> None:
         if cls.finishing:
             return
         cls.pending = True
-        raise KeyboardInterrupt
+        cls._raise_or_defer(frame)
 
     @classmethod
-    def _audit(cls, event: str, args: tuple[object, ...]) -> None:
-        # Not while the first one is on its way out (cleanup code that imports must run).
-        if (cls.pending and not cls.finishing and event == "import"
-                and not isinstance(sys.exc_info()[1], KeyboardInterrupt)):
+    def _retry(cls, signum: int, frame: object) -> None:
+        if cls.pending and not cls.finishing:
+            cls._raise_or_defer(frame)
+
+    @classmethod
+    def _raise_or_defer(cls, frame: object) -> None:
+        import signal
+
+        if not _importing(frame):
             raise KeyboardInterrupt
+        try:
+            if signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, cls._retry):
+                signal.signal(signal.SIGALRM, cls._retry)
+                signal.setitimer(signal.ITIMER_REAL, cls.RETRY_S)
+                return
+        except (AttributeError, ValueError, OSError):  # no SIGALRM / setitimer here
+            pass
+        raise KeyboardInterrupt  # no way to come back: as Python would
 
     @classmethod
     def release(cls) -> None:
@@ -169,6 +184,22 @@ class _Interrupts:
         with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(signal.SIGINT) == cls._on_sigint:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            if signal.getsignal(signal.SIGALRM) == cls._retry:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+def _importing(frame: object) -> bool:
+    """Whether ``frame`` or a caller of it is in the import machinery (a module's code runs
+    under ``importlib._bootstrap``'s frames)."""
+    f = frame
+    while f is not None:
+        if getattr(getattr(f, "f_code", None), "co_filename", "").startswith(
+                "<frozen importlib"):
+            return True
+        f = getattr(f, "f_back", None)
+    return False
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -192,10 +192,22 @@ def device_estimate(device: str, peak_bytes: int, scratch_bytes: int,
     allocated = max(result.peak, peak_bytes)
     where = ("" if result.tick == 0 or not ticks else
              f"; the blocks peak at op {result.tick}")
+    # Where the blocks peak at another op than the tensors (a workspace made after the
+    # tensor peak), what is live there differs from the tensor peak: a term of its own, so
+    # that the rounding is the blocks' excess over what was asked for at their peak.
+    shift = result.requested - peak_bytes if result.peak >= peak_bytes else 0
+    moment: tuple[DeviceTerm, ...] = ()
+    if shift:
+        moment = (DeviceTerm(
+            "peak_moment", shift,
+            f"the blocks peak at op {result.tick}, where the live tensors and scratch are "
+            f"{abs(shift):,} bytes {'fewer' if shift < 0 else 'more'} than at the tensor "
+            "peak (the workspaces held there come after it)"),)
     terms = (
         DeviceTerm("tensors", peak_bytes - scratch_bytes, "live tensor storages at the peak"),
         DeviceTerm("kernel_scratch", scratch_bytes, "buffers the kernels allocate internally"),
-        DeviceTerm("allocator_rounding", allocated - peak_bytes - result.workspaces,
+        *moment,
+        DeviceTerm("allocator_rounding", allocated - peak_bytes - shift - result.workspaces,
                    "the caching allocator's blocks beyond the bytes asked for (512-byte "
                    "rounding, large blocks not split), replayed allocation by allocation"
                    + where),

@@ -976,7 +976,8 @@ def _accounted_device(single: DeviceEstimate, mode: CountingFakeMode,
              replace(terms["kernel_scratch"], nbytes=scratch),
              replace(terms["allocator_rounding"], nbytes=max(rounded - peak, 0))]
     rest = tuple(t for t in single.terms if t.name not in {"tensors", "kernel_scratch",
-                                                           "allocator_rounding"})
+                                                           "allocator_rounding",
+                                                           "peak_moment"})
     allocated = peak + named[2].nbytes + sum(t.nbytes for t in rest
                                              if t.name == "cublas_workspace")
     return replace(single, terms=(*named, *rest), allocated_bytes=allocated,
