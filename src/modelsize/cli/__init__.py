@@ -108,6 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             _Interrupts.release()
 
 
+#: Loggers whose warnings say nothing about a report: transformers imports torchao's quantizer
+#: for any model when torchao is installed, and torchao then logs each CUDA extension it
+#: cannot load on a CPU build, and torch's pytree each Enum it registers.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_library_logs() -> None:
+    """Errors only from :data:`QUIET_LOGGERS`: for the verbs that import torch (logging is
+    not imported for the others)."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _interrupted() -> int:
     _Interrupts.finishing = True
     print("modelsize: interrupted", file=sys.stderr)

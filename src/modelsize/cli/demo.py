@@ -310,4 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize demo``."""
+    from modelsize.cli import quiet_library_logs
+
+    quiet_library_logs()
     return run_demo(args.dir, sections=args.only)

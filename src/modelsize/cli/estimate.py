@@ -178,20 +178,6 @@ class Progress:
         self.shown = False
 
 
-#: Loggers whose warnings say nothing about the estimate: transformers imports torchao's
-#: quantizer for any model when torchao is installed, and torchao then logs each CUDA
-#: extension it cannot load on a CPU build, and torch's pytree each Enum it registers.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-def _quiet_library_logs() -> None:
-    """Errors only from :data:`QUIET_LOGGERS` (the command owns its process)."""
-    import logging
-
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize estimate`` (prints the report or JSON; returns the exit code)."""
     if getattr(args, "list", False):
@@ -204,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("estimate needs a MODEL (a built-in name, a config.json, or "
                          "module:factory); see modelsize estimate --list")
     require_torch()
-    _quiet_library_logs()
+    from modelsize.cli import quiet_library_logs
+
+    quiet_library_logs()
     lora = getattr(args, "lora", None)
     hf_ckpt = getattr(args, "gradient_checkpointing", None)
     if args.generate is not None or getattr(args, "engine", "hf") != "hf":
