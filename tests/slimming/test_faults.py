@@ -493,6 +493,35 @@ def test_ctrl_c_during_an_import_is_raised_once_the_import_is_done(tmp_path: Pat
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "raised True\n", "")
 
 
+def test_sigterm_during_an_import_in_slim_is_raised_once_the_import_is_done(tmp_path: Path
+                                                                          ) -> None:
+    (tmp_path / "slowterm.py").write_text(textwrap.dedent("""
+        import os, signal, time
+        os.kill(os.getpid(), signal.SIGTERM)
+        start = time.monotonic()
+        while time.monotonic() - start < 0.3:
+            pass
+        DONE = True
+    """))
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from modelsize.cli.slim import _interruptible
+        try:
+            with _interruptible():
+                import slowterm
+                start = time.monotonic()
+                while time.monotonic() - start < 5:
+                    pass
+            print("not raised")
+        except KeyboardInterrupt:
+            print("raised", getattr(sys.modules.get("slowterm"), "DONE", False))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "raised True\n", "")
+
+
 def test_ctrl_c_at_start_up_and_while_writing(tmp_path: Path, models: dict[str, Path]) -> None:
     # estimate imports torch and traces for seconds: each delay lands somewhere inside.
     for delay in (0.0, 0.05, 0.2, 0.5, 1.0):

@@ -168,15 +168,16 @@ class _Interrupts:
         if cls.finishing:
             return
         cls.pending = True
-        cls._raise_or_defer(frame)
+        cls.raise_or_defer(frame)
 
     @classmethod
     def _retry(cls, signum: int, frame: object) -> None:
         if cls.pending and not cls.finishing:
-            cls._raise_or_defer(frame)
+            cls.raise_or_defer(frame)
 
     @classmethod
-    def _raise_or_defer(cls, frame: object) -> None:
+    def raise_or_defer(cls, frame: object) -> None:
+        """Raise ``KeyboardInterrupt`` here, or as soon as no import is under way."""
         import signal
 
         if not _importing(frame):

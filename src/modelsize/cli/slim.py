@@ -86,9 +86,14 @@ class _Bar:
 
 @contextlib.contextmanager
 def _interruptible() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the slim like Ctrl-C: staged files are removed on the way out."""
+    """SIGTERM and SIGHUP end the slim like Ctrl-C: staged files are removed on the way out
+    (raised where a Ctrl-C is: outside the import machinery, :class:`modelsize.cli.
+    _Interrupts`)."""
+    from modelsize.cli import _Interrupts
+
     def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        _Interrupts.pending, _Interrupts.finishing = True, False
+        _Interrupts.raise_or_defer(frame)
 
     old = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
