@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -365,6 +366,51 @@ def test_cuda_trace_takes_the_cuda_path_of_linear4bit() -> None:
     est = modelsize.estimate(model, (torch.randn(8, 256),), mode="infer", device="cuda")
     assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
     assert est.peak_bytes > 0
+
+
+def _llama(hidden: int, layers: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def _fsdp_4bit(model: nn.Module, lora: str | None) -> Any:
+    from modelsize.estimation import Parallel
+
+    if lora is None:
+        model = quantize_model(model, "nf4")
+        for name, p in model.named_parameters():
+            p.requires_grad_("norm" in name)
+    ids = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    return modelsize.estimate(model, (ids,), quantize="nf4" if lora else None, lora=lora,
+                              parallel=Parallel(world=2, strategy="fsdp"), device="cpu",
+                              verify=True)
+
+
+@pytest.mark.parametrize("lora", [None, "r=4,targets=q_proj,v_proj"], ids=["norms", "qlora"])
+def test_fsdp_of_4bit_layers_equals_the_real_ranks(lora: str | None) -> None:
+    """FSDP2 hands each Linear4bit its gathered weight as a plain parameter, and
+    bitsandbytes rewraps it in Params4bit, which a fake tensor cannot be: the trace failed
+    ("Creating a new Tensor subclass Params4bit..."). Now the rank's peak equals the real
+    ranks' run on CPU (FSDP2 on the fake process group, bitsandbytes' own code)."""
+    est = _fsdp_4bit(_llama(256, 2), lora)
+    assert est.verification is not None
+    assert est.verification.measured_bytes == est.peak_bytes
+    assert est.phase.name == "backward"
+    assert any(n.startswith("FSDP with bitsandbytes 4-bit layers") for n in est.notes)
+
+
+@pytest.mark.xfail(strict=True, reason="FSDP with bitsandbytes 4-bit layers, a toy model whose "
+                   "forward holds the peak: the estimate is 75,516 B over the real ranks' "
+                   "696,288 (about the layer's packed weights and absmax); not yet explained")
+def test_fsdp_of_4bit_layers_where_the_forward_holds_the_peak() -> None:
+    est = _fsdp_4bit(_llama(128, 1), "r=4,targets=q_proj,v_proj")
+    assert est.verification is not None
+    assert est.verification.measured_bytes == est.peak_bytes
 
 
 def test_generate_api_names_the_quantization() -> None:

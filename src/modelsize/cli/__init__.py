@@ -110,8 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: Loggers whose warnings say nothing about a report: transformers imports torchao's quantizer
 #: for any model when torchao is installed, and torchao then logs each CUDA extension it
-#: cannot load on a CPU build, and torch's pytree each Enum it registers.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+#: cannot load on a CPU build, and torch's pytree each Enum it registers; bitsandbytes that
+#: its optional CPU kernel package is not installed (the trace runs no kernel).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
 
 
 def quiet_library_logs() -> None:

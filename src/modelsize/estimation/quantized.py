@@ -564,6 +564,37 @@ def materialized_memo(model: nn.Module) -> dict[int, Any]:
 
 
 @contextlib.contextmanager
+def fsdp_weights() -> Iterator[None]:
+    """bitsandbytes' ``Linear4bit`` under FSDP in the trace: FSDP2 hands the layer its
+    gathered weight as a plain parameter, and bitsandbytes' forward gives it back its 4-bit
+    state by wrapping it in ``Params4bit`` (``fix_4bit_weight_quant_state_from_module``),
+    which shares the storage (``Tensor._make_subclass``) and allocates nothing. A fake tensor
+    cannot be wrapped so, so here the state is set on the gathered weight itself: the same
+    storage and state for the forward, no bytes more or less."""
+    modules = sys.modules.get("bitsandbytes.nn.modules")
+    original = getattr(modules, "fix_4bit_weight_quant_state_from_module", None)
+    if original is None:
+        yield
+        return
+
+    def fix(module: Any) -> None:
+        weight = module.weight
+        if (getattr(weight, "quant_state", None) is None
+                and isinstance(weight, torch._subclasses.FakeTensor)
+                and not type(weight).__name__.startswith("Params4bit")
+                and getattr(module, "quant_state", None) is not None):
+            weight.quant_state = module.quant_state  # type: ignore[attr-defined]
+            return
+        original(module)
+
+    modules.fix_4bit_weight_quant_state_from_module = fix  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        modules.fix_4bit_weight_quant_state_from_module = original  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
 def kernels_for(model: nn.Module, device: str | None) -> Iterator[None]:
     """For an estimate on CUDA, bitsandbytes ``Linear4bit`` layers take their CUDA path in
     the trace (whose fake tensors are CPU tensors): without this, on a CPU with AVX512-BF16
