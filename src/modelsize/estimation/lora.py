@@ -174,6 +174,9 @@ def adapted_copy(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
         elif p.is_meta and not is_wrapper(p) and id(p) not in memo:
             twins.append((p, meta_twin(p)))  # bitsandbytes' own deepcopy fails on meta
             memo[id(p)] = twins[-1][1]
+            state = p.__dict__.get("quant_state")
+            if state is not None:  # the layer holds the same state (Linear4bit.quant_state)
+                memo[id(state)] = twins[-1][1].__dict__.get("quant_state")
     work = copy.deepcopy(model, memo)
     for p, twin in twins:  # Params4bit.module: the copy's layer, as deepcopy would set it
         owner = p.__dict__.get("module")

