@@ -461,61 +461,40 @@ def _interrupt(args: list[str], delay: float) -> tuple[int, list[str]]:
     return rc, lines
 
 
-def test_ctrl_c_during_an_import_is_raised_once_the_import_is_done(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_an_import_is_raised_once_the_import_is_done(tmp_path: Path,
+                                                                     sig: str) -> None:
     """A KeyboardInterrupt raised inside the import machinery can be swallowed (torch's C
     start-up clears errors), printed as "Exception ignored" (importlib's lock callbacks) or
-    abort the process (C++ start-up code): the command's handler waits for the import."""
-    (tmp_path / "slowmod.py").write_text(textwrap.dedent("""
+    abort the process (C++ start-up code): the command's Ctrl-C handler, and slim's SIGTERM
+    one, wait for the import."""
+    (tmp_path / "slowmod.py").write_text(textwrap.dedent(f"""
         import os, signal, time
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.{sig})
         start = time.monotonic()
         while time.monotonic() - start < 0.3:
             pass
         DONE = True
     """))
+    handlers = {"SIGINT": ("from modelsize.cli import _Interrupts", "_Interrupts.catch()",
+                           "contextlib.nullcontext()"),
+                "SIGTERM": ("from modelsize.cli.slim import _interruptible", "",
+                            "_interruptible()")}
+    imports, setup, context = handlers[sig]
     code = textwrap.dedent(f"""
-        import sys, time
+        import contextlib, sys, time
         sys.path.insert(0, {str(tmp_path)!r})
-        from modelsize.cli import _Interrupts
-        _Interrupts.catch()
+        {imports}
+        {setup}
         try:
-            import slowmod
-            start = time.monotonic()
-            while time.monotonic() - start < 5:
-                pass
-            print("not raised")
-        except KeyboardInterrupt:
-            print("raised", getattr(sys.modules.get("slowmod"), "DONE", False))
-        _Interrupts.release()
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "raised True\n", "")
-
-
-def test_sigterm_during_an_import_in_slim_is_raised_once_the_import_is_done(tmp_path: Path
-                                                                          ) -> None:
-    (tmp_path / "slowterm.py").write_text(textwrap.dedent("""
-        import os, signal, time
-        os.kill(os.getpid(), signal.SIGTERM)
-        start = time.monotonic()
-        while time.monotonic() - start < 0.3:
-            pass
-        DONE = True
-    """))
-    code = textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(tmp_path)!r})
-        from modelsize.cli.slim import _interruptible
-        try:
-            with _interruptible():
-                import slowterm
+            with {context}:
+                import slowmod
                 start = time.monotonic()
                 while time.monotonic() - start < 5:
                     pass
             print("not raised")
         except KeyboardInterrupt:
-            print("raised", getattr(sys.modules.get("slowterm"), "DONE", False))
+            print("raised", getattr(sys.modules.get("slowmod"), "DONE", False))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

@@ -143,8 +143,9 @@ def estimate(
         if parallel is not None:
             from modelsize.estimation.parallel_trace import estimate_parallel, verify_rank
 
-            est = estimate_parallel(model, inputs, program, parallel, label, described,
-                                    sources, progress)
+            with kernels_for(model, settings.device):
+                est = estimate_parallel(model, inputs, program, parallel, label, described,
+                                        sources, progress)
             if verify:
                 est = replace(est, verification=verify_rank(model, inputs, settings, parallel,
                                                             est, verify_budget))
