@@ -407,6 +407,33 @@ def test_fsdp_of_4bit_layers_equals_the_real_ranks(lora: str | None, layers: int
     assert any(n.startswith("FSDP with bitsandbytes 4-bit layers") for n in est.notes)
 
 
+@pytest.mark.parametrize("strategy,tp", [("tp", None), ("fsdp+tp", 2)])
+def test_tensor_parallelism_of_4bit_layers_is_one_usage_line(strategy: str, tp: int | None
+                                                             ) -> None:
+    """A packed 4-bit weight cannot be split by tensor parallelism (bitsandbytes' forward
+    rewraps it as Params4bit, which a DTensor cannot be, in a real run as in the trace): it
+    was "tracing failed: Creating a new Tensor subclass Params4bit..."."""
+    from modelsize.estimation import Parallel
+
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    with pytest.raises(UsageError, match="tensor parallelism cannot split bitsandbytes"):
+        modelsize.estimate(_llama(128, 1), (ids,), quantize="nf4",
+                           parallel=Parallel(world=4, strategy=strategy, tp=tp))
+
+
+@pytest.mark.parametrize("scheme,cls", [("int8", "Int8Tensor"), ("fp8", "Float8Tensor")])
+def test_fsdp_of_torchao_weights_is_one_usage_line(scheme: str, cls: str) -> None:
+    """torchao's weight-only tensors lack ops FSDP2 needs (a real run on the fake process
+    group fails the same way, torchao 0.18): one line that says so and what to use, where it
+    was "tracing failed: Int8Tensor dispatch: attempting to run unimplemented operator..."."""
+    from modelsize.estimation import Parallel
+
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    with pytest.raises(UsageError, match=f"{cls} weights cannot be sharded.*--strategy ddp"):
+        modelsize.estimate(_llama(128, 1), (ids,), quantize=scheme,
+                           parallel=Parallel(world=2, strategy="fsdp"))
+
+
 def test_generate_api_names_the_quantization() -> None:
     from transformers import GenerationConfig  # noqa: F401  (the generate path's dependency)
 

@@ -30,6 +30,7 @@ import contextlib
 import copy
 import fnmatch
 import math
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -718,6 +719,23 @@ def check_verifiable(parallel: Parallel) -> None:
                          f"real; the per-rank numbers {what} are accounted, not traced")
 
 
+def _unshardable(exc: NotImplementedError, strategy: Strategy) -> UsageError | None:
+    """The one line for a weight subclass that lacks an op FSDP2 or DTensor needs
+    (torchao's weight-only ``Int8Tensor`` / ``Float8Tensor``: ``aten.new_zeros``,
+    ``aten.split``), which a real run of the same program meets too (checked on CPU for
+    torchao 0.18 under FSDP2); None for any other error."""
+    text = str(exc)
+    found = re.search(r"(\w+) dispatch: attempting to run unimplemented operator/function: "
+                      r"func=<OpOverload\(op='([\w.]+)'", text)
+    if found is None:
+        return None
+    cls, op = found.groups()
+    return UsageError(f"--strategy {strategy.value}: {cls} weights cannot be sharded: it does "
+                      f"not implement {op}, which the sharding needs, and a real run fails the "
+                      "same way; use --strategy ddp, or --quantize nf4 with --strategy fsdp "
+                      "(FSDP-QLoRA)")
+
+
 def _has_4bit_layers(model: nn.Module) -> bool:
     """Whether ``model`` has bitsandbytes ``Linear4bit`` layers."""
     return any(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith(
@@ -797,6 +815,12 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
     if parallel.traced:
         strategy = parallel.strategy
         fsdp = strategy is not Strategy.TP
+        if (strategy is Strategy.TP or (parallel.tp or 1) > 1) and _has_4bit_layers(model):
+            raise UsageError(
+                f"--strategy {Strategy(strategy).value}: tensor parallelism cannot split "
+                "bitsandbytes' 4-bit layers (each weight is packed into one column of bytes, "
+                "and their forward rewraps it as Params4bit, which a DTensor cannot be); use "
+                "--strategy fsdp (FSDP-QLoRA), zero3 or ddp")
         policy = fsdp and program.amp is not None and (
             parallel.mixed_precision is FsdpPrecision.POLICY)
         worst: Estimate | None = None
@@ -804,14 +828,20 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
         units: tuple[str, ...] = ()
         worst_host: tuple[int, int] | None = None
         for rank in parallel.ranks_to_trace():
-            with fsdp_weights():
-                rt = run_rank_trace(model, inputs, program, parallel.world, rank,
-                                    units=parallel.units,
-                                    reshard_after_forward=parallel.reshard_after_forward,
-                                    tensor_parallel=strategy is Strategy.TP,
-                                    progress=progress, tp=(parallel.tp or 1) if fsdp else 1,
-                                    mp_dtype=program.amp if policy else None,
-                                    cpu_offload=parallel.cpu_offload)
+            try:
+                with fsdp_weights():
+                    rt = run_rank_trace(model, inputs, program, parallel.world, rank,
+                                        units=parallel.units,
+                                        reshard_after_forward=parallel.reshard_after_forward,
+                                        tensor_parallel=strategy is Strategy.TP,
+                                        progress=progress, tp=(parallel.tp or 1) if fsdp else 1,
+                                        mp_dtype=program.amp if policy else None,
+                                        cpu_offload=parallel.cpu_offload)
+            except NotImplementedError as exc:
+                refused = _unshardable(exc, Strategy(strategy))
+                if refused is None:
+                    raise
+                raise refused from exc
             est = summarize(rt.trace, program, name, described, sources, is_communication(rt))
             host: tuple[int, int] | None = None
             if rt.offload is not None:
