@@ -434,6 +434,20 @@ def test_fsdp_of_torchao_weights_is_one_usage_line(scheme: str, cls: str) -> Non
                            parallel=Parallel(world=2, strategy="fsdp"))
 
 
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "paged_adamw8bit"])
+def test_fsdp_with_8bit_optimizers_is_one_usage_line(optimizer: str) -> None:
+    """bitsandbytes' 8-bit optimizers cannot step FSDP2's DTensor parameters (a real run on
+    the fake process group fails: "got mixed torch.Tensor and DTensor"): one line, where it
+    was "tracing failed: Operator bitsandbytes.optimizer_update_32bit.default does not have a
+    sharding strategy registered"."""
+    from modelsize.estimation import Parallel
+
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    with pytest.raises(UsageError, match="8-bit optimizers do not take FSDP2"):
+        modelsize.estimate(_llama(128, 1), (ids,), optimizer=optimizer,
+                           parallel=Parallel(world=2, strategy="fsdp"))
+
+
 def test_generate_api_names_the_quantization() -> None:
     from transformers import GenerationConfig  # noqa: F401  (the generate path's dependency)
 

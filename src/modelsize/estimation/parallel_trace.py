@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from modelsize.errors import EstimateError, UsageError
-from modelsize.estimation.optimizers import make_factory
+from modelsize.estimation.optimizers import OptimizerName, make_factory, parse_name
 from modelsize.estimation.parallel import (
     FsdpPrecision,
     Parallel,
@@ -815,6 +815,15 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
     if parallel.traced:
         strategy = parallel.strategy
         fsdp = strategy is not Strategy.TP
+        if (fsdp and program.mode == "train" and isinstance(program.optimizer, str)
+                and parse_name(program.optimizer) in (OptimizerName.ADAMW8BIT,
+                                                      OptimizerName.PAGED_ADAMW8BIT)):
+            raise UsageError(
+                f"--strategy {Strategy(strategy).value} with --optimizer "
+                f"{program.optimizer}: bitsandbytes' 8-bit optimizers do not take FSDP2's "
+                "sharded (DTensor) parameters, and a real run fails in its first step ('got "
+                "mixed torch.Tensor and DTensor', bitsandbytes 0.50 on CPU); use --optimizer "
+                "adamw, or --strategy ddp")
         if (strategy is Strategy.TP or (parallel.tp or 1) > 1) and _has_4bit_layers(model):
             raise UsageError(
                 f"--strategy {Strategy(strategy).value}: tensor parallelism cannot split "
