@@ -163,7 +163,7 @@ def adapted_copy(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
     import torch
     from torch import nn
 
-    from modelsize.estimation.quantized import is_wrapper, meta_twin
+    from modelsize.estimation.quantized import is_wrapper, meta_twin, same_state
 
     memo: dict[int, Any] = {}
     twins: list[tuple[Any, Any]] = []
@@ -174,9 +174,7 @@ def adapted_copy(model: nn.Module, spec: LoraSpec | str) -> nn.Module:
         elif p.is_meta and not is_wrapper(p) and id(p) not in memo:
             twins.append((p, meta_twin(p)))  # bitsandbytes' own deepcopy fails on meta
             memo[id(p)] = twins[-1][1]
-            state = p.__dict__.get("quant_state")
-            if state is not None:  # the layer holds the same state (Linear4bit.quant_state)
-                memo[id(state)] = twins[-1][1].__dict__.get("quant_state")
+            same_state(memo, p, twins[-1][1])
     work = copy.deepcopy(model, memo)
     for p, twin in twins:  # Params4bit.module: the copy's layer, as deepcopy would set it
         owner = p.__dict__.get("module")

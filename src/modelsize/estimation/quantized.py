@@ -555,12 +555,7 @@ def materialized_memo(model: nn.Module) -> dict[int, Any]:
             continue
         if p.is_meta and (is_quantized(p) or "SCB" in p.__dict__):
             twin = materialized(p)
-            state = _quant_state(p)
-            if state is not None:
-                # the layer holds the same state (``Linear4bit.quant_state``: bitsandbytes
-                # gives it back to the gathered weight under FSDP); a deep copy of it would
-                # stay on meta, and a real run through it would allocate nothing
-                memo[id(state)] = _quant_state(twin)
+            same_state(memo, p, twin)
         elif is_wrapper(p) and not p.is_meta:  # optimum-quanto's QTensors: no deepcopy
             twin = fake_copy(p, lambda v: v.detach().clone())
         else:
@@ -568,6 +563,16 @@ def materialized_memo(model: nn.Module) -> dict[int, Any]:
         memo[id(p)] = twin if isinstance(twin, nn.Parameter) else nn.Parameter(
             twin, requires_grad=p.requires_grad)
     return memo
+
+
+def same_state(memo: dict[int, Any], p: torch.Tensor, twin: torch.Tensor) -> None:
+    """Put ``twin``'s 4-bit state in a ``copy.deepcopy`` memo in place of ``p``'s: the layer
+    holds the same state (``Linear4bit.quant_state``, which bitsandbytes gives back to
+    FSDP's gathered weight), and a deep copy of it apart from the twin's would stay on meta
+    (a real run through it would allocate nothing)."""
+    state = _quant_state(p)
+    if state is not None:
+        memo[id(state)] = _quant_state(twin)
 
 
 @contextlib.contextmanager
