@@ -736,12 +736,6 @@ def _unshardable(exc: NotImplementedError, strategy: Strategy) -> UsageError | N
                       "(FSDP-QLoRA)")
 
 
-def _has_4bit_layers(model: nn.Module) -> bool:
-    """Whether ``model`` has bitsandbytes ``Linear4bit`` layers."""
-    return any(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith(
-        ("bitsandbytes", "peft")) for m in model.modules())
-
-
 def verify_rank(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, Any],
                 settings: Any, parallel: Parallel, est: Estimate,
                 budget: int | None = None) -> Verification:
@@ -810,7 +804,7 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
                       progress: ProgressFn | None = None) -> Estimate:
     """The :class:`Estimate` of the worst rank of ``parallel`` (see :mod:`.parallel`)."""
     from modelsize.estimation.core import summarize
-    from modelsize.estimation.quantized import fsdp_weights
+    from modelsize.estimation.quantized import fsdp_weights, has_4bit_layers
 
     if parallel.traced:
         strategy = parallel.strategy
@@ -824,7 +818,7 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
                 "sharded (DTensor) parameters, and a real run fails in its first step ('got "
                 "mixed torch.Tensor and DTensor', bitsandbytes 0.50 on CPU); use --optimizer "
                 "adamw, or --strategy ddp")
-        if (strategy is Strategy.TP or (parallel.tp or 1) > 1) and _has_4bit_layers(model):
+        if (strategy is Strategy.TP or (parallel.tp or 1) > 1) and has_4bit_layers(model):
             raise UsageError(
                 f"--strategy {Strategy(strategy).value}: tensor parallelism cannot split "
                 "bitsandbytes' 4-bit layers (each weight is packed into one column of bytes, "
@@ -861,7 +855,7 @@ def estimate_parallel(model: nn.Module, inputs: tuple[Any, ...] | Mapping[str, A
                 worst, worst_rank, worst_host = est, rank, host
         assert worst is not None
         notes = (*worst.notes, _traced_note(parallel, worst_rank))
-        if fsdp and _has_4bit_layers(model):
+        if fsdp and has_4bit_layers(model):
             notes += ("FSDP with bitsandbytes 4-bit layers: each gathered weight is given its "
                       "4-bit state as bitsandbytes' forward gives it back (Params4bit, the "
                       "same storage); equal to the real ranks run on CPU "

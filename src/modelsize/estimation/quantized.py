@@ -264,7 +264,7 @@ def quantization_of(model: nn.Module) -> Quantization | None:
         return given
     for m in model.modules():
         kind = type(m).__name__
-        if kind in ("Linear4bit", "LinearNF4", "LinearFP4"):
+        if kind in FOUR_BIT_LAYERS:
             qtype = getattr(getattr(m, "weight", None), "quant_type", "4bit")
             return Quantization(str(qtype), "bitsandbytes", kind)
         if kind == "Linear8bitLt":
@@ -278,6 +278,15 @@ def quantization_of(model: nn.Module) -> Quantization | None:
 
 
 _OWN_LAYERS = ("GPTQLinear", "AWQLinear")
+#: bitsandbytes' 4-bit layers (and peft's LoRA layers around them, of the same names).
+FOUR_BIT_LAYERS = ("Linear4bit", "LinearNF4", "LinearFP4")
+
+
+def has_4bit_layers(model: nn.Module) -> bool:
+    """Whether ``model``'s quantized layers are bitsandbytes' 4-bit ones."""
+    found = quantization_of(model)
+    return (found is not None and found.library == "bitsandbytes"
+            and found.layer in FOUR_BIT_LAYERS)
 
 
 def _subclass_scheme(w: torch.Tensor) -> str:
@@ -477,7 +486,7 @@ def notes(model: nn.Module, device: str | None) -> tuple[str, ...]:
         out.append(f"--quantize {found.scheme}: {len(found.kept)} linear layers kept "
                    f"unquantized: {shown}")
     if (device or "cpu").startswith("cuda") and found.library == "bitsandbytes":
-        if found.layer == "Linear4bit":
+        if found.layer in FOUR_BIT_LAYERS:
             out.append("bitsandbytes on CUDA: its 4-bit layers follow gemm_4bit's CUDA kernel "
                        "(fused below the batch its heuristic sets for an H100, else the weight "
                        "dequantized), checked on an H100 with bitsandbytes 0.50.2 within "
