@@ -43,6 +43,27 @@ def test_crc32_combine_is_zlibs() -> None:
         assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
 
 
+def test_crc32_gives_zlibs_values_with_isal_and_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """slim's ``crc32`` is ISA-L's where ``isal`` is installed (the slim extra), zlib's where
+    it is not: the same values for any data, start value and buffer type."""
+    rng = np.random.default_rng(3)
+    cases = [(b"", 0), (b"a", 0), (rng.bytes(1000), 12345), (rng.bytes(3 << 20), 0xFFFFFFFF)]
+    for data, start in cases:
+        want = zlib.crc32(data, start)
+        assert checksum.crc32(data, start) == want
+        assert checksum.crc32(memoryview(data), start) == want
+        assert checksum.crc32(bytearray(data), start) == want
+    monkeypatch.setitem(__import__("sys").modules, "isal.isal_zlib", None)  # not installed
+    assert checksum._fastest_crc32() is zlib.crc32
+
+
+def test_the_slim_extra_installs_isal() -> None:
+    pytest.importorskip("isal", reason="isal has no wheel for this platform")
+    from isal.isal_zlib import crc32
+
+    assert checksum.crc32 is crc32
+
+
 @pytest.mark.parametrize("cores", [1, 3])
 def test_crc_ranges_in_any_order_overlapping_and_across_pieces(
         tmp_path: Path, cores: int, monkeypatch: pytest.MonkeyPatch) -> None:

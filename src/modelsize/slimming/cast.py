@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from modelsize.dtypes import DTYPES
 from modelsize.errors import MissingDependencyError
 from modelsize.inputs import reading
-from modelsize.slimming.checksum import BUFFER, ordered, thread_buffer
+from modelsize.slimming.checksum import BUFFER, crc32, ordered, thread_buffer
 from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
 
 #: Bytes of input cast at a time by one thread (its temporaries are a few times this).
@@ -184,7 +183,7 @@ class Cast:
 
     def _cast_crc(self, chunk: bytes | memoryview) -> _Piece:
         out, max_abs, max_rel, overflow = self._cast(chunk)
-        return out, zlib.crc32(out), max_abs, max_rel, overflow
+        return out, crc32(out), max_abs, max_rel, overflow
 
     def _folded(self, results: Iterator[_Piece]) -> Iterator[tuple[bytes, int]]:
         """The cast pieces and their CRCs, their errors folded into :attr:`error`."""

@@ -7,6 +7,11 @@ and checksum at once (one per core this process may run on), each through its ow
 :data:`BUFFER` bytes: small enough to stay in the CPU's cache between the read and the CRC,
 never a fresh allocation per read. The pieces of one range are put back together with
 :func:`crc32_combine`, zlib's algorithm (Python's ``zlib`` does not expose it).
+
+:data:`crc32` is ISA-L's (the ``isal`` package, in the ``slim`` extra) where it is installed:
+the zlib that Python links computes about 4 GB/s a core, ISA-L about 12 (measured on this
+project's 2-core machine), and a slim of a 4 GB checkpoint checksums each kept byte twice.
+Same polynomial, same values, same signature; it releases the GIL too. Without it, ``zlib``'s.
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ BUFFER = 1 << 20
 PIECE = 8 << 20
 #: Small ranges this close to each other are read together, gap included.
 _GAP = 64 << 10
+
+def _fastest_crc32() -> Callable[..., int]:
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32
+    except ImportError:
+        return zlib.crc32
+    return isal_crc32  # type: ignore[no-any-return]
+
+
+#: ``crc32(data, value=0)``, as ``zlib.crc32``: ISA-L's where installed (see above).
+crc32: Callable[..., int] = _fastest_crc32()
 
 # -- crc32_combine (zlib's crc32.c: multmodp / x2nmodp) ---------------------------------------
 _POLY = 0xEDB88320
@@ -186,7 +202,7 @@ def _crc_piece(fd: int, path: Path, fmt: str, work: _Work) -> list[tuple[int, in
     """``(range index, crc, nbytes)`` of each part of one piece, read through this thread's
     buffer (each byte read once where the parts lie in order)."""
     view = thread_buffer()
-    crc32, preadv = zlib.crc32, os.preadv
+    preadv = os.preadv
     _, end, parts = work
     b_start = b_end = 0
     out = []
@@ -219,7 +235,7 @@ def _crc_mapped(fd: int, work: _Work) -> list[tuple[int, int, int]]:
     with mmap.mmap(fd, offset + n - base, prot=mmap.PROT_READ, offset=base) as m:
         view = memoryview(m)
         try:
-            return [(i, zlib.crc32(view[offset - base :]), n)]
+            return [(i, crc32(view[offset - base :]), n)]
         finally:
             view.release()
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -27,7 +26,7 @@ from modelsize.dtypes import DTYPES
 from modelsize.errors import CorruptFileError, UsageError, printable
 from modelsize.inputs import reading
 from modelsize.inventory import Inventory, StorageRecord, TensorRecord
-from modelsize.slimming.checksum import crc_file_range
+from modelsize.slimming.checksum import crc32, crc_file_range
 
 #: Bytes read or written at a time: large enough for full disk speed, small enough to bound RSS.
 CHUNK = 8 << 20
@@ -81,7 +80,7 @@ class FileRange:
         ``copy_file_range`` and a separate checksum read it twice: a rewrite's offsets never
         let the filesystem share blocks anyway)."""
         view = memoryview(bytearray(_IN_HAND))
-        crc32, preadv, write = zlib.crc32, os.preadv, os.write
+        preadv, write = os.preadv, os.write
         crc = 0
         with reading(self.path) as fd:
             pos, end = self.offset, self.offset + self.nbytes

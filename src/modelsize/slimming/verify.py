@@ -21,7 +21,6 @@ disk finishes the fsync.
 from __future__ import annotations
 
 import os
-import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from modelsize.inventory import (
     TensorRecord,
     TotalsBuilder,
 )
-from modelsize.slimming.checksum import crc_ranges
+from modelsize.slimming.checksum import crc32, crc_ranges
 from modelsize.slimming.loadable import problems_loading
 from modelsize.slimming.plan import Plan
 from modelsize.slimming.source import FileRange, tensor_source
@@ -55,7 +54,7 @@ def crc_of(inv: Inventory, record: TensorRecord) -> tuple[int, int]:
         return src.crc(), src.nbytes
     crc, n = 0, 0
     for chunk in src.chunks():
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         n += len(chunk)
     return crc, n
 

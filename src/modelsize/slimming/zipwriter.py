@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from modelsize.slimming.checksum import crc32
+
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _EOCD = struct.Struct("<IHHHHIIH")
@@ -101,7 +103,7 @@ class ZipWriter:
             comp = zlib.compressobj(6, zlib.DEFLATED, -15)
             out = 0
             for chunk in chunks or ():
-                value = zlib.crc32(chunk, value)
+                value = crc32(chunk, value)
                 written += len(chunk)
                 data = comp.compress(chunk)
                 self.fh.write(data)
@@ -119,7 +121,7 @@ class ZipWriter:
             m.compressed = written
         else:
             for chunk in chunks or ():
-                value = zlib.crc32(chunk, value)
+                value = crc32(chunk, value)
                 written += len(chunk)
                 self.fh.write(chunk)
             m.compressed = written

@@ -10,7 +10,6 @@ the CRC-32 of what was written for verification.
 from __future__ import annotations
 
 import os
-import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import BinaryIO, Protocol
 
 from modelsize.findings import slim_target
 from modelsize.slimming.cast import Cast, CastError
-from modelsize.slimming.checksum import crc32_combine
+from modelsize.slimming.checksum import crc32, crc32_combine
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
 from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
@@ -91,7 +90,7 @@ class Streamed:
                 yield cast
         else:
             for chunk in src.chunks():
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
                 n += len(chunk)
                 if self.meter is not None:
                     self.meter.advance(len(chunk))
@@ -233,7 +232,6 @@ def write_tensors(fh: BinaryIO, plan: Plan, order: Iterable[int], meter: Meter |
     inv = plan.inventory
     sources = plan.sources()
     by_key = sources.storage_map() if sources is not None else None
-    crc32 = zlib.crc32
     crcs, sizes = written.crcs, written.nbytes
     write = fh.write
     total = pending = 0

@@ -17,7 +17,6 @@ files, as the directory writer copies them).
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import BinaryIO
 from modelsize import formats, inputs
 from modelsize.errors import CorruptFileError, VerificationError, printable
 from modelsize.inventory import Inventory, StorageRecord
+from modelsize.slimming.checksum import crc32
 from modelsize.slimming.loadable import problems_loading, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, nothing_to_slim
@@ -205,7 +205,7 @@ def _crc(fd: int, size: int) -> int:
         n = os.preadv(fd, [view[: min(len(buf), size - pos)]], pos)
         if n <= 0:
             raise OSError(f"file ended at byte {pos} of {size}")
-        crc = zlib.crc32(view[:n], crc)
+        crc = crc32(view[:n], crc)
         pos += n
     return crc
 

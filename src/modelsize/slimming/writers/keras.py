@@ -53,6 +53,7 @@ from modelsize import inputs
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
 from modelsize.formats import _zip
+from modelsize.slimming.checksum import crc32
 from modelsize.slimming.loadable import keras_h5_listed, refuse_unloadable
 from modelsize.slimming.output import Output
 from modelsize.slimming.plan import Plan, PlannedTensor
@@ -691,7 +692,7 @@ class _InPlaceZipWriter(ZipWriter):
             piece = self.fh.read(min(_COPY_STEP, window.size - pos))
             if not piece:
                 raise ValueError(f"member {m.name} reads back short")
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
             pos += len(piece)
         m.crc = crc
         self.fh.seek(m.header_offset)
