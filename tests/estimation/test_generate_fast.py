@@ -12,6 +12,7 @@ is traced again: the answer is still the full trace's.
 from __future__ import annotations
 
 import gc
+import re
 from typing import Any
 
 import pytest
@@ -107,8 +108,9 @@ def test_beam_search_of_an_encoder_decoder_and_left_padding() -> None:
 
 def test_peak_in_a_decode_step() -> None:
     # one short prompt, a long generation: the cache outgrows the prefill's temporaries
+    # (the estimates compared whole: a trace-level comparison as _both's would trace it twice
+    # more, the slowest test of the suite)
     model, _ = gen.llama()
-    _, fast = _both(model, gen.tokens(batch=1, prompt=2), 60)
     est = estimate_generate(model, gen.tokens(batch=1, prompt=2), GenerateProgram(60),
                             name="llama")
     slow = estimate_generate(model, gen.tokens(batch=1, prompt=2), GenerateProgram(60),
@@ -119,8 +121,9 @@ def test_peak_in_a_decode_step() -> None:
     assert est.generation is not None and slow.generation is not None
     assert est.generation.final_cache_bytes == slow.generation.final_cache_bytes
     assert est.generation.groups == slow.generation.groups
-    assert len(fast.decode.replayed) > 40
-    assert "replayed" in est.generation.decode_trace
+    replayed = re.search(r"(\d+) replayed from them", est.generation.decode_trace)
+    assert replayed is not None and int(replayed.group(1)) > 40, est.generation.decode_trace
+    assert "replayed" not in slow.generation.decode_trace
 
 
 @pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}],
