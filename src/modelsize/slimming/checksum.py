@@ -39,6 +39,7 @@ PIECE = 8 << 20
 #: Small ranges this close to each other are read together, gap included.
 _GAP = 64 << 10
 
+
 def _fastest_crc32() -> Callable[..., int]:
     try:
         from isal.isal_zlib import crc32 as isal_crc32
@@ -49,6 +50,7 @@ def _fastest_crc32() -> Callable[..., int]:
 
 #: ``crc32(data, value=0)``, as ``zlib.crc32``: ISA-L's where installed (see above).
 crc32: Callable[..., int] = _fastest_crc32()
+
 
 # -- crc32_combine (zlib's crc32.c: multmodp / x2nmodp) ---------------------------------------
 _POLY = 0xEDB88320
