@@ -151,7 +151,8 @@ def test_the_first_lines_say_device_and_optimizer_and_whence(capsys: Any) -> Non
     lines = cli(capsys, "seed-cnn", "--no-suggest").stdout.splitlines()
     assert lines[0].startswith("seed-cnn: ")
     assert lines[0].endswith("estimated for cuda (the CLI's default): checked on an H100 "
-                             "within 0.07% of max_memory_allocated; other GPUs are not")
+                             "and an H200 within 0.07% of max_memory_allocated; other GPUs "
+                             "are not")
     assert lines[1].startswith("training step with adamw (the CLI's default), float32 weights "
                                "(the CLI's default), batch 64")
     lines = cli(capsys, "seed-cnn", "--device", "cpu", "--optimizer", "sgd",

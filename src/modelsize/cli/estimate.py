@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "dropout=0.05 optional, 0 by default as in peft); the base is frozen")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help=f"the device to estimate for (default {DEFAULT_DEVICE}: checked on an "
-                        "H100 within 0.07%% of max_memory_allocated; cpu: exact to the byte "
-                        "against the CPU allocator)")
+                        "H100 and an H200 within 0.07%% of max_memory_allocated; cpu: exact to the "
+                        "byte against the CPU allocator)")
     parser.add_argument("--verify", action="store_true",
                         help="also run the program for real on CPU under the allocator's "
                         "profiler and print the measured peak beside the estimate (at a "

@@ -144,8 +144,8 @@ def estimate(
 
     ``device`` (default ``cpu``): ``"cpu"`` (validated to the byte against the CPU profiler)
     or ``"cuda"`` (CUDA's kernel choices, the caching allocator's blocks, the cuBLAS
-    workspaces and the CUDA context as named terms; checked on an H100 with PyTorch 2.11
-    within 0.07% of ``max_memory_allocated``).
+    workspaces and the CUDA context as named terms; checked on an H100 and an H200 with
+    PyTorch 2.11 within 0.07% of ``max_memory_allocated``).
     ``Estimate.setup.sources`` says which settings were defaults.
 
     Values the model reads from tensors (``if labels.max() >= vocab:``, ``x[mask]``) are

@@ -330,8 +330,8 @@ def cuda_notes(ops: Sequence[Any]) -> list[str]:
     """The notes of a CUDA estimate: what it was checked on; for a program that convolves,
     that cuDNN's convolution workspaces are not counted."""
     notes = ["cuda: the kernels and allocator of PyTorch 2.11 on an H100 (sm90, cuDNN 9.19), "
-             "checked there within 0.07% of max_memory_allocated (benchmarks/RESULTS.md); other "
-             "GPUs and versions are not"]
+             "checked there and on an H200 within 0.07% of max_memory_allocated "
+             "(benchmarks/RESULTS.md); other GPUs and versions are not"]
     if any("convolution" in str(op) for op in set(ops)):
         notes.append("cuda: cuDNN convolution workspaces are not counted: cuDNN's heuristics "
                      "pick an engine per call at run time, whose workspace (allocated for the "
