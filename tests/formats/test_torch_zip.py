@@ -419,6 +419,51 @@ def test_version_record_torch_cannot_read_is_refused(saved: Path, tmp_path: Path
     expect_corrupt(bad, "model/version says")
 
 
+@pytest.mark.parametrize("value", [b"1234\xbb5678", b"\xff" * 40, b"\xed\xa0\x80"],
+                         ids=["one-byte", "all-ff", "surrogate"])
+def test_serialization_id_that_is_not_utf8_is_refused(saved: Path, tmp_path: Path,
+                                                      value: bytes) -> None:
+    # torch.load reads the record into a Python str after the tensors (strict UTF-8, so a
+    # UTF-8-encoded surrogate fails too); slim copied the record on, into an output torch
+    # refuses as it refused the input
+    bad = tmp_path / "serialization_id.pt"
+    rewrite(saved, bad, {"model/.data/serialization_id": value})
+    with pytest.raises(UnicodeDecodeError):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, "model/.data/serialization_id is not UTF-8 text")
+    out = tmp_path / "slim.pt"
+    assert_one_line_error(run_cli("slim", str(bad), "-o", str(out)), bad)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", [b"", "caf\u00e9 \u00b7 1234".encode()],
+                         ids=["empty", "non-ascii"])
+def test_serialization_id_of_any_utf8_text_is_read(saved: Path, tmp_path: Path,
+                                                   value: bytes) -> None:
+    odd = tmp_path / "serialization_id.pt"
+    rewrite(saved, odd, {"model/.data/serialization_id": value})
+    assert torch.load(odd, weights_only=True)["w"].shape == (2, 3)
+    assert read(odd).format == "pytorch"
+
+
+def test_serialization_id_of_a_torchscript_archive_is_not_read(tmp_path: Path) -> None:
+    # torch.jit.load (and torch.load, which hands TorchScript archives to it) never makes the
+    # record a str: any bytes load
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(Scripted())
+    path = tmp_path / "scripted.pt"
+    scripted.save(str(path))
+    with zipfile.ZipFile(path) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("/.data/serialization_id"))
+    odd = tmp_path / "odd.pt"
+    rewrite(path, odd, {name: b"\xff\xfe"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert isinstance(torch.jit.load(str(odd)), torch.jit.ScriptModule)
+    assert read(odd).facts["torchscript"] == "yes"
+
+
 def test_version_record_of_a_newer_torch_is_read(saved: Path, tmp_path: Path) -> None:
     newer = tmp_path / "newer.pt"
     rewrite(saved, newer, {"model/version": b"33\n"})

@@ -186,6 +186,9 @@ class _ZipRead:
             elif rel == ".storage_alignment":
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 self.alignment(m)
+            elif rel == ".data/serialization_id" and not scripted:
+                b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
+                self.serialization_id(m)
             elif rel in _RECORDS or rel.startswith(("extra/", ".data/")):
                 b.add_region(m.data_offset, m.compress_size, Category.METADATA, m.name)
                 charged.append(m)
@@ -232,6 +235,20 @@ class _ZipRead:
             raise self.builder.corrupt(
                 f"{member.name} says '{printable(value.decode('latin-1'), 40)}', where torch.load "
                 "reads an integer", member.data_offset) from None
+
+    def serialization_id(self, member: _zip.Member) -> None:
+        """The ``.data/serialization_id`` record: ``torch.load`` hands it to Python as a str
+        after the tensors are loaded (``zip_file.serialization_id()``, strict UTF-8), so bytes
+        that are not UTF-8 fail every load with a ``UnicodeDecodeError``. (``torch.jit.load``
+        does not read it: TorchScript archives are not checked.)"""
+        value = _zip.read_member(self.path, member, self.builder)
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.builder.corrupt(
+                f"{member.name} is not UTF-8 text (byte {exc.start}: {value[exc.start]:#04x}): "
+                "torch.load fails on it (UnicodeDecodeError) after reading the tensors",
+                member.data_offset) from None
 
     def scan_for_globals(self, member: _zip.Member, scripted: bool) -> None:
         """Record the unsafe globals of a side pickle whose tensors are not itemized."""
