@@ -363,6 +363,89 @@ def test_damaged_data_is_refused_and_nothing_is_written(tmp_path: Path, cast: st
     assert sorted(os.listdir(tmp_path)) == ["in"]
 
 
+def _vocab(src: Path) -> tuple[Path, int, int]:
+    """The data file of the tf1 fixture's ``vocab`` (string [3]: "a", "bb", "ccc", written by
+    TensorFlow), where its bytes start, and how many."""
+    inv = modelsize.inspect(src).inventory
+    vocab = next(t for t in inv.tensors if t.name == "vocab")
+    storage = next(s for s in inv.storages if s.key == vocab.storage)
+    return inv.files[storage.file].path, storage.offset, storage.nbytes
+
+
+_TF_REFUSES = r"""
+import sys
+import tensorflow as tf
+for prefix in sys.argv[1:]:
+    try:
+        tf.train.load_checkpoint(prefix).get_tensor("vocab")
+    except tf.errors.OpError as exc:
+        words = ("The length checksum does not match", "Checksum does not match")
+        print(prefix, "refused:", next((w for w in words if w in exc.message), exc.message))
+    else:
+        print(prefix, "read")
+"""
+
+
+def test_damaged_string_tensor_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    """Strings are copied as they are, checksum too; their checks were skipped, so a damaged
+    string tensor went on into an output TensorFlow refuses, as it refused the input (found
+    by a fuzz campaign: a byte of the length checksum, a dimension of the shape)."""
+    cases = {"lengths": (6, "vocab: the checksum of its string lengths does not match"),
+             "payload": (8, "vocab: its bytes' CRC-32C is")}
+    prefixes = []
+    for case, (at, words) in cases.items():
+        shutil.copytree(FIXTURES / "tf1", tmp_path / case)
+        src = tmp_path / case / "model.ckpt"
+        data, offset, nbytes = _vocab(src)
+        raw = bytearray(data.read_bytes())
+        assert raw[offset : offset + 3] == b"\x01\x02\x03" and nbytes == 13  # 3 lengths
+        raw[offset + at] ^= 0x10  # 6: in the length checksum; 8: in "bb"
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CorruptFileError, match=words):
+            modelsize.slim(src, tmp_path / f"{case}.out", cast="float16")
+        assert_one_line_error(run_cli("slim", str(src), "-o", str(tmp_path / f"{case}.cli"),
+                                      "--cast", "float16"), data)
+        prefixes.append(str(src))
+    assert sorted(os.listdir(tmp_path)) == sorted(cases)
+    said = run_in_tf(_TF_REFUSES, *prefixes).stdout.splitlines()
+    assert [line.split(" ", 1)[1] for line in said] == [
+        "refused: The length checksum does not match",
+        "refused: Checksum does not match"], said
+
+
+def test_string_check_reads_a_tensor_in_pieces_of_any_size() -> None:
+    from modelsize.slimming.writers.tensorflow import _read_index, _StringCheck
+
+    src = FIXTURES / "tf1" / "model.ckpt"
+    data, offset, nbytes = _vocab(src)
+    recorded = _read_index(src.with_name("model.ckpt.index"))["vocab"].crc
+    raw = data.read_bytes()[offset : offset + nbytes]
+    for size in (1, 2, 3, 5, nbytes):
+        check = _StringCheck(3)
+        for i in range(0, nbytes, size):
+            check.feed(raw[i : i + size])
+        assert check.finish(recorded) == "", size
+    short = _StringCheck(3)
+    short.feed(raw[:5])
+    assert short.finish(recorded) == "its string lengths run past its bytes"
+    longer = _StringCheck(3)
+    longer.feed(raw + b"d")
+    assert longer.finish(recorded) == "its strings hold 7 bytes where its lengths add up to 6"
+
+
+def test_dtypes_listed_as_bytes_are_checked_by_their_raw_crc() -> None:
+    # int4 (DataType 29) packed two to a byte: stored raw, not listed in its own dtype
+    from modelsize.formats.tensorflow import Entry
+    from modelsize.slimming.writers.tensorflow import TensorflowJob, _InputEntry
+
+    raw = bytes(range(16))
+    crc = _tfcrc.crc32c(raw)
+    for dtype, recorded, problem in ((29, _tfcrc.mask(crc), False), (29, 1234, True),
+                                     (21, 1234, False)):  # a variant: not checked
+        source = _InputEntry(Entry(b"w", dtype, (32,), 0, 0, 16), b"", recorded)
+        assert bool(TensorflowJob._raw_problem(source, crc)) == problem, (dtype, recorded)
+
+
 def test_crc32c_matches_the_table_loop_and_the_check_value() -> None:
     import numpy as np
 

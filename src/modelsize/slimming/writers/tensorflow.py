@@ -33,6 +33,7 @@ but restoring into variables of the old dtype fails (see the note).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,6 +134,88 @@ def string_tensor(payload: bytes) -> tuple[bytes, int]:
     return varint(n) + length_crc + payload, mask(crc)
 
 
+#: ``DT_STRING``; and the DataTypes whose tensors a bundle stores as their raw bytes, checksum
+#: over those bytes, though the inventory does not list them in their own dtype (quantized
+#: integers, 8-bit floats, packed 4- and 2-bit integers). Resources and variants are not
+#: checked (a variant's bytes are serialized protos with checksums of their own).
+_DT_STRING = 7
+_RAW_DTYPES = frozenset({11, 12, 13, 15, 16, 24, 25, 26, 27, 28, 29, 30, 31, 32})
+
+
+class _StringCheck:
+    """TensorFlow's reading of a ``DT_STRING`` tensor (``ReadStringTensor``), fed its bytes as
+    they stream: a varint length per element, the masked CRC-32C of those lengths (each as a
+    4-byte integer, 8 bytes past ``2**32 - 1``), then the strings. TensorFlow refuses the
+    tensor when the length checksum does not match, and when the entry's CRC-32C (over the
+    lengths as integers, the length checksum's 4 bytes and the strings) does not."""
+
+    def __init__(self, count: int) -> None:
+        self.left = count  # lengths still to read
+        self.pending = bytearray()  # bytes of the lengths and checksum not parsed yet
+        self.crc = 0
+        self.strings = 0  # bytes the lengths announce
+        self.payload = -1  # string bytes seen, once the checksum is read
+        self.problem = ""
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        if self.problem:
+            return
+        if self.payload >= 0:
+            self.crc = crc32c(chunk, self.crc)
+            self.payload += len(chunk)
+            return
+        buf = self.pending
+        buf += chunk
+        pos = 0
+        while self.left:
+            value = shift = 0
+            at = pos
+            while True:
+                if at >= len(buf):
+                    del buf[:pos]
+                    return  # a length continues in the next chunk
+                byte = buf[at]
+                at += 1
+                value |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    break
+                if shift > 63:
+                    self.problem = "its string lengths are unreadable"
+                    return
+            pos = at
+            self.left -= 1
+            self.strings += value
+            width = 4 if value <= 0xFFFFFFFF else 8
+            self.crc = crc32c(value.to_bytes(width, "little"), self.crc)
+        if len(buf) - pos < 4:
+            del buf[:pos]
+            return
+        stored = buf[pos : pos + 4]
+        if int.from_bytes(stored, "little") != mask(self.crc):
+            self.problem = "the checksum of its string lengths does not match"
+            return
+        self.crc = crc32c(bytes(stored), self.crc)
+        rest = bytes(buf[pos + 4 :])
+        self.pending = bytearray()
+        self.payload = 0
+        self.feed(rest)
+
+    def finish(self, recorded: int) -> str:
+        """What TensorFlow would refuse in the tensor (``""``: nothing) once all is fed."""
+        if self.problem:
+            return self.problem
+        if self.payload < 0:
+            return "its string lengths run past its bytes"
+        if self.payload != self.strings:
+            return (f"its strings hold {self.payload} bytes where its lengths add up to "
+                    f"{self.strings}")
+        if mask(self.crc) != recorded:
+            return (f"its bytes' CRC-32C is {mask(self.crc):#010x} but the index records "
+                    f"{recorded:#010x}")
+        return ""
+
+
 def _read_index(path: Path) -> dict[str, _InputEntry]:
     """Every entry of the input's index, by the name its inventory gives the tensor."""
     try:
@@ -201,6 +284,13 @@ class TensorflowJob:
         if mask(crc) != source.crc:
             raise self._damaged(t, source, mask(crc))
 
+    @staticmethod
+    def _raw_problem(source: _InputEntry, crc: int) -> str:
+        """For a dtype stored as raw bytes, whether their CRC-32C is the index's."""
+        if source.entry.dtype not in _RAW_DTYPES or mask(crc) == source.crc:
+            return ""
+        return f"its bytes' CRC-32C is {mask(crc):#010x} but the index records {source.crc:#010x}"
+
     def write(self, out: Output, meter: Meter) -> dict[str, Written]:
         """The data file, streamed with each tensor's CRC-32C; then the index; then the state."""
         written: dict[str, Written] = {}
@@ -209,15 +299,30 @@ class TensorflowJob:
             if t.cast and source is not None and _exact(t):
                 self._check_input_crc(t, source)
             s = stream(t, meter)
+            strings = (_StringCheck(math.prod(source.entry.shape)) if source is not None
+                       and not _exact(t) and source.entry.dtype == _DT_STRING else None)
             crc = 0
             for chunk in s.chunks():
                 fh.write(chunk)
-                crc = crc32c(chunk, crc)
+                if strings is not None:
+                    strings.feed(chunk)
+                else:
+                    crc = crc32c(chunk, crc)
             written[t.name] = s.written
             if source is None:  # made here (the object graph): its checksum is known
                 continue
             if not _exact(t):
-                entry.crc = source.crc  # strings, variants: copied as they are, checksum too
+                # Strings and the dtypes the inventory lists as bytes are copied as they are,
+                # checksum too: checked first as TensorFlow checks them, or a damaged input
+                # would be passed on as sound (variants and resources are copied unchecked).
+                entry.crc = source.crc
+                problem = (strings.finish(source.crc) if strings is not None
+                           else self._raw_problem(source, crc))
+                if problem:
+                    raise CorruptFileError(
+                        self.shards[source.entry.shard], FORMAT,
+                        f"{printable(t.name)}: {problem} (the data file is damaged; TensorFlow "
+                        "refuses it too)")
                 continue
             entry.crc = mask(crc)
             if not t.cast and entry.crc != source.crc:
