@@ -147,6 +147,15 @@ def restore_all(src, out):
                          dtypes=[dtypes[n] for n in names])
     return {n: d.name for n, d in dtypes.items()}
 
+def refuses(src, out):
+    # what TensorFlow says of a damaged string tensor (input only: slim must refuse it)
+    try:
+        tf.train.load_checkpoint(src).get_tensor("vocab")
+    except tf.errors.OpError as exc:
+        words = ("The length checksum does not match", "Checksum does not match")
+        return next((w for w in words if w in exc.message), exc.message)
+    return "read"
+
 results = {}
 for case, src, out in json.loads(sys.argv[1]):
     try:
@@ -240,9 +249,31 @@ def trips(tmp_path_factory: pytest.TempPathFactory) -> RoundTrips:
                                              cast="float32")
     cases.append(["dedupe", str(dup), str(root / "dup" / "slim")])
 
+    for case, at in _DAMAGED.items():
+        damaged = _copy("tf1", root / "damaged" / case) / "model.ckpt"
+        data, offset, nbytes = _vocab(damaged)
+        raw = bytearray(data.read_bytes())
+        assert raw[offset : offset + 3] == b"\x01\x02\x03" and nbytes == 13  # 3 lengths
+        raw[offset + at] ^= 0x10
+        data.write_bytes(bytes(raw))
+        cases.append([f"refuses.{case}", str(damaged), ""])
+
     proc = run_in_tf(_TF_CHECKS, json.dumps(cases))
     trips.checked = json.loads(proc.stdout.strip().splitlines()[-1])
     return trips
+
+
+#: Where the tf1 fixture's ``vocab`` (string [3]: "a", "bb", "ccc", written by TensorFlow) is
+#: damaged, from its first byte: 6 lies in the length checksum, 8 in "bb".
+_DAMAGED = {"lengths": 6, "payload": 8}
+
+
+def _vocab(src: Path) -> tuple[Path, int, int]:
+    """The data file of a tf1 checkpoint's ``vocab``, where its bytes start, how many."""
+    inv = modelsize.inspect(src).inventory
+    vocab = next(t for t in inv.tensors if t.name == "vocab")
+    storage = next(s for s in inv.storages if s.key == vocab.storage)
+    return inv.files[storage.file].path, storage.offset, storage.nbytes
 
 
 def test_demo_fix_runs_as_printed_and_a_tf1_saver_restores_the_model(trips: RoundTrips) -> None:
@@ -363,54 +394,24 @@ def test_damaged_data_is_refused_and_nothing_is_written(tmp_path: Path, cast: st
     assert sorted(os.listdir(tmp_path)) == ["in"]
 
 
-def _vocab(src: Path) -> tuple[Path, int, int]:
-    """The data file of the tf1 fixture's ``vocab`` (string [3]: "a", "bb", "ccc", written by
-    TensorFlow), where its bytes start, and how many."""
-    inv = modelsize.inspect(src).inventory
-    vocab = next(t for t in inv.tensors if t.name == "vocab")
-    storage = next(s for s in inv.storages if s.key == vocab.storage)
-    return inv.files[storage.file].path, storage.offset, storage.nbytes
-
-
-_TF_REFUSES = r"""
-import sys
-import tensorflow as tf
-for prefix in sys.argv[1:]:
-    try:
-        tf.train.load_checkpoint(prefix).get_tensor("vocab")
-    except tf.errors.OpError as exc:
-        words = ("The length checksum does not match", "Checksum does not match")
-        print(prefix, "refused:", next((w for w in words if w in exc.message), exc.message))
-    else:
-        print(prefix, "read")
-"""
-
-
-def test_damaged_string_tensor_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("case", "words", "tensorflow"), [
+    ("lengths", "vocab: the checksum of its string lengths does not match",
+     "The length checksum does not match"),
+    ("payload", "vocab: its bytes' CRC-32C is", "Checksum does not match")])
+def test_damaged_string_tensor_is_refused_and_nothing_is_written(
+        trips: RoundTrips, tmp_path: Path, case: str, words: str, tensorflow: str) -> None:
     """Strings are copied as they are, checksum too; their checks were skipped, so a damaged
     string tensor went on into an output TensorFlow refuses, as it refused the input (found
     by a fuzz campaign: a byte of the length checksum, a dimension of the shape)."""
-    cases = {"lengths": (6, "vocab: the checksum of its string lengths does not match"),
-             "payload": (8, "vocab: its bytes' CRC-32C is")}
-    prefixes = []
-    for case, (at, words) in cases.items():
-        shutil.copytree(FIXTURES / "tf1", tmp_path / case)
-        src = tmp_path / case / "model.ckpt"
-        data, offset, nbytes = _vocab(src)
-        raw = bytearray(data.read_bytes())
-        assert raw[offset : offset + 3] == b"\x01\x02\x03" and nbytes == 13  # 3 lengths
-        raw[offset + at] ^= 0x10  # 6: in the length checksum; 8: in "bb"
-        data.write_bytes(bytes(raw))
-        with pytest.raises(CorruptFileError, match=words):
-            modelsize.slim(src, tmp_path / f"{case}.out", cast="float16")
-        assert_one_line_error(run_cli("slim", str(src), "-o", str(tmp_path / f"{case}.cli"),
-                                      "--cast", "float16"), data)
-        prefixes.append(str(src))
-    assert sorted(os.listdir(tmp_path)) == sorted(cases)
-    said = run_in_tf(_TF_REFUSES, *prefixes).stdout.splitlines()
-    assert [line.split(" ", 1)[1] for line in said] == [
-        "refused: The length checksum does not match",
-        "refused: Checksum does not match"], said
+    assert trips.tf(f"refuses.{case}") == tensorflow
+    src = trips.root / "damaged" / case / "tf1" / "model.ckpt"
+    with pytest.raises(CorruptFileError, match=words):
+        modelsize.slim(src, tmp_path / "api", cast="float16")
+    data = src.with_name("model.ckpt.data-00000-of-00001")
+    assert_one_line_error(run_cli("slim", str(src), "-o", str(tmp_path / "cli"), "--cast",
+                                  "float16"), data)
+    assert os.listdir(tmp_path) == []
+    assert sorted(os.listdir(src.parent)) == sorted(os.listdir(FIXTURES / "tf1"))
 
 
 def test_string_check_reads_a_tensor_in_pieces_of_any_size() -> None:
