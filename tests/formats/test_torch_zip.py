@@ -464,6 +464,44 @@ def test_serialization_id_of_a_torchscript_archive_is_not_read(tmp_path: Path) -
     assert read(odd).facts["torchscript"] == "yes"
 
 
+def _members_changed(src: Path, dst: Path, edit: Any) -> None:
+    """Copy a zip with its (name, bytes) list of members passed through ``edit``."""
+    with zipfile.ZipFile(src) as zin:
+        items = [(i.filename, zin.read(i.filename)) for i in zin.infolist()]
+    with zipfile.ZipFile(dst, "w") as zout:
+        for name, data in edit(items):
+            zout.writestr(name, data)
+
+
+_OUTSIDE = {  # torch takes the folder from the first member and refuses any member outside it
+    "renamed": (lambda items: [("modelabyteorder" if n == "model/byteorder" else n, d)
+                               for n, d in items], "'modelabyteorder' lies outside"),
+    "appended": (lambda items: [*items, ("other/x", b"1")], "'other/x' lies outside"),
+    "no-folder": (lambda items: [*items, ("x", b"1")], "'x' lies outside"),
+    "first": (lambda items: [("other/x", b"1"), *items], "'model/data.pkl' lies outside"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_OUTSIDE))
+def test_member_outside_the_archive_folder_is_refused(saved: Path, tmp_path: Path,
+                                                      case: str) -> None:
+    # found by a fuzz campaign: a member renamed out of the folder, which slim copied on
+    edit, words = _OUTSIDE[case]
+    bad = tmp_path / f"{case}.pt"
+    _members_changed(saved, bad, edit)
+    with pytest.raises(RuntimeError, match=r"not in a subdirectory|hasRecord"):
+        torch.load(bad, weights_only=True)
+    expect_corrupt(bad, words)
+
+
+def test_members_deeper_in_the_archive_folder_are_read(saved: Path, tmp_path: Path) -> None:
+    deeper = tmp_path / "deeper.pt"
+    _members_changed(saved, deeper, lambda items: [*items, ("model/sub/x", b"1"),
+                                                   ("model//y", b"2")])
+    assert torch.load(deeper, weights_only=True)["w"].shape == (2, 3)
+    assert read(deeper).format == "pytorch"
+
+
 def test_version_record_of_a_newer_torch_is_read(saved: Path, tmp_path: Path) -> None:
     newer = tmp_path / "newer.pt"
     rewrite(saved, newer, {"model/version": b"33\n"})

@@ -127,6 +127,8 @@ class _ZipRead:
         if odd is not None:  # torch's miniz reads no other ("unsupported method")
             raise b.corrupt(f"member {odd.name!r} uses compression method {odd.method}; "
                             "torch reads stored and deflated members", odd.header_offset)
+        if items:
+            self.one_folder(items)
         self.members = {m.name: m for m in items}
         data_pkl = next((m for m in items if _is_data_pkl(m.name)), None)
         if data_pkl is None:
@@ -198,6 +200,23 @@ class _ZipRead:
                 b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
         _zip.check_members(self.path, charged, b)
         return b.build()
+
+    def one_folder(self, items: list[_zip.Member]) -> None:
+        """torch's reader takes the archive's folder from its first member (up to the first
+        ``/``) and refuses a member outside it ("file in archive is not in a subdirectory")."""
+        first = items[0]
+        if "/" not in first.name:
+            raise self.builder.corrupt(
+                f"member {printable(first.name)!r}, the archive's first, lies in no folder: "
+                "torch.load reads archives whose members all lie in one folder",
+                first.header_offset)
+        folder = first.name[: first.name.index("/") + 1]
+        odd = next((m for m in items if not m.name.startswith(folder)), None)
+        if odd is not None:
+            raise self.builder.corrupt(
+                f"member {printable(odd.name)!r} lies outside the archive's folder "
+                f"{printable(folder)!r} (its first member's): torch.load refuses it",
+                odd.header_offset)
 
     def byteorder(self, member: _zip.Member) -> None:
         """The ``byteorder`` record: ``little`` or ``big``, as ``torch.load`` requires
