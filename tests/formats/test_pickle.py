@@ -432,6 +432,32 @@ def test_empty_bytes_and_odd_calls_at_protocol_2() -> None:
     assert isinstance(value, tuple) and isinstance(value[0], Call) and value[0].func is None
 
 
+@pytest.mark.parametrize("callee", [b"}", b"]", b")", b"K\x05", b"X\x01\x00\x00\x00f", b"N",
+                                    b"C\x01x", b"\x88"])
+def test_a_call_of_something_never_callable_is_where_loads_fail(callee: bytes) -> None:
+    data = b"\x80\x03" + callee + b")R."
+    with pytest.raises(TypeError, match="not callable"):
+        pickle.loads(data)
+    s = scan(data)
+    assert s.fails == f"byte {len(data) - 2}: REDUCE calls a " + s.fails.rsplit(" ", 1)[1]
+    assert isinstance(s.value, Call)  # the stack stays whole: what follows is still read
+
+
+def test_pickle_file_that_calls_a_list_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "calls_a_list.pkl"
+    path.write_bytes(b"\x80\x04]\x94)R.")
+    with pytest.raises(TypeError, match="'list' object is not callable"):
+        pickle.loads(path.read_bytes())
+    with pytest.raises(CorruptFileError, match="REDUCE calls a list, which is not callable"):
+        read(path)
+
+
+def test_calls_of_globals_and_call_results_are_not_judged_failing() -> None:
+    assert scan(pickle.dumps(OrderedDict(a=1), protocol=2)).fails == ""
+    # a call of a call's result: functools.partial(int)() could be callable, not judged
+    assert scan(b"\x80\x02cfunctools\npartial\ncbuiltins\nint\n\x85R)R.").fails == ""
+
+
 def _memo_program(rng: random.Random) -> bytes:
     """A protocol-4 pickle building a list from memo puts and gets at random indices: in
     order, ahead of order, overwritten, MEMOIZE after out-of-order puts, 1- and 4-byte forms."""

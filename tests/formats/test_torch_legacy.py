@@ -143,6 +143,20 @@ def test_legacy_wrong_protocol_version(tmp_path: Path) -> None:
         read(path)
 
 
+def test_legacy_object_pickle_that_calls_a_dict_is_refused(tmp_path: Path) -> None:
+    # found by a fuzz campaign: one byte made a REDUCE call a dict; every load fails, and slim
+    # wrote the file on as a verified copy
+    path = tmp_path / "calls_a_dict.pt"
+    head = pickle.dumps(MAGIC_NUMBER, protocol=2) + pickle.dumps(1001, protocol=2)
+    head += pickle.dumps({"protocol_version": 1001, "little_endian": True}, protocol=2)
+    path.write_bytes(head + b"\x80\x02}q\x00)R." + pickle.dumps([], protocol=2))
+    with pytest.raises(TypeError, match="'dict' object is not callable"):
+        torch.load(path, weights_only=False)
+    with pytest.raises(CorruptFileError, match="REDUCE calls a dict, which is not callable"):
+        read(path)
+    assert_one_line_error(run_cli("inspect", str(path)), path)
+
+
 def test_legacy_tar_format_is_refused_clearly(tmp_path: Path) -> None:
     path = tmp_path / "ancient.pt"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:

@@ -502,6 +502,14 @@ def test_members_deeper_in_the_archive_folder_are_read(saved: Path, tmp_path: Pa
     assert read(deeper).format == "pytorch"
 
 
+def test_data_pkl_that_calls_a_string_is_refused(saved: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "calls_a_str.pt"
+    rewrite(saved, bad, {"model/data.pkl": b"\x80\x02X\x01\x00\x00\x00f)R."})
+    with pytest.raises(TypeError, match="'str' object is not callable"):
+        torch.load(bad, weights_only=False)
+    expect_corrupt(bad, "model/data.pkl: its pickle fails to load (byte ")
+
+
 def test_version_record_of_a_newer_torch_is_read(saved: Path, tmp_path: Path) -> None:
     newer = tmp_path / "newer.pt"
     rewrite(saved, newer, {"model/version": b"33\n"})

@@ -236,6 +236,9 @@ class PickleScan:
     start: int = 0
     protocol: int = 0
     error: str | None = None
+    fails: str = ""
+    """Where a load of this pickle must fail, if the parse saw it: the first ``REDUCE`` of
+    something never callable (``"byte 2082: REDUCE calls a dict"``); ``""`` if none."""
 
 
 #: ``on_build(obj, offset) -> (new offset, replacement) | None``: see :func:`scan`.
@@ -401,6 +404,8 @@ class _Machine:
         self.proto = 0
         self.globals: dict[Global, None] = {}
         self.unsafe: dict[str, None] = {}
+        #: The first call of something never callable (see :attr:`PickleScan.fails`).
+        self.fails = ""
         # id -> (depth, hash cost, obj) for nested hashable values; keeping the object keeps
         # its id unique.
         self.depths: dict[int, tuple[int, int, object]] = {}
@@ -676,6 +681,9 @@ class _Machine:
                             func.qualname in _PLAIN_CALLS
                             or (args == () and func.qualname in SAFE_CALLS)
                         ):
+                            if type(func) in _NOT_CALLABLE and not self.fails:
+                                kind = "bytes" if type(func) is Blob else type(func).__name__
+                                self.fails = f"byte {op}: REDUCE calls a {kind}"
                             judge_call(func, args)
                             # bytes at protocols 1-2: where the text lies, not a call.
                             blob = (
@@ -1227,6 +1235,9 @@ def _latin1_blob(args: object, texts: tuple[_Text | None, _Text | None]) -> Blob
     return None
 
 
+#: What a pickle builds that is never callable: a load that calls one fails (TypeError).
+_NOT_CALLABLE = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None), tuple,
+                           list, dict, set, frozenset, Blob})
 #: Types whose hash recurses into their contents (their nesting depth is tracked).
 _HASHED_NESTED = frozenset({tuple, frozenset, PersistentId})
 #: Safe callables with no argument that needs judging (see :meth:`_Machine.judge_call`).
@@ -1287,7 +1298,7 @@ def scan(
     value = m.run()
     return PickleScan(
         value=value, end=m.pos, globals=list(m.globals), unsafe=list(m.unsafe),
-        start=offset, protocol=m.proto,
+        start=offset, protocol=m.proto, fails=m.fails,
     )
 
 

@@ -92,6 +92,9 @@ class PickleReader:
             elif exc.globals:
                 found = f"; it references {', '.join(exc.globals)}"
             raise b.corrupt(f"{exc}{found}", exc.offset) from exc
+        if scans[0].fails:
+            raise b.corrupt(f"the pickle fails to load ({scans[0].fails}, which is not "
+                            f"callable: TypeError)", 0)
         for name in joblib.unsafe:
             b.add_unsafe_global(name)
         many = len(scans) > 1

@@ -118,6 +118,9 @@ class _LegacyRead:
         except PickleError as exc:
             extra = f" (before that it calls {', '.join(exc.unsafe)})" if exc.unsafe else ""
             raise b.corrupt(f"{what} pickle: {exc}{extra}", exc.offset) from exc
+        if parsed.fails:
+            raise b.corrupt(f"{what} pickle fails to load ({parsed.fails}, which is not "
+                            "callable: TypeError)", offset)
         for name in parsed.unsafe:
             b.add_unsafe_global(name)
         return parsed

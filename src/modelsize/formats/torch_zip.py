@@ -310,6 +310,9 @@ class _ZipRead:
                 f"{member.name} is not a valid pickle: {exc}{extra}",
                 exc.offset if in_place else None,
             ) from exc
+        if parsed.fails:
+            raise b.corrupt(f"{member.name}: its pickle fails to load ({parsed.fails}, which is "
+                            "not callable: TypeError)", start if in_place else None)
         scans = [parsed]
         if parsed.end < end and looks_like_pickle(data, parsed.end, end):
             # torch.load reads one pickle; a second one hidden after STOP is still reported.
