@@ -157,6 +157,29 @@ def test_legacy_object_pickle_that_calls_a_dict_is_refused(tmp_path: Path) -> No
     assert_one_line_error(run_cli("inspect", str(path)), path)
 
 
+@pytest.mark.parametrize("values", [5, 7])
+def test_legacy_storage_id_of_other_than_six_values_is_refused(tmp_path: Path,
+                                                               values: int) -> None:
+    # found by a fuzz campaign: torch unpacks exactly five values after "storage"
+    class Ids(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            if isinstance(obj, bytes):
+                return ("storage", torch.FloatStorage, "0", "cpu", 1, None, None)[:values]
+            return None
+
+    body = io.BytesIO()
+    Ids(body, protocol=2).dump({"w": b"storage"})
+    path = tmp_path / "ids.pt"
+    head = pickle.dumps(MAGIC_NUMBER, protocol=2) + pickle.dumps(1001, protocol=2)
+    head += pickle.dumps({"protocol_version": 1001, "little_endian": True}, protocol=2)
+    path.write_bytes(head + body.getvalue() + pickle.dumps(["0"], protocol=2)
+                     + struct.pack("<q", 1) + struct.pack("<f", 1.0))
+    with pytest.raises(ValueError, match="values to unpack"):
+        torch.load(path, weights_only=False)
+    with pytest.raises(CorruptFileError, match=f"holds {values} values where torch's loader"):
+        read(path)
+
+
 def test_legacy_tar_format_is_refused_clearly(tmp_path: Path) -> None:
     path = tmp_path / "ancient.pt"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:

@@ -440,7 +440,7 @@ BEYOND_THE_FILE: dict[str, re.Pattern[str]] = {
                        r"No Op registered|Unrecognized type value case|ValidationError: Field|"
                        r"ValidationError: Node|TypeInferenceError|INVALID_GRAPH|"
                        r"NOT_IMPLEMENTED|ValidationError: Graph|Unrecognized attribute|"
-                       r"Type Error: Type \(|"
+                       r"Type Error: Type \(|ValidateOpsetForDomain|"
                        r"ValidationError: .*(opset|domain|attribute|input|output|type)"),
     "tf:tflite": re.compile(r"failed to prepare|Didn't find op|Encountered unresolved custom op|"
                             r"is both input \d+ and output"),

@@ -203,6 +203,10 @@ class _LegacyRead:
             raise b.corrupt(
                 f"persistent id {describe(pid)} is neither ('storage', ...) nor ('module', ...)"
             )
+        if len(pid) != 6:  # torch unpacks exactly five values after "storage"
+            raise b.corrupt(
+                f"a storage persistent id holds {len(pid)} values where torch's "
+                "loader takes 6 ('storage', type, key, location, size, view)")
         storage_type, key, location, numel = pid[1:5]
         dtype = storage_dtype(storage_type)
         if dtype is None:
