@@ -444,7 +444,10 @@ BEYOND_THE_FILE: dict[str, re.Pattern[str]] = {
                        r"ValidationError: .*(opset|domain|attribute|input|output|type)"),
     "tf:tflite": re.compile(r"failed to prepare|Didn't find op|Encountered unresolved custom op|"
                             r"is both input \d+ and output"),
-    "torch": re.compile(r"maximum supported version for reading"),
+    # weights_only's allowlist is a policy, not the file: an input naming a callable it does
+    # not allow (modelsize names it as unsafe, and slim's note says the output keeps it)
+    "torch": re.compile(r"maximum supported version for reading|"
+                       r"This file can still be loaded, to do so you have two options"),
     "tf:keras": re.compile(r"."),
     "tf:keras-weights": re.compile(r"objects could not be loaded|expects \d+ weight|"
                                    r"Layer .* weight|shape mismatch"),
