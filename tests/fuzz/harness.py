@@ -442,8 +442,10 @@ BEYOND_THE_FILE: dict[str, re.Pattern[str]] = {
                        r"NOT_IMPLEMENTED|ValidationError: Graph|Unrecognized attribute|"
                        r"Type Error: Type \(|ValidateOpsetForDomain|"
                        r"ValidationError: .*(opset|domain|attribute|input|output|type)"),
+    # the interpreter crashing on a model it accepts (an operator's required input given as
+    # -1, "optional"): a crash on the input as on the output is the interpreter's, not slim's
     "tf:tflite": re.compile(r"failed to prepare|Didn't find op|Encountered unresolved custom op|"
-                            r"is both input \d+ and output"),
+                            r"is both input \d+ and output|^the loader process \{\"died\""),
     # weights_only's allowlist is a policy, not the file: an input naming a callable it does
     # not allow (modelsize names it as unsafe, and slim's note says the output keeps it)
     "torch": re.compile(r"maximum supported version for reading|"
