@@ -230,6 +230,11 @@ def serve_tf(request: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     path, loader = request["path"], request["loader"]
+    # Keras names a layer whose name is missing from a global counter: without a fresh
+    # session each load would see the names the loads before it took (a model loads on a
+    # second try that fails in a fresh process, and an output checked after its input
+    # answers differently)
+    keras.backend.clear_session()
     try:
         if loader == "keras":
             keras.saving.load_model(path, compile=False)
