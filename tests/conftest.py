@@ -98,14 +98,26 @@ def run_printed_in_tf(command: str, cwd: Path,
 
 
 def run_in_tf(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` with the TensorFlow venv's Python (skips when there is none)."""
-    proc = subprocess.run(
-        [tf_python(), "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-        env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin",
-             "HOME": tempfile.gettempdir()},  # Keras writes ~/.keras/keras.json on import
-    )
+    """Run ``code`` with the TensorFlow venv's Python (skips when there is none), as
+    ``python -c code args`` would, in this worker's TensorFlow process
+    (:mod:`tests.tf_runner`: TensorFlow imported once, not once per snippet)."""
+    from tests import tf_runner
+
+    proc = tf_runner.run(
+        tf_python(), {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin",
+                      "HOME": tempfile.gettempdir()},  # Keras writes ~/.keras/keras.json
+        code, args, timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tf_runners() -> Any:
+    """The workers' TensorFlow processes end with the session."""
+    yield
+    from tests import tf_runner
+
+    tf_runner.close_all()
 
 
 @pytest.fixture(autouse=True)
