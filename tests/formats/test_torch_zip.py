@@ -267,13 +267,19 @@ def test_pickled_module_with_cached_activation(tmp_path: Path) -> None:
     check_sum(inv, path)
 
 
-def test_torchscript_archive(tmp_path: Path) -> None:
+def _scripted(path: Path) -> torch.jit.ScriptModule:
+    """:class:`Scripted` saved as a TorchScript archive at ``path``."""
     with warnings.catch_warnings():
         # torch 2.13 deprecates TorchScript, but users still hold scripted archives to read.
         warnings.simplefilter("ignore", DeprecationWarning)
         scripted = torch.jit.script(Scripted())
-    path = tmp_path / "scripted.pt"
     scripted.save(str(path))
+    return scripted
+
+
+def test_torchscript_archive(tmp_path: Path) -> None:
+    path = tmp_path / "scripted.pt"
+    scripted = _scripted(path)
     inv = read(path)
     cats = by_cat(inv)
     assert cats["weights"] == nbytes(*scripted.parameters())
@@ -449,11 +455,8 @@ def test_serialization_id_of_any_utf8_text_is_read(saved: Path, tmp_path: Path,
 def test_serialization_id_of_a_torchscript_archive_is_not_read(tmp_path: Path) -> None:
     # torch.jit.load (and torch.load, which hands TorchScript archives to it) never makes the
     # record a str: any bytes load
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(Scripted())
     path = tmp_path / "scripted.pt"
-    scripted.save(str(path))
+    _scripted(path)
     with zipfile.ZipFile(path) as zf:
         name = next(n for n in zf.namelist() if n.endswith("/.data/serialization_id"))
     odd = tmp_path / "odd.pt"

@@ -434,6 +434,22 @@ def test_string_check_reads_a_tensor_in_pieces_of_any_size() -> None:
     assert longer.finish(recorded) == "its strings hold 7 bytes where its lengths add up to 6"
 
 
+def test_string_check_of_lengths_over_several_bytes() -> None:
+    # a 300-byte string: its length takes a 2-byte varint, split across pieces
+    from modelsize.slimming.writers.tensorflow import _StringCheck, string_tensor
+
+    raw, recorded = string_tensor(b"s" * 300)
+    assert raw[:2] == b"\xac\x02"
+    for size in (1, 2, 7):
+        check = _StringCheck(1)
+        for i in range(0, len(raw), size):
+            check.feed(raw[i : i + size])
+        assert check.finish(recorded) == "", size
+    endless = _StringCheck(1)
+    endless.feed(b"\x80" * 11)
+    assert endless.finish(recorded) == "its string lengths are unreadable"
+
+
 def test_dtypes_listed_as_bytes_are_checked_by_their_raw_crc() -> None:
     # int4 (DataType 29) packed two to a byte: stored raw, not listed in its own dtype
     from modelsize.formats.tensorflow import Entry

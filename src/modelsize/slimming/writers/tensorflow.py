@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelsize.errors import CorruptFileError, UsageError, printable
-from modelsize.formats._protobuf import I32, LEN, ProtobufError, iter_fields
+from modelsize.formats._protobuf import I32, LEN, ProtobufError, iter_fields, read_varint
 from modelsize.formats._sstable import SSTableError, iter_table
 from modelsize.formats.tensorflow import (
     FORMAT,
@@ -139,6 +139,8 @@ def string_tensor(payload: bytes) -> tuple[bytes, int]:
 #: integers, 8-bit floats, packed 4- and 2-bit integers). Resources and variants are not
 #: checked (a variant's bytes are serialized protos with checksums of their own).
 _DT_STRING = 7
+#: The longest varint (TensorFlow's ``ReadVarint64``, protobuf's).
+_MAX_VARINT = 10
 _RAW_DTYPES = frozenset({11, 12, 13, 15, 16, 24, 25, 26, 27, 28, 29, 30, 31, 32})
 
 
@@ -168,22 +170,15 @@ class _StringCheck:
         buf += chunk
         pos = 0
         while self.left:
-            value = shift = 0
-            at = pos
-            while True:
-                if at >= len(buf):
-                    del buf[:pos]
-                    return  # a length continues in the next chunk
-                byte = buf[at]
-                at += 1
-                value |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-                if shift > 63:
-                    self.problem = "its string lengths are unreadable"
-                    return
-            pos = at
+            end = len(buf)
+            if end - pos < _MAX_VARINT and all(b & 0x80 for b in buf[pos:end]):
+                del buf[:pos]
+                return  # a length continues in the next chunk
+            try:
+                value, pos = read_varint(buf, pos, end)
+            except ProtobufError:
+                self.problem = "its string lengths are unreadable"
+                return
             self.left -= 1
             self.strings += value
             width = 4 if value <= 0xFFFFFFFF else 8
