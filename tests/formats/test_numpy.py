@@ -104,6 +104,32 @@ def test_npy_trailing_bytes_are_other(tmp_path: Path) -> None:
     assert any("5 bytes after" in n for n in inv.notes)
 
 
+@pytest.mark.parametrize("shape", [(2**59, 0), (2**60, 0), (0, 2**63 - 1), (2**64, 0),
+                                   (3, 0, 2**62)], ids=str)
+def test_empty_arrays_with_huge_dimensions_are_read_as_numpy_reads_them(
+        tmp_path: Path, shape: tuple[int, ...]) -> None:
+    # NumPy multiplies the nonzero dimensions by the item size: a 0 elsewhere does not make
+    # an overflowing shape loadable (found by a fuzz campaign: slim wrote one on as .npz)
+    import io
+
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "huge.npy"
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    path.write_bytes(header.getvalue())
+    try:
+        loads = np.load(path).shape == shape
+    except (ValueError, OverflowError):
+        loads = False
+    if loads:
+        assert read(path).format == "npy"
+    else:
+        with pytest.raises(CorruptFileError, match="larger than NumPy's largest array"):
+            read(path)
+    assert loads == (shape in ((2**59, 0),))
+
+
 def test_structured_descr_sizes() -> None:
     descr = np.lib.format.dtype_to_descr(np.dtype([("a", "<f8"), ("b", [("c", "<i2")], (2,))]))
     dt = parse_descr(descr)

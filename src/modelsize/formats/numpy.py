@@ -273,7 +273,10 @@ def _parse_dict(text: str) -> tuple[NpyDType, tuple[int, ...], bool, bool]:
     if not isinstance(fortran, bool):
         raise ValueError(f"fortran_order should be True or False, found {fortran!r:.40}")
     dtype = parse_descr(descr)
-    count = _capped_numel(shape, MAX_ELEMENTS + 1)
+    # NumPy multiplies the dimensions other than 0 by the item size (a 0 does not make a
+    # huge one fit: "array is too big"), and each must be an npy_intp ("Maximum allowed
+    # dimension exceeded")
+    count = _capped_numel(tuple(d for d in shape if d), MAX_ELEMENTS + 1)
     if count > MAX_ELEMENTS or count * dtype.itemsize > MAX_ELEMENTS:
         raise ValueError(f"shape {shape!r:.60} of {dtype.itemsize}-byte items is larger than "
                          "NumPy's largest array")
