@@ -138,6 +138,14 @@ def _crc_impl() -> str:
             else "ISA-L's (the `isal` package of the slim extra)")
 
 
+def _cast_impl() -> str:
+    """Which float32 -> bfloat16 cast modelsize's slim used in this run."""
+    from modelsize.slimming import cast
+
+    return ("NumPy's passes (`modelsize._speedups` not built)" if cast._speedups is None
+            else "the compiled one of `modelsize._speedups` (one pass, on every core)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None)
@@ -225,7 +233,8 @@ def main() -> None:
         "(names, dtypes, values equal). Each round runs modelsize, `cp` + `sync`, `cp` and the "
         f"naive script one after the other; a ratio is the median of the rounds' ratios. "
         f"{os.cpu_count()}-core machine shared with other work: load averages (1/5/15 min) "
-        f"before and after each case. modelsize's CRC-32s: {_crc_impl()}.",
+        f"before and after each case. modelsize's CRC-32s: {_crc_impl()}; its bfloat16 "
+        f"cast: {_cast_impl()}.",
         "",
         "| case | way | wall (s) | peak RSS (MB) | output bytes |",
         "|---|---|---:|---:|---:|",

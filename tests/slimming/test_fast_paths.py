@@ -14,7 +14,7 @@ import pytest
 
 import modelsize
 from modelsize.errors import CorruptFileError, VerificationError
-from modelsize.slimming import checksum
+from modelsize.slimming import cast, checksum
 from modelsize.slimming.output import OutputFile
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -102,10 +102,17 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("cores", [1, 2])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("dtype", "compiled"),
+                         [("bfloat16", True), ("bfloat16", False), ("float16", False)])
 def test_cast_on_every_core_gives_the_values_and_errors_of_one(
         ckpt: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, cores: int, dtype: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 with and without the compiled cast (``modelsize._speedups``, where built);
+    float16 casts are NumPy's."""
+    if compiled and cast._speedups is None:
+        pytest.skip("the C extension is not built")
+    if not compiled:
+        monkeypatch.setattr(cast, "_speedups", None)
     monkeypatch.setattr(checksum, "cores", lambda: cores)
     src, want = ckpt
     out = tmp_path / "out.safetensors"
