@@ -1,19 +1,24 @@
 """The optional compiled kernels (``modelsize._speedups``); everything else is in pyproject.toml.
 
-``optional=True``: where no C compiler is at hand the install goes on without them and
-modelsize uses its NumPy paths (the same results, slower).
+``optional=True``: where no C compiler is at hand (or it fails) the install goes on without
+them and modelsize uses its NumPy paths (the same results, slower).
 """
 
+import sys
+
 from setuptools import Extension, setup
+
+# -O3 vectorizes the cast loops, -fno-trapping-math lets them select without branches (no
+# floating-point exception flag is ever read); never -ffast-math: NaN, subnormals and the order
+# of rounding must be IEEE's. MSVC takes its defaults.
+FLAGS = [] if sys.platform == "win32" else ["-O3", "-fno-trapping-math"]
 
 setup(
     ext_modules=[
         Extension(
             "modelsize._speedups",
             ["src/modelsize/_speedups.c"],
-            # -O3 vectorizes the cast loop; never -ffast-math (NaN, subnormals and the order
-            # of rounding must be IEEE's).
-            extra_compile_args=["-O3", "-fno-trapping-math"],
+            extra_compile_args=FLAGS,
             optional=True,
         )
     ]

@@ -103,12 +103,12 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize(("dtype", "compiled"),
-                         [("bfloat16", True), ("bfloat16", False), ("float16", False)])
+                         [("bfloat16", True), ("bfloat16", False), ("float16", True),
+                          ("float16", False)])
 def test_cast_on_every_core_gives_the_values_and_errors_of_one(
         ckpt: tuple[Path, dict[str, np.ndarray]], tmp_path: Path, cores: int, dtype: str,
         compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 with and without the compiled cast (``modelsize._speedups``, where built);
-    float16 casts are NumPy's."""
+    """With and without the compiled casts (``modelsize._speedups``, where built)."""
     if compiled and cast._speedups is None:
         pytest.skip("the C extension is not built")
     if not compiled:
