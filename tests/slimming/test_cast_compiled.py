@@ -7,6 +7,7 @@ patterns: ``scripts/check_casts_exhaustive.py``, too long for the suite.)"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -34,6 +35,7 @@ def _same(a: tuple[bytes, float, float, int], b: tuple[bytes, float, float, int]
     )
 
 
+@functools.cache
 def _cases() -> list[np.ndarray]:
     rng = np.random.default_rng(7)
     ties = ((np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
