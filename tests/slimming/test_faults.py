@@ -89,7 +89,13 @@ def _copy(src: Path, dest: Path, *, old_mtime: bool = True) -> Path:
 
 
 def _everything(folder: Path) -> set[str]:
-    """Every path under ``folder``, hidden ones included, relative to it."""
+    """Every path under ``folder``, hidden ones included, relative to it. A killed run's janitor
+    may remove a staging folder while it is listed: the listing is then taken again."""
+    for _ in range(100):
+        try:
+            return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+        except FileNotFoundError:
+            time.sleep(0.01)
     return {str(p.relative_to(folder)) for p in folder.rglob("*")}
 
 
