@@ -114,13 +114,25 @@ static inline void fold(int32_t ma, int32_t mr, int32_t nonzero, Py_ssize_t n, f
     }
 }
 
+/* One element's error, folded into the running maxima (on the bits: non-negative finite floats
+ * order as their bits do); a zero's relative error, 0/0, is left out by dividing by 1 instead
+ * (the caller does not count it). x and its cast have one sign: |x - cast(x)| = ||x| - back|. */
+static inline void track(uint32_t mag, float back, int32_t *ma, int32_t *mr) {
+    float ax = bits_float(mag);
+    float d = fabsf(ax - back);
+    float q = d / (mag != 0 ? ax : 1.0f);
+    int32_t db, qb;
+    memcpy(&db, &d, 4);
+    memcpy(&qb, &q, 4);
+    *ma = db > *ma ? db : *ma;
+    *mr = qb > *mr ? qb : *mr;
+}
+
 /* The common case: no NaN, infinity or overflow in [0, n). Each returns how many elements
  * were special (an all-ones exponent, or past float16's range, before or after the cast): 0
  * means the output and the maxima are right; otherwise the caller redoes the block with
  * block_careful (a negative NaN's bfloat16 rounding wraps around to zero). Branch-free, for
- * the vectorizer: the maxima are taken on the bits (non-negative finite floats order as their
- * bits do), a zero's relative error, 0/0, is left out by dividing by 1 instead and not
- * counting it, and x and its cast have one sign, so |x - cast(x)| = ||x| - |cast(x)||. */
+ * the vectorizer (see track). */
 static inline Py_ssize_t block_fast_bf16_body(const uint32_t *in, uint16_t *out, Py_ssize_t n,
                                               float *max_abs, float *max_rel, int *seen_abs,
                                               int *seen_rel) {
@@ -133,14 +145,7 @@ static inline Py_ssize_t block_fast_bf16_body(const uint32_t *in, uint16_t *out,
         out[i] = (uint16_t)r;
         uint32_t mag = u & 0x7FFFFFFFu;
         nonzero += mag != 0;
-        float ax = bits_float(mag);
-        float d = fabsf(ax - bf16_mag(r));
-        float q = d / (mag != 0 ? ax : 1.0f);
-        int32_t db, qb;
-        memcpy(&db, &d, 4);
-        memcpy(&qb, &q, 4);
-        ma = db > ma ? db : ma;
-        mr = qb > mr ? qb : mr;
+        track(mag, bf16_mag(r), &ma, &mr);
     }
     if (hits) return hits;
     fold(ma, mr, nonzero, n, max_abs, max_rel, seen_abs, seen_rel);
@@ -186,14 +191,7 @@ CLONES static void f16_errors(const uint32_t *in, const uint32_t *wide, Py_ssize
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t mag = in[i] & 0x7FFFFFFFu;
         nonzero += mag != 0;
-        float ax = bits_float(mag);
-        float d = fabsf(ax - f16_mag(wide[i]));
-        float q = d / (mag != 0 ? ax : 1.0f);
-        int32_t db, qb;
-        memcpy(&db, &d, 4);
-        memcpy(&qb, &q, 4);
-        ma = db > ma ? db : ma;
-        mr = qb > mr ? qb : mr;
+        track(mag, f16_mag(wide[i]), &ma, &mr);
     }
     *pma = ma;
     *pmr = mr;
