@@ -8,7 +8,7 @@ and how many finite values overflowed to infinity (``float16`` tops out at 65504
 float32 to bfloat16 or float16, the casts most asked for, run in one pass of compiled code
 where the optional extension ``modelsize._speedups`` is built (``pip install`` builds it where
 a C compiler is at hand): the same bytes and the same errors as the NumPy passes, which take
-5x (bfloat16) and 4x (float16) longer and remain the path everywhere else.
+about 5x (bfloat16) and 3.5x (float16) longer and remain the path everywhere else.
 """
 
 from __future__ import annotations
