@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import modelsize
+from modelsize.errors import MissingDependencyError
 from modelsize.slimming import cast
 
 speedups = pytest.importorskip("modelsize._speedups", reason="the C extension is not built")
@@ -84,3 +87,21 @@ def test_compiled_cast_reads_an_unaligned_memoryview(dst: str) -> None:
 def test_compiled_cast_refuses_a_partial_float(dst: str) -> None:
     with pytest.raises(ValueError, match="not whole float32s"):
         KINDS[dst](b"\x00\x00\x80")
+
+
+def test_compiled_casts_need_no_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension is built, float32 to bfloat16 or float16 never imports NumPy; a
+    float64 source still asks for it, in one line."""
+    torch = pytest.importorskip("torch")
+    f32, f64 = tmp_path / "f32.pt", tmp_path / "f64.pt"
+    torch.save({"w": torch.randn(64, 64), "b": torch.randn(64)}, f32)
+    torch.save({"w": torch.randn(8, dtype=torch.float64)}, f64)
+
+    def no_numpy() -> None:
+        raise MissingDependencyError("numpy", "modelsize slim --cast", extra="slim")
+
+    monkeypatch.setattr(cast, "_np", no_numpy)
+    for dst in ("bfloat16", "float16"):
+        assert modelsize.slim(f32, tmp_path / f"{dst}.pt", cast=dst).verified
+    with pytest.raises(MissingDependencyError, match="numpy"):
+        modelsize.slim(f64, tmp_path / "narrowed.pt", cast="float32")
