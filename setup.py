@@ -1,4 +1,5 @@
-"""The optional compiled kernels (``modelsize._speedups``); everything else is in pyproject.toml.
+"""The optional compiled kernels (``modelsize._speedups``, ``modelsize._pickleops``); everything
+else is in pyproject.toml.
 
 ``optional=True``: where no C compiler is at hand (or it fails) the install goes on without
 them and modelsize uses its NumPy paths (the same results, slower).
@@ -20,6 +21,13 @@ setup(
             ["src/modelsize/_speedups.c"],
             extra_compile_args=FLAGS,
             optional=True,
-        )
+        ),
+        # The pickle parser's frequent opcodes (formats/_pickle.py runs them itself without).
+        Extension(
+            "modelsize._pickleops",
+            ["src/modelsize/_pickleops.c"],
+            extra_compile_args=[] if sys.platform == "win32" else ["-O2"],
+            optional=True,
+        ),
     ]
 )

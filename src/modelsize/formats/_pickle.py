@@ -22,8 +22,14 @@ import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any, TypeAlias
+
+_ops: ModuleType | None
+try:
+    from modelsize import _pickleops as _ops
+except ImportError:  # not built: the Python loop runs every opcode
+    _ops = None
 
 if TYPE_CHECKING:
     import mmap
@@ -393,6 +399,8 @@ class _Machine:
         #: Tensors and arrays met (persistent ids, bytes payloads): what a budget grows with.
         self.found = 0
         self.persistent_load = persistent_load
+        #: The compiled loop (``modelsize._pickleops.run``), where it was built.
+        self.fast = _ops.run if _ops is not None else None
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         # The memo: pickle writes its indices 0, 1, 2... in order, so they are a list (8 bytes
@@ -626,6 +634,7 @@ class _Machine:
         stack = self.stack
         texts: tuple[_Text | None, _Text | None] = (None, None)
         pos = op = self.pos
+        fast, depths, idle = self.fast, self.depths, 1
         # Each opcode pushes at most one item, MARKs or memoizes at most once: the ceilings on
         # the stack, the MARKs and the memo (and the budget) are checked once per block of
         # opcodes, and can be passed by at most a block.
@@ -635,220 +644,242 @@ class _Machine:
                 if block:
                     self.pos, self.stack = pos, stack
                     self.after_block(block * _BLOCK)
-                for _ in range(_BLOCK):
-                    op = pos
-                    if op >= size:
-                        raise self.error("data ends before the pickle's STOP opcode", op, "")
-                    c = data[op]
-                    pos = op + 1
-                    # Most frequent first (torch.save's protocol 2, then protocol 4's).
-                    if c == 0x72:  # LONG_BINPUT
-                        if pos + 4 > size:
-                            self.pos = pos
-                            raise self.short(4)
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        idx = _U32(data, pos)[0]
-                        if idx == len(memo) and not far:
-                            memo.append(stack[-1])
-                        else:
-                            memo_put(idx, stack[-1])
-                        pos += 4
-                    elif c == 0x68:  # BINGET
-                        if pos >= size:
-                            self.pos = pos
-                            raise self.short(1)
-                        idx = data[pos]
-                        pos += 1
-                        stack.append(memo[idx] if idx < len(memo) else memo_far(idx))
-                    elif c == 0x4B:  # BININT1
-                        if pos >= size:
-                            self.pos = pos
-                            raise self.short(1)
-                        stack.append(data[pos])
-                        pos += 1
-                    elif c == 0x28:  # MARK
-                        metastack.append(stack)
-                        stack = []
-                    elif c == 0x52:  # REDUCE
-                        if len(stack) < 2:
-                            raise _Fail("stack underflow")
-                        args = stack.pop()
-                        func = stack.pop()
-                        # Safe callables whose arguments need no judging (the rebuild
-                        # functions; any safe one called with no arguments) skip the judge.
-                        if type(func) is not Global or not (
-                            func.qualname in _PLAIN_CALLS
-                            or (args == () and func.qualname in SAFE_CALLS)
-                        ):
-                            if type(func) in _NOT_CALLABLE and not self.fails:
-                                kind = "bytes" if type(func) is Blob else type(func).__name__
-                                self.fails = f"byte {op}: REDUCE calls a {kind}"
-                            judge_call(func, args)
-                            # bytes at protocols 1-2: where the text lies, not a call.
-                            blob = (
-                                _latin1_blob(args, texts)
-                                if type(func) is Global and func.qualname == "_codecs.encode"
-                                else None
-                            )
-                        elif args == () and func.qualname == "builtins.bytes":
-                            blob = Blob(op, 0)  # b"" at protocols 0-2 (an empty array's data)
-                        else:
-                            blob = None
-                        stack.append(
-                            blob if blob is not None
-                            else Call(func, args if type(args) is tuple else self.args_tuple(args))
-                        )
-                    elif c == 0x74:  # TUPLE
-                        if not metastack:
-                            raise _Fail("no MARK to return to")
-                        items = stack
-                        stack = metastack.pop()
-                        stack.append(nested(tuple(items), items))
-                    elif c == 0x4D:  # BININT2
-                        if pos + 2 > size:
-                            self.pos = pos
-                            raise self.short(2)
-                        stack.append(_U16(data, pos)[0])
-                        pos += 2
-                    elif c == 0x29:  # EMPTY_TUPLE
-                        stack.append(())
-                    elif c == 0x58 or c == 0x8C:  # BINUNICODE, SHORT_BINUNICODE
-                        width = 4 if c == 0x58 else 1
-                        if pos + width > size:
-                            self.pos = pos
-                            raise self.short(width)
-                        n = _U32(data, pos)[0] if width == 4 else data[pos]
-                        pos += width
-                        end = pos + n
-                        if end > size:
-                            self.pos = pos
-                            raise self.short(n)
-                        try:
-                            text = str(view[pos:end], "utf-8", "surrogatepass")
-                        except (UnicodeDecodeError, ValueError) as exc:
-                            raise _Fail(f"undecodable text ({exc})") from exc
-                        stack.append(text)
-                        # The last two strings' places: bytes pickled as latin-1 text.
-                        texts = (texts[1], (text, pos, end))
-                        pos = end
-                    elif c == 0x89:  # NEWFALSE
-                        stack.append(False)
-                    elif c == 0x51:  # BINPERSID
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        self.found += 1
-                        pid = stack.pop()
-                        stack.append(
-                            persistent_load(pid) if persistent_load is not None
-                            else nested(PersistentId(pid), [pid])
-                        )
-                    elif c == 0x85:  # TUPLE1
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        first = stack[-1]
-                        t: tuple[Any, ...] = (first,)
-                        if type(first) in _HASHED_NESTED:
-                            stack[-1] = nested(t, t)
-                        else:  # flat: nested() records nothing for it
-                            stack[-1] = t
-                    elif c == 0x86:  # TUPLE2
-                        if len(stack) < 2:
-                            raise _Fail("stack underflow")
-                        first, second = stack[-2], stack[-1]
-                        t = (first, second)
-                        del stack[-1]
-                        if type(first) in _HASHED_NESTED or type(second) in _HASHED_NESTED:
-                            stack[-1] = nested(t, t)
-                        else:
-                            stack[-1] = t
-                    elif c == 0x71:  # BINPUT
-                        if pos >= size:
-                            self.pos = pos
-                            raise self.short(1)
-                        if not stack:
-                            self.pos = pos + 1
-                            raise _Fail("stack underflow")
-                        idx = data[pos]
-                        if idx == len(memo) and not far:
-                            memo.append(stack[-1])
-                        else:
-                            memo_put(idx, stack[-1])
-                        pos += 1
-                    elif c == 0x94:  # MEMOIZE
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        memo_put(len(memo) + len(far), stack[-1])
-                    elif c == 0x6A:  # LONG_BINGET
-                        if pos + 4 > size:
-                            self.pos = pos
-                            raise self.short(4)
-                        idx = _U32(data, pos)[0]
-                        pos += 4
-                        stack.append(memo[idx] if idx < len(memo) else memo_far(idx))
-                    elif c == 0x7D:  # EMPTY_DICT
-                        stack.append({})
-                    elif c == 0x75:  # SETITEMS
-                        if not metastack:
-                            raise _Fail("no MARK to return to")
-                        items = stack
-                        stack = metastack.pop()
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        set_items(stack[-1], items)
-                    elif c == 0x73:  # SETITEM
-                        if len(stack) < 3:
-                            # Two pops, then the target: the same checks in the same order.
-                            raise _Fail("stack underflow")
-                        value = stack.pop()
-                        key = stack.pop()
-                        set_items(stack[-1], [key, value])
-                    elif c == 0x4A:  # BININT
-                        if pos + 4 > size:
-                            self.pos = pos
-                            raise self.short(4)
-                        stack.append(_I32(data, pos)[0])
-                        pos += 4
-                    elif c == 0x5D:  # EMPTY_LIST
-                        stack.append([])
-                    elif c == 0x65:  # APPENDS
-                        if not metastack:
-                            raise _Fail("no MARK to return to")
-                        items = stack
-                        stack = metastack.pop()
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        extend(stack[-1], items)
-                    elif c == 0x61:  # APPEND
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        value = stack.pop()
-                        if not stack:
-                            raise _Fail("stack underflow")
-                        extend(stack[-1], [value])
-                    elif c == 0x4E:  # NONE
-                        stack.append(None)
-                    elif c == 0x88:  # NEWTRUE
-                        stack.append(True)
-                    elif c == 0x87:  # TUPLE3
-                        if len(stack) < 3:
-                            raise _Fail("stack underflow")
-                        t = (stack[-3], stack[-2], stack[-1])
-                        del stack[-2:]
-                        stack[-1] = nested(t, t)
-                    elif c == 0x2E:  # STOP
-                        if not stack:
-                            raise _Fail("STOP with an empty stack")
-                        self.pos, self.stack = pos, stack
-                        return stack.pop()
+                left = _BLOCK
+                while left:
+                    if fast is not None:
+                        # The compiled loop runs what it can; it stops before any opcode it
+                        # leaves to this loop (rare ones, failures, judgements).
+                        pos, stack, ran, found, texts, exc = fast(
+                            data, size, pos, left, stack, metastack, memo, far, depths, texts,
+                            persistent_load)
+                        self.found += found
+                        if exc is not None:  # raised by persistent_load at ``pos``
+                            op = pos
+                            raise exc
+                        left -= ran
+                        if not left:
+                            break
+                        # One opcode here, or more while the compiled loop makes no progress.
+                        idle = 1 if ran else min(2 * idle, 64)
+                        chunk = min(left, idle)
                     else:
-                        handler = table[c]
-                        if handler is None:
-                            raise self.error(f"unknown opcode {bytes([c])!r}", op, "")
-                        self.pos, self.stack = pos, stack
-                        self.slow += 1
-                        handler()
-                        pos, stack = self.pos, self.stack
+                        chunk = left
+                    left -= chunk
+                    for _ in range(chunk):
+                        op = pos
+                        if op >= size:
+                            raise self.error("data ends before the pickle's STOP opcode", op, "")
+                        c = data[op]
+                        pos = op + 1
+                        # Most frequent first (torch.save's protocol 2, then protocol 4's).
+                        if c == 0x72:  # LONG_BINPUT
+                            if pos + 4 > size:
+                                self.pos = pos
+                                raise self.short(4)
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            idx = _U32(data, pos)[0]
+                            if idx == len(memo) and not far:
+                                memo.append(stack[-1])
+                            else:
+                                memo_put(idx, stack[-1])
+                            pos += 4
+                        elif c == 0x68:  # BINGET
+                            if pos >= size:
+                                self.pos = pos
+                                raise self.short(1)
+                            idx = data[pos]
+                            pos += 1
+                            stack.append(memo[idx] if idx < len(memo) else memo_far(idx))
+                        elif c == 0x4B:  # BININT1
+                            if pos >= size:
+                                self.pos = pos
+                                raise self.short(1)
+                            stack.append(data[pos])
+                            pos += 1
+                        elif c == 0x28:  # MARK
+                            metastack.append(stack)
+                            stack = []
+                        elif c == 0x52:  # REDUCE
+                            if len(stack) < 2:
+                                raise _Fail("stack underflow")
+                            args = stack.pop()
+                            func = stack.pop()
+                            # Safe callables whose arguments need no judging (the rebuild
+                            # functions; any safe one called with no arguments) skip the judge.
+                            if type(func) is not Global or not (
+                                func.qualname in _PLAIN_CALLS
+                                or (args == () and func.qualname in SAFE_CALLS)
+                            ):
+                                if type(func) in _NOT_CALLABLE and not self.fails:
+                                    kind = "bytes" if type(func) is Blob else type(func).__name__
+                                    self.fails = f"byte {op}: REDUCE calls a {kind}"
+                                judge_call(func, args)
+                                # bytes at protocols 1-2: where the text lies, not a call.
+                                blob = (
+                                    _latin1_blob(args, texts)
+                                    if type(func) is Global and func.qualname == "_codecs.encode"
+                                    else None
+                                )
+                            elif args == () and func.qualname == "builtins.bytes":
+                                blob = Blob(op, 0)  # b"" at protocols 0-2 (an empty array's data)
+                            else:
+                                blob = None
+                            stack.append(
+                                blob if blob is not None else Call(
+                                    func, args if type(args) is tuple else self.args_tuple(args)
+                                )
+                            )
+                        elif c == 0x74:  # TUPLE
+                            if not metastack:
+                                raise _Fail("no MARK to return to")
+                            items = stack
+                            stack = metastack.pop()
+                            stack.append(nested(tuple(items), items))
+                        elif c == 0x4D:  # BININT2
+                            if pos + 2 > size:
+                                self.pos = pos
+                                raise self.short(2)
+                            stack.append(_U16(data, pos)[0])
+                            pos += 2
+                        elif c == 0x29:  # EMPTY_TUPLE
+                            stack.append(())
+                        elif c == 0x58 or c == 0x8C:  # BINUNICODE, SHORT_BINUNICODE
+                            width = 4 if c == 0x58 else 1
+                            if pos + width > size:
+                                self.pos = pos
+                                raise self.short(width)
+                            n = _U32(data, pos)[0] if width == 4 else data[pos]
+                            pos += width
+                            end = pos + n
+                            if end > size:
+                                self.pos = pos
+                                raise self.short(n)
+                            try:
+                                text = str(view[pos:end], "utf-8", "surrogatepass")
+                            except (UnicodeDecodeError, ValueError) as exc:
+                                raise _Fail(f"undecodable text ({exc})") from exc
+                            stack.append(text)
+                            # The last two strings' places: bytes pickled as latin-1 text.
+                            texts = (texts[1], (text, pos, end))
+                            pos = end
+                        elif c == 0x89:  # NEWFALSE
+                            stack.append(False)
+                        elif c == 0x51:  # BINPERSID
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            self.found += 1
+                            pid = stack.pop()
+                            stack.append(
+                                persistent_load(pid) if persistent_load is not None
+                                else nested(PersistentId(pid), [pid])
+                            )
+                        elif c == 0x85:  # TUPLE1
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            first = stack[-1]
+                            t: tuple[Any, ...] = (first,)
+                            if type(first) in _HASHED_NESTED:
+                                stack[-1] = nested(t, t)
+                            else:  # flat: nested() records nothing for it
+                                stack[-1] = t
+                        elif c == 0x86:  # TUPLE2
+                            if len(stack) < 2:
+                                raise _Fail("stack underflow")
+                            first, second = stack[-2], stack[-1]
+                            t = (first, second)
+                            del stack[-1]
+                            if type(first) in _HASHED_NESTED or type(second) in _HASHED_NESTED:
+                                stack[-1] = nested(t, t)
+                            else:
+                                stack[-1] = t
+                        elif c == 0x71:  # BINPUT
+                            if pos >= size:
+                                self.pos = pos
+                                raise self.short(1)
+                            if not stack:
+                                self.pos = pos + 1
+                                raise _Fail("stack underflow")
+                            idx = data[pos]
+                            if idx == len(memo) and not far:
+                                memo.append(stack[-1])
+                            else:
+                                memo_put(idx, stack[-1])
+                            pos += 1
+                        elif c == 0x94:  # MEMOIZE
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            memo_put(len(memo) + len(far), stack[-1])
+                        elif c == 0x6A:  # LONG_BINGET
+                            if pos + 4 > size:
+                                self.pos = pos
+                                raise self.short(4)
+                            idx = _U32(data, pos)[0]
+                            pos += 4
+                            stack.append(memo[idx] if idx < len(memo) else memo_far(idx))
+                        elif c == 0x7D:  # EMPTY_DICT
+                            stack.append({})
+                        elif c == 0x75:  # SETITEMS
+                            if not metastack:
+                                raise _Fail("no MARK to return to")
+                            items = stack
+                            stack = metastack.pop()
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            set_items(stack[-1], items)
+                        elif c == 0x73:  # SETITEM
+                            if len(stack) < 3:
+                                # Two pops, then the target: the same checks in the same order.
+                                raise _Fail("stack underflow")
+                            value = stack.pop()
+                            key = stack.pop()
+                            set_items(stack[-1], [key, value])
+                        elif c == 0x4A:  # BININT
+                            if pos + 4 > size:
+                                self.pos = pos
+                                raise self.short(4)
+                            stack.append(_I32(data, pos)[0])
+                            pos += 4
+                        elif c == 0x5D:  # EMPTY_LIST
+                            stack.append([])
+                        elif c == 0x65:  # APPENDS
+                            if not metastack:
+                                raise _Fail("no MARK to return to")
+                            items = stack
+                            stack = metastack.pop()
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            extend(stack[-1], items)
+                        elif c == 0x61:  # APPEND
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            value = stack.pop()
+                            if not stack:
+                                raise _Fail("stack underflow")
+                            extend(stack[-1], [value])
+                        elif c == 0x4E:  # NONE
+                            stack.append(None)
+                        elif c == 0x88:  # NEWTRUE
+                            stack.append(True)
+                        elif c == 0x87:  # TUPLE3
+                            if len(stack) < 3:
+                                raise _Fail("stack underflow")
+                            t = (stack[-3], stack[-2], stack[-1])
+                            del stack[-2:]
+                            stack[-1] = nested(t, t)
+                        elif c == 0x2E:  # STOP
+                            if not stack:
+                                raise _Fail("STOP with an empty stack")
+                            self.pos, self.stack = pos, stack
+                            return stack.pop()
+                        else:
+                            handler = table[c]
+                            if handler is None:
+                                raise self.error(f"unknown opcode {bytes([c])!r}", op, "")
+                            self.pos, self.stack = pos, stack
+                            self.slow += 1
+                            handler()
+                            pos, stack = self.pos, self.stack
             if pos >= size:
                 raise self.error("data ends before the pickle's STOP opcode", pos, "")
             if not _NAMES[data[pos]]:
@@ -1245,6 +1276,8 @@ _PLAIN_CALLS = SAFE_CALLS - _CONVERTERS - {
     "copyreg._reconstructor", "torch._tensor._rebuild_from_type_v2",
     "torch._utils._rebuild_wrapper_subclass",
 } - {n for n in SAFE_CALLS if n.endswith("._reconstruct")}
+if _ops is not None:
+    _ops.setup(Global, Call, PersistentId, _PLAIN_CALLS, SAFE_CALLS, MAX_DEPTH, MAX_HASH_COST)
 
 _OPCODES: dict[bytes, str] = {
     b"\x80": "PROTO", b"\x95": "FRAME", b".": "STOP", b"(": "MARK", b"0": "POP",
