@@ -7,15 +7,13 @@ specific magic first). :func:`read` is the one boundary where low-level decoding
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import importlib
 import json
 import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
@@ -205,25 +203,6 @@ _DECODE_ERRORS = (
 )
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a reader runs (back on after, if it was on).
-
-    A reader makes hundreds of thousands of small objects that all stay alive until it returns
-    (a checkpoint's parsed pickle, its records): each automatic collection would walk all of
-    them again, for nothing. It took 60% of the pickle parse of a 100,000-tensor checkpoint
-    and a third of the whole read. Nothing a reader makes holds a cycle it needs collected.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def read(path: str | Path, registry_: Registry | None = None) -> Inventory:
     """Find the reader for ``path`` and return its :class:`Inventory`."""
     reg = registry_ or registry()
@@ -240,8 +219,7 @@ def read(path: str | Path, registry_: Registry | None = None) -> Inventory:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     reader = reg.for_source(source)
     try:
-        with _gc_paused():
-            return reader.read(source)
+        return reader.read(source)
     except ModelSizeError:
         raise
     except OSError as exc:

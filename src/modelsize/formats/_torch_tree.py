@@ -565,7 +565,10 @@ class _Walker:
 
     def is_optimizer_state(self, value: object) -> bool:
         """Cached per object: a dict shared under many keys is inspected once."""
-        if not isinstance(value, (dict, Call)):
+        if isinstance(value, Call):
+            if global_name(value.func) not in _MAPPING_CALLS:
+                return False  # builds no mapping (a tensor): not cached, there is one per tensor
+        elif not isinstance(value, dict):
             return False
         found = self.optimizer_dicts.get(id(value))
         if found is None:
