@@ -440,3 +440,22 @@ def test_reading_a_checkpoint_agrees(tmp_path: Any, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_pickle, "_ops", None)
     slow = read(tmp_path / "ckpt.pt")
     assert fast == slow
+
+
+def test_pure_python_turns_the_extensions_off() -> None:
+    """``MODELSIZE_PURE_PYTHON=1``: the Python loop and NumPy's casts, where the extensions are
+    built (the same results, for anyone who would rather not run compiled code on a file)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from modelsize.formats import _pickle; from modelsize.slimming import cast; "
+            "print(_pickle._ops is None, cast._speedups is None)")
+    env = {**os.environ, "MODELSIZE_PURE_PYTHON": "1"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert off == ["True", "True"]
+    env.pop("MODELSIZE_PURE_PYTHON")
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        check=True).stdout.split()
+    assert on[0] == "False"

@@ -29,6 +29,8 @@ try:
     from modelsize import _speedups
 except ImportError:  # not built here: NumPy does it all
     _speedups = None  # type: ignore[assignment]
+if os.environ.get("MODELSIZE_PURE_PYTHON"):  # the same results without the extension
+    _speedups = None  # type: ignore[assignment]
 
 #: Bytes of input cast at a time by one thread (its temporaries are a few times this).
 _PIECE = BUFFER
