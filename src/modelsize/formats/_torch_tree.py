@@ -340,7 +340,8 @@ def _tokens(key: str) -> list[str]:
 
 
 def _is_ema(key: str) -> bool:
-    return key in _EMA_KEYS or "ema" in _tokens(key)
+    # The substring test first: most keys hold no "ema", and splitting them is the cost.
+    return key in _EMA_KEYS or ("ema" in key and "ema" in _tokens(key))
 
 
 def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
@@ -350,7 +351,7 @@ def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
         new = Category.GRADIENTS
     elif k in _ACTIVATION_KEYS:
         new = Category.ACTIVATIONS
-    elif k in _RNG_KEYS or "rng" in _tokens(k):
+    elif k in _RNG_KEYS or ("rng" in k and "rng" in _tokens(k)):
         new = Category.OTHER
     return k in _OPTIMIZER_KEYS, new, _is_ema(k)
 
