@@ -65,6 +65,23 @@ static inline uint32_t u32(const unsigned char *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
+/* An opcode's 0-, 1- or 4-byte argument (its bytes are in the data). */
+static inline Py_ssize_t argument(const unsigned char *p, Py_ssize_t width) {
+    return width == 4 ? (Py_ssize_t)u32(p) : width == 1 ? p[0] : 0;
+}
+
+/* Back to the stack below the last MARK (the metastack is not empty): *stack becomes it. */
+static int end_mark(PyObject **stack, PyObject *metastack) {
+    Py_ssize_t m = PyList_GET_SIZE(metastack);
+    PyObject *outer = Py_NewRef(PyList_GET_ITEM(metastack, m - 1));
+    if (PyList_SetSlice(metastack, m - 1, m, NULL) < 0) {
+        Py_DECREF(outer);
+        return -1;
+    }
+    Py_SETREF(*stack, outer);
+    return 0;
+}
+
 /* Append a new reference (stolen); -1 on failure (also when obj is NULL). */
 static inline int push(PyObject *stack, PyObject *obj) {
     if (obj == NULL) return -1;
@@ -233,8 +250,8 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         case 0x94: { /* MEMOIZE */
             Py_ssize_t width = c == 0x72 ? 4 : c == 0x71 ? 1 : 0;
             if (p + width > size || n == 0 || PyDict_GET_SIZE(far) != 0) goto leave;
-            Py_ssize_t idx = c == 0x72 ? (Py_ssize_t)u32(d + p) : c == 0x71 ? d[p] : PyList_GET_SIZE(memo);
-            if (idx != PyList_GET_SIZE(memo)) goto leave;
+            /* MEMOIZE's index is the memo's length: always the next one */
+            if (width && argument(d + p, width) != PyList_GET_SIZE(memo)) goto leave;
             if (PyList_Append(memo, PyList_GET_ITEM(stack, n - 1)) < 0) goto error;
             p += width;
             break;
@@ -243,7 +260,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         case 0x6A: { /* LONG_BINGET */
             Py_ssize_t width = c == 0x6A ? 4 : 1;
             if (p + width > size) goto leave;
-            Py_ssize_t idx = width == 4 ? (Py_ssize_t)u32(d + p) : d[p];
+            Py_ssize_t idx = argument(d + p, width);
             if (idx >= PyList_GET_SIZE(memo)) goto leave;
             if (PyList_Append(stack, PyList_GET_ITEM(memo, idx)) < 0) goto error;
             p += width;
@@ -296,7 +313,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         case 0x8C: { /* SHORT_BINUNICODE */
             Py_ssize_t width = c == 0x58 ? 4 : 1;
             if (p + width > size) goto leave;
-            Py_ssize_t len = width == 4 ? (Py_ssize_t)u32(d + p) : d[p];
+            Py_ssize_t len = argument(d + p, width);
             p += width;
             /* Long strings are rare: the Python loop makes them (and says if one is short). */
             if (len > size - p || len > (1 << 20)) goto leave;
@@ -356,20 +373,16 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             break;
         }
         case 0x74: { /* TUPLE */
-            Py_ssize_t m = PyList_GET_SIZE(metastack);
-            if (m == 0) goto leave;
+            if (PyList_GET_SIZE(metastack) == 0) goto leave;
             PyObject *t = make_tuple(depths, ((PyListObject *)stack)->ob_item, n, &bail);
             if (t == NULL) {
                 if (bail) goto leave;
                 goto error;
             }
-            PyObject *outer = Py_NewRef(PyList_GET_ITEM(metastack, m - 1));
-            if (drop(metastack, 1) < 0) {
-                Py_DECREF(outer);
+            if (end_mark(&stack, metastack) < 0) {
                 Py_DECREF(t);
                 goto error;
             }
-            Py_SETREF(stack, outer);
             if (push(stack, t) < 0) goto error;
             break;
         }
@@ -405,12 +418,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                 }
             }
             Py_DECREF(target);
-            Py_INCREF(outer);
-            if (drop(metastack, 1) < 0) {
-                Py_DECREF(outer);
-                goto error;
-            }
-            Py_SETREF(stack, outer);
+            if (end_mark(&stack, metastack) < 0) goto error;
             break;
         }
         case 0x73: { /* SETITEM on a dict, a str or int key */
@@ -432,13 +440,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             Py_ssize_t tn = PyList_GET_SIZE(target);
             int r = PyList_SetSlice(target, tn, tn, stack);
             Py_DECREF(target);
-            if (r < 0) goto error;
-            Py_INCREF(outer);
-            if (drop(metastack, 1) < 0) {
-                Py_DECREF(outer);
-                goto error;
-            }
-            Py_SETREF(stack, outer);
+            if (r < 0 || end_mark(&stack, metastack) < 0) goto error;
             break;
         }
         case 0x61: { /* APPEND to a list */
