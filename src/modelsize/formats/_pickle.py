@@ -29,21 +29,17 @@ paused, as the torch reader runs it); the whole inspect of that file takes 1.5x 
 from __future__ import annotations
 
 import codecs
-import os
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-_ops: ModuleType | None
-try:
-    from modelsize import _pickleops as _ops
-except ImportError:  # not built: the Python loop runs every opcode
-    _ops = None
-if os.environ.get("MODELSIZE_PURE_PYTHON"):  # the same results, from the Python loop alone
-    _ops = None
+from modelsize._extensions import compiled
+
+#: The compiled loop's module; ``None``: the Python loop runs every opcode (the same results).
+_ops = compiled("_pickleops")
 
 if TYPE_CHECKING:
     import mmap

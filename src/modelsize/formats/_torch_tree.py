@@ -729,9 +729,10 @@ class _Walker:
             value, path, ctx = todo.pop()
             if value is None or isinstance(value, _LEAVES):
                 continue
-            if id(value) in seen:
+            ident = id(value)  # one int object for both sets (3 MB of 100,000 tensors)
+            if ident in seen:
                 attribute = ctx.soft and ctx.forced is Category.ACTIVATIONS
-                if id(value) in tensor_ids and not attribute:
+                if ident in tensor_ids and not attribute:
                     # One tensor pickled under a second name through the memo (tied weights):
                     # a second view of the same bytes, so that no key of the file is lost. A
                     # module's plain attribute that refers to a tensor already declared (an
@@ -741,7 +742,6 @@ class _Walker:
                     if t is not None:
                         self.declare(t, path, ctx)
                 continue
-            ident = id(value)  # one int object for both sets (3 MB of 100,000 tensors)
             seen.add(ident)
             if type(value) is StorageRef:
                 # A storage saved by itself (torch.save({"s": t.untyped_storage()})): its

@@ -19,18 +19,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from modelsize._extensions import compiled
 from modelsize.dtypes import DTYPES
 from modelsize.errors import MissingDependencyError
 from modelsize.inputs import reading
 from modelsize.slimming.checksum import BUFFER, crc32, ordered, thread_buffer
 from modelsize.slimming.source import FileRange, TensorSource, _pread_exact
 
-try:
-    from modelsize import _speedups
-except ImportError:  # not built here: NumPy does it all
-    _speedups = None  # type: ignore[assignment]
-if os.environ.get("MODELSIZE_PURE_PYTHON"):  # the same results without the extension
-    _speedups = None  # type: ignore[assignment]
+#: The compiled casts' module; ``None``: NumPy does it all (the same results).
+_speedups = compiled("_speedups")
 
 #: Bytes of input cast at a time by one thread (its temporaries are a few times this).
 _PIECE = BUFFER
