@@ -1,5 +1,5 @@
-"""The optional compiled kernels (``modelsize._speedups``, ``modelsize._pickleops``); everything
-else is in pyproject.toml.
+"""The optional compiled kernels (``modelsize._speedups``, ``modelsize._pickleops``,
+``modelsize._headers``); everything else is in pyproject.toml.
 
 ``optional=True``: where no C compiler is at hand (or it fails) the install goes on without
 them and modelsize uses its NumPy paths (the same results, slower).
@@ -26,6 +26,14 @@ setup(
         Extension(
             "modelsize._pickleops",
             ["src/modelsize/_pickleops.c"],
+            extra_compile_args=[] if sys.platform == "win32" else ["-O2"],
+            optional=True,
+        ),
+        # The common entries of a safetensors header (formats/safetensors.py scans them itself
+        # without).
+        Extension(
+            "modelsize._headers",
+            ["src/modelsize/_headers.c"],
             extra_compile_args=[] if sys.platform == "win32" else ["-O2"],
             optional=True,
         ),

@@ -1,7 +1,8 @@
 """The optional compiled extensions, loaded in one place.
 
-``modelsize._speedups`` (slim's casts) and ``modelsize._pickleops`` (the pickle parser's frequent
-opcodes) are built by ``pip install`` where a C compiler is at hand. Their callers fall back to
+``modelsize._speedups`` (slim's casts), ``modelsize._pickleops`` (the pickle parser's frequent
+opcodes) and ``modelsize._headers`` (the common entries of a safetensors header) are built by
+``pip install`` where a C compiler is at hand. Their callers fall back to
 Python (and NumPy) where one is missing, with the same results; ``MODELSIZE_PURE_PYTHON=1``
 makes them fall back where it is built too.
 """

@@ -31,7 +31,7 @@
  *   ``ran`` is the number of opcodes run, ``found`` the number of persistent ids met. The
  *   tests run every pickle they have both ways (this file, and the Python loop alone) and
  *   compare everything: values, memo, globals, judgement, errors and offsets. After changing
- *   this file, also run scripts/check_pickleops.py: the same comparison on 200,000 mutated
+ *   this file, also run scripts/check_parsers.py: the same comparison on 200,000 mutated
  *   pickles with this file built under AddressSanitizer and UBSan.
  */
 #define PY_SSIZE_T_CLEAN

@@ -424,6 +424,18 @@ class InventoryBuilder:
         self.check_range(offset, nbytes, label, file)
         self._regions.append(_region(file, offset, nbytes, category, label))
 
+    def add_regions(self, file: int, regions: Iterable[tuple[int, int, Category, str]]) -> None:
+        """:meth:`add_region` of each ``(offset, nbytes, category, label)``, in one call."""
+        size = self.files[file].nbytes
+        append = self._regions.append
+        region = _region
+        for offset, nbytes, category, label in regions:
+            if nbytes == 0:
+                continue
+            if offset < 0 or nbytes < 0 or offset + nbytes > size:
+                self.check_range(offset, nbytes, label, file)  # raises, naming it
+            append(region(file, offset, nbytes, category, label))
+
     def add_storage(
         self,
         key: str,
@@ -516,6 +528,83 @@ class InventoryBuilder:
             name, dt_name, shape_t, category, nbytes, 0, storage, offset_bytes,
             tags if type(tags) is tuple else tuple(tags), None, strides_t, container,
         ))
+
+    def add_plain_tensor(
+        self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, category: Category,
+        storage: str, offset_bytes: int, strides: tuple[int, ...] | None,
+        tags: tuple[str, ...], container: str,
+    ) -> None:
+        """:meth:`add_tensor` of a tensor the reader has checked: ``dtype`` canonical, of one
+        element per block; ``shape`` and ``strides`` tuples of ints, ``strides`` None where the
+        view is contiguous (or empty); ``nbytes`` and the offset in bytes."""
+        shared = self._shapes.get(shape)
+        if shared is not None:
+            shape = shared
+        elif len(self._shapes) < _MAX_SHAPES:
+            self._shapes[shape] = shape
+        self._tensors.append(_tensor(name, dtype, shape, category, nbytes, 0, storage,
+                                     offset_bytes, tags, None, strides, container))
+
+    def add_whole_tensors(
+        self,
+        file: int,
+        start: int,
+        keys: Sequence[str],
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        begins: Sequence[int],
+        ends: Sequence[int],
+        classes: Sequence[tuple[Category, tuple[str, ...]]],
+    ) -> None:
+        """Declare tensors each alone in a storage of its own, contiguous, from columns:
+        what :meth:`add_storage` and :meth:`add_tensor` declare for each, in one pass.
+
+        Tensor ``i`` is named ``names[i]``, has storage ``keys[i]`` at bytes
+        ``start + begins[i] .. start + ends[i]`` of file ``file``, and its category and tags are
+        ``classes[i]``. The caller has checked what the general methods check per tensor: each
+        dtype is canonical (a key of :data:`~modelsize.dtypes.DTYPES`) and each span holds
+        exactly the shape's bytes (a safetensors header, validated). Ranges and keys are
+        checked here, the ranges at once.
+        """
+        size = self.files[file].nbytes
+        count = len(keys)
+        if count and not (start >= 0 and start + max(ends) <= size and min(begins) >= 0):
+            for key, begin, end in zip(keys, begins, ends, strict=True):
+                self.check_range(start + begin, end - begin, f"storage {key}", file)
+        storages = self._storages
+        if storages and not storages.keys().isdisjoint(keys):
+            self._declared_twice(keys, begins, start, file, set(storages))
+        before = len(storages)
+        storage = _storage
+        no_charges = _NO_CHARGES
+        for key, dtype, begin, end in zip(keys, dtypes, begins, ends, strict=True):
+            storages[key] = storage(key, file, start + begin, end - begin, end - begin, False,
+                                    dtype, no_charges, None)
+        if len(storages) != before + count:
+            self._declared_twice(keys, begins, start, file, set())
+        tensors = self._tensors
+        first = len(tensors)
+        tensor = _tensor
+        tensors.extend([
+            tensor(name, dtype, shape, cls[0], end - begin, 0, key, 0, cls[1], None, None, "")
+            for name, dtype, shape, begin, end, key, cls in zip(
+                names, dtypes, shapes, begins, ends, keys, classes, strict=True)
+        ])
+        packed = {d: (dt.block, dt.block_bytes) for d in set(dtypes)
+                  if (dt := DTYPES[d]).block != 1}
+        if packed:
+            for i, dtype in enumerate(dtypes, first):
+                if dtype in packed:
+                    self._blocks[i] = packed[dtype]
+
+    def _declared_twice(self, keys: Sequence[str], begins: Sequence[int], start: int, file: int,
+                        seen: set[str]) -> None:
+        """Raise for the first of ``keys`` already in ``seen`` or met twice."""
+        for key, begin in zip(keys, begins, strict=True):
+            if key in seen:
+                raise self.corrupt(f"storage {key!r} declared twice", start + begin, file)
+            seen.add(key)
 
     def add_unsafe_global(self, name: str) -> None:
         """Record a callable the file would import and call on load."""
@@ -936,6 +1025,37 @@ class TotalsBuilder(InventoryBuilder):
         if self.expect is not None:
             self.expect(self.count, name, dt_name, shape_t)  # type: ignore[arg-type]
         self.count += 1
+
+    def add_plain_tensor(
+        self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, category: Category,
+        storage: str, offset_bytes: int, strides: tuple[int, ...] | None,
+        tags: tuple[str, ...], container: str,
+    ) -> None:
+        """:meth:`InventoryBuilder.add_plain_tensor` of a tensor viewing its storage whole."""
+        if offset_bytes or strides is not None:
+            raise NotSimpleError(f"tensor {name!r} is a view the totals do not follow")
+        self.add_tensor(name, dtype, shape, category, storage=storage, tags=tags,
+                        container=container)
+
+    def add_whole_tensors(
+        self,
+        file: int,
+        start: int,
+        keys: Sequence[str],
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        begins: Sequence[int],
+        ends: Sequence[int],
+        classes: Sequence[tuple[Category, tuple[str, ...]]],
+    ) -> None:
+        """:meth:`InventoryBuilder.add_whole_tensors`, a storage and its tensor at a time (each
+        kept as columns and checked by ``expect`` as it comes)."""
+        add_storage, add_tensor = self.add_storage, self.add_tensor
+        for key, name, dtype, shape, begin, end, (category, tags) in zip(
+                keys, names, dtypes, shapes, begins, ends, classes, strict=True):
+            add_storage(key, start + begin, end - begin, file=file, dtype=dtype)
+            add_tensor(name, dtype, shape, category, storage=key, tags=tags)
 
     def build(self, default: Category = Category.METADATA, *, dedupe: bool = True,
               crcs: Sequence[int] | None = None) -> LazyInventory:

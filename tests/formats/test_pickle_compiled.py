@@ -449,13 +449,18 @@ def test_pure_python_turns_the_extensions_off() -> None:
     import subprocess
     import sys
 
-    code = ("from modelsize.formats import _pickle; from modelsize.slimming import cast; "
-            "print(_pickle._ops is None, cast._speedups is None)")
+    from modelsize.formats import safetensors
+
+    code = ("from modelsize.formats import _pickle, safetensors; "
+            "from modelsize.slimming import cast; "
+            "print(_pickle._ops is None, cast._speedups is None, "
+            "safetensors._scan_entries is None)")
     env = {**os.environ, "MODELSIZE_PURE_PYTHON": "1"}
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
-    assert off == ["True", "True"]
+    assert off == ["True", "True", "True"]
     env.pop("MODELSIZE_PURE_PYTHON")
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         check=True).stdout.split()
     assert on[0] == "False"
+    assert on[2] == str(safetensors._scan_entries is None)

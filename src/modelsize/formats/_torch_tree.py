@@ -670,6 +670,9 @@ class _Walker:
         dt = DTYPES.get(t.dtype)
         if dt is None:
             raise _Invalid(f"tensor {name!r} has unknown dtype {t.dtype}")
+        if dt.block == 1 and not ref.base and ref.view_numel is None and t.blob is None:
+            self.declare_plain(t, dt.block_bytes, ref, name, cat, tags, container)
+            return
         shape = t.shape
         n = math.prod(shape)
         base = ref.base * ref.itemsize if ref.base else 0
@@ -709,6 +712,33 @@ class _Walker:
             name, t.dtype, t.shape, cat, storage=ref.key, storage_offset=offset,
             strides=t.stride, tags=tags, container=container,
         )
+
+    def declare_plain(self, t: _Tensor, size: int, ref: StorageRef, name: str, cat: Category,
+                      tags: tuple[str, ...], container: str) -> None:
+        """:meth:`declare_one` of the common tensor: a dtype of whole bytes per element, in a
+        storage that is no legacy view, not pickled array bytes (most tensors of a file). The
+        same checks and the same record, contiguity found as the span is."""
+        shape, stride, offset = t.shape, t.stride, t.offset
+        n = math.prod(shape)
+        contiguous = True
+        if n:
+            if stride is None:
+                span = n
+            else:  # (strided() checked that they have as many dimensions)
+                span = expected = 1
+                for d, s in zip(reversed(shape), reversed(stride), strict=True):
+                    span += (d - 1) * s
+                    if d != 1 and s != expected:
+                        contiguous = False
+                    expected *= d
+            end = (offset + span) * size
+            if end > ref.numel * ref.itemsize:
+                raise _Invalid(
+                    f"tensor {name!r} ({t.dtype}{list(shape)} at element {offset}) "
+                    f"reaches byte {end} of storage {ref.key!r}, which holds {ref.nbytes}"
+                )
+        self.builder.add_plain_tensor(name, t.dtype, shape, n * size, cat, ref.key, offset * size,
+                                      None if contiguous else stride, tags, container)
 
     # -- walking ----------------------------------------------------------------------
     def walk(self, root: object, prefix: tuple[str, ...] = ()) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
+from modelsize._extensions import compiled
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError
 from modelsize.formats import _limits
@@ -125,6 +126,7 @@ def _directory(fp: IO[bytes], end_record: Callable[[IO[bytes]], list[Any] | None
     unpack = _CENTRAL.unpack_from
     fixed = _CENTRAL.size
     p = total = 0
+    records = _central_records
     while total < size_cd:
         end = base + len(data)
         if end - p < _RECORD_MAX and end < have:
@@ -133,6 +135,15 @@ def _directory(fp: IO[bytes], end_record: Callable[[IO[bytes]], list[Any] | None
             data, base = data[p - base :] + more, p
             if not more:  # (the file shrank while it was read)
                 have = end
+        if records is not None:
+            # The compiled loop takes the records that lie in the window and would not raise
+            # (see _headers.c); this loop the one it stops before.
+            q, took = records(data, p - base, have - base, size_cd - total, concat, out)
+            p, total = base + q, total + took
+            if total >= size_cd:
+                break
+            if took:
+                continue
         if p + fixed > have:
             raise zipfile.BadZipFile("Truncated central directory")
         q = p - base
@@ -196,6 +207,9 @@ def _zip64_extra(extra: bytes, file_size: int, compress_size: int,
 
 _U64 = struct.Struct("<Q")
 
+_compiled = compiled("_headers")
+_central_records = _check_records = _local_headers = None
+
 
 class Member(NamedTuple):
     """One archive member: where its header and data lie.
@@ -246,7 +260,18 @@ def members(
         fd = fh.fileno()
         _check_directory(fd, size, len(infos), builder, file)
         window = _Window(fd, [info.header_offset for info in infos])
-        for i, info in enumerate(infos):
+        headers = _local_headers if type(infos) is list else None
+        i = 0
+        while i < len(infos):
+            if headers is not None:
+                # The members whose local headers lie in the window and pass every check below,
+                # compiled (_headers.c); this loop takes the one it stops before.
+                i = headers(window.buf, window.start, infos, i, size, names, _UNREADABLE_MASK,
+                            out, fd)
+                if i == len(infos):
+                    break
+            info = infos[i]
+            i += 1
             header = info.header_offset
             if info.flag_bits & _UNREADABLE_MASK:
                 flagged = [w for bit, w in _UNREADABLE_FLAGS.items() if info.flag_bits & bit]
@@ -259,7 +284,7 @@ def members(
                     f"member {info.filename!r} header at {header} is outside "
                     f"the file ({size} bytes)", header, file
                 )
-            raw = window.read(i, local_size)
+            raw = window.read(i - 1, local_size)
             if len(raw) < local_size or raw[:4] != _LOCAL_MAGIC:
                 raise builder.corrupt(
                     f"member {info.filename!r}: no local header at {header}", header, file,
@@ -267,7 +292,7 @@ def members(
             name_len, extra_len = _NAME_EXTRA.unpack_from(raw, 26)
             data_offset = header + local_size + name_len + extra_len
             if names:
-                _check_local_name(window.read(i, local_size + name_len)[local_size:], info,
+                _check_local_name(window.read(i - 1, local_size + name_len)[local_size:], info,
                                   builder, file)
             compress_size, file_size, method = (
                 info.compress_size, info.file_size, info.compress_type
@@ -319,13 +344,22 @@ def _check_directory(fd: int, size: int, count: int, builder: InventoryBuilder,
     start = end - cd_size
     raw, base = b"", 0  # the window: bytes base .. base + len(raw) of the directory
     p = 0
-    for i in range(count):
+    i = 0
+    walk = _check_records
+    while i < count:
         if base + len(raw) - p < _RECORD_MAX and base + len(raw) < cd_size:
             at = base + len(raw)
             raw = raw[p - base :] + os.pread(fd, min(max(_CD_CHUNK, _RECORD_MAX), cd_size - at),
                                              start + at)
             base = p
         q = p - base
+        if walk is not None:  # the records that lie in the window, compiled (_headers.c)
+            q, walked = walk(raw, q, count - i)
+            p, i = base + q, i + walked
+            if i == count:
+                break
+            if walked:
+                continue
         if q + 46 > len(raw) or raw[q : q + 4] != b"PK\x01\x02":
             raise builder.corrupt(f"central directory record {i} is not where the one before "
                                   "it ends (torch's zip reader refuses the archive)",
@@ -338,6 +372,7 @@ def _check_directory(fd: int, size: int, count: int, builder: InventoryBuilder,
                 f"extra field and a {c}-byte comment, past the directory's end (torch's zip "
                 "reader refuses the archive)", start + p, file)
         p += 46 + n + x + c
+        i += 1
 
 
 class _Window:
@@ -533,6 +568,13 @@ def check_members(
 
 def account_headers(builder: InventoryBuilder, items: list[Member], file: int = 0) -> None:
     """Declare every local header as metadata (the central directory is left to gap filling)."""
-    for m in items:
-        builder.add_region(m.header_offset, m.header_nbytes, Category.METADATA,
-                           f"zip header of {m.name}", file)
+    metadata = Category.METADATA
+    builder.add_regions(file, [(m.header_offset, m.data_offset - m.header_offset, metadata,
+                                f"zip header of {m.name}") for m in items])
+
+
+if _compiled is not None and hasattr(_compiled, "setup_zip"):  # (not an older build of it)
+    _compiled.setup_zip(Entry, Member, _MAX_EXTRACT_VERSION)
+    _central_records = _compiled.central_records
+    _check_records = _compiled.check_records
+    _local_headers = _compiled.local_headers

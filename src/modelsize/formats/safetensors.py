@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
+from modelsize._extensions import compiled
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, DType, canonical
 from modelsize.errors import CorruptFileError, printable
@@ -282,6 +283,9 @@ _METADATA = re.compile(
     _WS + rb'"__metadata__"' + _WS + rb":" + _WS + rb"(\{" + _WS + rb"(?:" + _PAIR + rb"(?:"
     + _WS + rb"," + _WS + _PAIR + rb")*)?" + _WS + rb"\})" + _WS + rb"([,}])"
 )
+_headers = compiled("_headers")
+_scan_entries = getattr(_headers, "scan_safetensors", None)
+
 #: Arrays, objects, strings and commas a legal header may hold beyond those of its tensors
 #: (metadata, brackets inside names...): past them, JSON parsing is refused before it starts.
 _SLACK = 1 << 20
@@ -304,7 +308,18 @@ def _scan_compact(raw: bytes, cols: _Columns) -> dict[str, Any] | None:
     data_size = cols.data_size
     names, dtypes, shape_col = cols.names, cols.dtypes, cols.shapes
     begins, ends = cols.begins.append, cols.ends.append
+    # The compiled scanner takes the entries it can (see _headers.c), this loop the one it
+    # stops before; it knows the dtypes this loop has met, by their spelling's bytes.
+    scan = _scan_entries
+    fast_known: dict[bytes, tuple[str, int]] = {}
     while True:
+        if scan is not None:
+            pos, closed, more_begins, more_ends = scan(
+                raw, pos, data_size, fast_known, shapes, names, dtypes, shape_col)
+            cols.begins.frombytes(more_begins)
+            cols.ends.frombytes(more_ends)
+            if closed:
+                break
         m = match_entry(raw, pos)
         if m is not None:
             name_b, dtype_b, shape_b, begin_b, end_b, close = m.groups()
@@ -332,6 +347,10 @@ def _scan_compact(raw: bytes, cols: _Columns) -> dict[str, Any] | None:
                 ends(end)
             else:
                 cols.add(name, dtype, shape, begin, end)
+                if scan is not None and dtype_b not in fast_known:
+                    dt = known[dtype]
+                    if dt[1].block == 1:
+                        fast_known[dtype_b] = (dt[0], dt[1].block_bytes)
         else:
             m = match_meta(raw, pos)
             if m is None or metadata is not None:
@@ -464,13 +483,12 @@ def account_file(builder: InventoryBuilder, file: int = 0, prefix: str = "") -> 
         start = header.data_start
         builder.add_region(0, start, Category.METADATA, "safetensors header", file)
         floating = {name: dt.floating for name, dt in DTYPES.items()}
-        add_storage, add_tensor = builder.add_storage, builder.add_tensor
-        for name, dtype, shape, begin, end in zip(header.names, header.dtypes, header.shapes,
-                                                  header.begins, header.ends, strict=True):
-            key = prefix + name
-            add_storage(key, start + begin, end - begin, file=file, dtype=dtype)
-            category, tags = classify_name(name, floating[dtype])
-            add_tensor(name, dtype, shape, category, storage=key, tags=tags)
+        names, dtypes = header.names, header.dtypes
+        builder.add_whole_tensors(
+            file, start, [prefix + name for name in names] if prefix else names, names,
+            dtypes, header.shapes, header.begins, header.ends,
+            list(map(classify_name, names, map(floating.__getitem__, dtypes))),
+        )
         _account_stray(builder, header, file)
     fmt = header.metadata.get("format")
     if isinstance(fmt, str) and "safetensors_format" not in builder.facts:
