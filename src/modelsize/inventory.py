@@ -877,11 +877,16 @@ class InventoryBuilder:
         crc = self._crc
         tensors = self._tensors
         itemsizes: dict[str, int] = {}
-        for index, (key, st) in enumerate(storages.items()):
-            found = index if by_storage is None else by_storage.get(key)
-            if found is None or st.nbytes == 0:
+        # Each storage with the first tensor viewing it (storage i's is tensor i where
+        # by_storage is None: a safetensors file's million storages are not looked up by key).
+        pairs: Iterable[tuple[str, StorageRecord, TensorRecord]]
+        if by_storage is None:
+            pairs = zip(storages, storages.values(), tensors, strict=True)
+        else:
+            pairs = self._first_views(by_storage)
+        for key, st, first in pairs:
+            if st.nbytes == 0:
                 continue
-            first = tensors[found if isinstance(found, int) else found[0].record_index]
             dtype = first.dtype
             itemsize = itemsizes.get(dtype)
             if itemsize is None:
@@ -902,6 +907,15 @@ class InventoryBuilder:
         candidates = [(sig[3], keys) for sig, keys in groups.items()]
         del groups
         return self._confirm_duplicates(candidates, storages)
+
+    def _first_views(self, by_storage: Mapping[str, int | list[_View]]
+                     ) -> Iterator[tuple[str, StorageRecord, TensorRecord]]:
+        """Each storage some tensor views, with the first such tensor."""
+        tensors = self._tensors
+        for key, st in self._storages.items():
+            found = by_storage.get(key)
+            if found is not None:
+                yield key, st, tensors[found if isinstance(found, int) else found[0].record_index]
 
     def _confirm_duplicates(self, candidates: list[tuple[str, list[str]]],
                             storages: Mapping[str, StorageRecord]) -> dict[str, str]:

@@ -444,3 +444,25 @@ def test_cli_reports_one_line(tmp_path: Path) -> None:
         {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}, bytes(4),
     )
     assert_one_line_error(run_cli("inspect", str(path)), path)
+
+
+def test_classify_name_searches_every_name_a_special_word_could_be_in() -> None:
+    """classify_name searches with _SPECIAL only names holding one of _SPECIAL_HINTS: every
+    word _SPECIAL finds holds one, and classify_name tests each of them."""
+    import inspect as pyinspect
+
+    from modelsize.formats import safetensors as st
+
+    words = (st._EMA_PARTS | st._GRAD_PARTS | st._OPTIMIZER_PARTS | st._OPTIMIZER_SLOTS
+             | {"ema_model_x", "x_ema"})
+    for word in words:
+        assert st._SPECIAL.search(f"a.{word}") is not None, word
+        assert any(hint in word for hint in st._SPECIAL_HINTS), word
+    source = pyinspect.getsource(st.classify_name)
+    assert all(f'"{hint}" in low' in source for hint in st._SPECIAL_HINTS)
+    for name, floating in [("m.exp_avg", True), ("ema.w", True), ("w.grad", True),
+                           ("opt_state.0.mu", True), ("layer.0.weight", True),
+                           ("bn.running_mean", True), ("x.momentum_buffer", True)]:
+        special = st._SPECIAL.search(name.lower()) is not None
+        assert (st.classify_name(name, floating)[0].value in ("optimizer_state", "gradients")
+                or "ema" in st.classify_name(name, floating)[1]) == special, name

@@ -76,6 +76,10 @@ _SPECIAL = re.compile(
     r"(?=[./]|$)|ema_)|_ema(?=[./]|$)"
 )
 _QUANT = re.compile(rf"(?:^|[./])(?:{_words(_QUANT_PARTS)})(?=[./]|$)")
+#: A substring of every word _SPECIAL finds, tested (in this order) by classify_name before
+#: it searches: names with none of them (nearly all) are not searched.
+_SPECIAL_HINTS = ("ema", "grad", "opt", "exp_", "momentum", "square_avg", "acc_delta", "shadow",
+                  "averaged", "swa")
 
 
 def classify_name(name: str, floating: bool) -> tuple[Category, tuple[str, ...]]:
@@ -88,7 +92,11 @@ def classify_name(name: str, floating: bool) -> tuple[Category, tuple[str, ...]]
     the tag ``"ema"``.
     """
     low = name.lower()
-    if _SPECIAL.search(low) is None:  # the common case, decided without splitting the name
+    if not ("ema" in low or "grad" in low or "opt" in low or "exp_" in low
+            or "momentum" in low or "square_avg" in low or "acc_delta" in low
+            or "shadow" in low or "averaged" in low or "swa" in low
+            ) or _SPECIAL.search(low) is None:  # (the hints: see _SPECIAL_HINTS)
+        # the common case, decided without splitting the name
         last = low.replace("/", ".").rstrip(".").rpartition(".")[2]
         if last in _BUFFER_NAMES:
             return Category.BUFFERS, ()
