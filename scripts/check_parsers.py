@@ -32,39 +32,42 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-_PICKLES = r"""
+#: Each child runs with argv: cases, seed, the folder of the sanitized package, the package.
+_PRELUDE = r"""
 import random, sys, time
 sys.path.insert(1, sys.argv[3])
+rng = random.Random(int(sys.argv[2]))
+counts = {}
+"""
+
+_REPORT = r"""
+print(f"{sys.argv[1]} mutated WHAT agree both ways, no sanitizer report: {counts} "
+      f"({time.time() - t0:.0f} s)")
+"""
+
+_PICKLES = r"""
 from modelsize.formats import _pickle
 assert _pickle.__file__.startswith(sys.argv[4]), _pickle.__file__
 assert _pickle._ops is not None, "the sanitized extension did not load"
 from tests.formats import test_pickle_compiled as t
-rng = random.Random(int(sys.argv[2]))
 seeds = [p for p in t.protocol_pickles() if len(p) < 20_000]
 seeds += t.persid_pickles()[:2] + [p for p in t.torch_pickles() if len(p) < 20_000]
 seeds += [d for _, d in t.corpus_pickles() if len(d) < 20_000]
 seeds += [d for d in t.EDGE_CASES.values() if len(d) < 20_000]
-counts = {}
 t0 = time.time()
 for i in range(int(sys.argv[1])):
     data = t._mutate(rng, rng.choice(seeds))
     r = t.both(data, persistent_load=t.recording_load if i % 2 else None)
     k = "error" if "error" in r else "raised" if "raised" in r else "ok"
     counts[k] = counts.get(k, 0) + 1
-print(f"{sys.argv[1]} mutated pickles agree both ways, no sanitizer report: {counts} "
-      f"({time.time() - t0:.0f} s)")
 """
 
 _HEADERS = r"""
-import random, sys, time
-sys.path.insert(1, sys.argv[3])
 from modelsize.formats import safetensors
 assert safetensors.__file__.startswith(sys.argv[4]), safetensors.__file__
 assert safetensors._scan_entries is not None, "the sanitized extension did not load"
 from tests.formats import test_safetensors_compiled as t
-rng = random.Random(int(sys.argv[2]))
 seeds = t.mutation_seeds()
-counts = {}
 t0 = time.time()
 for i in range(int(sys.argv[1])):
     raw, size = rng.choice(seeds)
@@ -80,21 +83,16 @@ for i in range(int(sys.argv[1])):
     k = ("bad" if "bad" in r else "error" if "error" in r
          else "json" if r["metadata"] is None else "ok")
     counts[k] = counts.get(k, 0) + 1
-print(f"{sys.argv[1]} mutated headers agree both ways, no sanitizer report: {counts} "
-      f"({time.time() - t0:.0f} s)")
 """
 
 _ZIPS = r"""
-import random, sys, time, tempfile
+import tempfile
 from pathlib import Path
-sys.path.insert(1, sys.argv[3])
 from modelsize.formats import _zip
 assert _zip.__file__.startswith(sys.argv[4]), _zip.__file__
 assert _zip._local_headers is not None, "the sanitized extension did not load"
 from tests.formats import test_zip_compiled as t
-rng = random.Random(int(sys.argv[2]))
 seeds = t.mutation_seeds(rng)
-counts = {}
 path = Path(tempfile.mkdtemp()) / "z.zip"
 t0 = time.time()
 for i in range(int(sys.argv[1])):
@@ -115,12 +113,13 @@ for i in range(int(sys.argv[1])):
         infos = [_zip.Entry(*e) for e in r["directory"]]
         _zip._local_headers(raw, a, infos, rng.randrange(len(infos) + 1), len(data),
                             rng.random() < 0.5, 0x2061, [], -1)
-print(f"{sys.argv[1]} mutated archives agree both ways, no sanitizer report: {counts} "
-      f"({time.time() - t0:.0f} s)")
 """
 
-_CHILDREN = {"pickle": ("_pickleops", _PICKLES), "headers": ("_headers", _HEADERS),
-             "zip": ("_headers", _ZIPS)}
+_CHILDREN = {which: (module, _PRELUDE + body + _REPORT.replace("WHAT", what))
+             for which, module, body, what in (
+                 ("pickle", "_pickleops", _PICKLES, "pickles"),
+                 ("headers", "_headers", _HEADERS, "headers"),
+                 ("zip", "_headers", _ZIPS, "archives"))}
 
 
 def main() -> int:
