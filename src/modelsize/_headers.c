@@ -48,7 +48,6 @@
 #include <unistd.h>
 #else
 #define pread(fd, buf, n, at) (-1) /* no positioned read: the window's headers only */
-typedef long long ssize_t;
 #endif
 
 #define MAX_DIMS 64
@@ -637,7 +636,7 @@ static PyObject *local_headers(PyObject *self, PyObject *args) {
             /* Not in the window: read this header alone (a member far from the one before). */
             if (fd < 0)
                 break;
-            ssize_t got = pread(fd, head, sizeof(head), (off_t)header);
+            Py_ssize_t got = (Py_ssize_t)pread(fd, head, sizeof(head), (off_t)header);
             if (got < 30)
                 break; /* (an error or a short read: _zip.members reads it again and says) */
             h = head;
