@@ -490,15 +490,7 @@ class InventoryBuilder:
         """
         # A shape met before is taken as it was normalised then (equal tuples hash alike).
         shared = self._shapes.get(shape) if type(shape) is tuple else None  # type: ignore[arg-type]
-        if shared is not None:
-            shape_t = shared
-        else:
-            shape_t = tuple(map(int, shape))
-            shared = self._shapes.get(shape_t)
-            if shared is not None:
-                shape_t = shared
-            elif len(self._shapes) < _MAX_SHAPES:
-                self._shapes[shape_t] = shape_t
+        shape_t = shared if shared is not None else self._shared(tuple(map(int, shape)))
         known = self._dtypes.get(dtype)
         dt: DType | None
         if known is not None:
@@ -537,13 +529,17 @@ class InventoryBuilder:
         """:meth:`add_tensor` of a tensor the reader has checked: ``dtype`` canonical, of one
         element per block; ``shape`` and ``strides`` tuples of ints, ``strides`` None where the
         view is contiguous (or empty); ``nbytes`` and the offset in bytes."""
+        self._tensors.append(_tensor(name, dtype, self._shared(shape), category, nbytes, 0,
+                                     storage, offset_bytes, tags, None, strides, container))
+
+    def _shared(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The one tuple kept for shapes equal to ``shape`` (it, the first time it is met)."""
         shared = self._shapes.get(shape)
         if shared is not None:
-            shape = shared
-        elif len(self._shapes) < _MAX_SHAPES:
+            return shared
+        if len(self._shapes) < _MAX_SHAPES:
             self._shapes[shape] = shape
-        self._tensors.append(_tensor(name, dtype, shape, category, nbytes, 0, storage,
-                                     offset_bytes, tags, None, strides, container))
+        return shape
 
     def add_whole_tensors(
         self,

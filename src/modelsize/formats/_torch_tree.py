@@ -283,6 +283,11 @@ class _Invalid(Exception):
     """A rebuild call whose arguments make no sense: the reader turns it into a corrupt error."""
 
 
+def _past_storage(t: _Tensor, name: str, end: int, ref: StorageRef) -> _Invalid:
+    return _Invalid(f"tensor {name!r} ({t.dtype}{list(t.shape)} at element {t.offset}) "
+                    f"reaches byte {end} of storage {ref.key!r}, which holds {ref.nbytes}")
+
+
 def global_name(obj: object) -> str:
     """``module.name`` of a :class:`Global`, else an empty string."""
     return obj.qualname if isinstance(obj, Global) else ""
@@ -686,10 +691,7 @@ class _Walker:
                     span += (d - 1) * s
             end = base + dt.nbytes(t.offset) + dt.nbytes(span)
             if end > ref.nbytes:
-                raise _Invalid(
-                    f"tensor {name!r} ({t.dtype}{list(t.shape)} at element {t.offset}) "
-                    f"reaches byte {end} of storage {ref.key!r}, which holds {ref.nbytes}"
-                )
+                raise _past_storage(t, name, end, ref)
         if t.blob is not None:
             if self.blob_base is None:
                 # Array bytes we cannot place in the file stay part of the pickle's bytes.
@@ -733,10 +735,7 @@ class _Walker:
                     expected *= d
             end = (offset + span) * size
             if end > ref.numel * ref.itemsize:
-                raise _Invalid(
-                    f"tensor {name!r} ({t.dtype}{list(shape)} at element {offset}) "
-                    f"reaches byte {end} of storage {ref.key!r}, which holds {ref.nbytes}"
-                )
+                raise _past_storage(t, name, end, ref)
         self.builder.add_plain_tensor(name, t.dtype, shape, n * size, cat, ref.key, offset * size,
                                       None if contiguous else stride, tags, container)
 

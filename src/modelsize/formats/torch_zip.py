@@ -18,7 +18,6 @@ costs nothing next to parsing the pickle. Storages are tensor data, never read, 
 
 from __future__ import annotations
 
-import functools
 import re
 import struct
 
@@ -45,7 +44,6 @@ from modelsize.formats._torch_tree import (
     storage_itemsize,
     torch_storage_chunks,
 )
-from modelsize.formats._zip import STORED as _STORED
 from modelsize.formats.base import Source
 from modelsize.inventory import Inventory, InventoryBuilder, paused_gc
 
@@ -299,7 +297,8 @@ class _ZipRead:
         data, start, end = _zip.pickle_data(self.path, member, b)
         in_place = member.method == _zip.STORED
 
-        persistent_load = functools.partial(self.storage, folder, member)
+        def persistent_load(pid: object) -> StorageRef:
+            return self.storage(pid, folder, member)
 
         budget = ParseBudget(self.path, member.name)
         try:
@@ -339,7 +338,7 @@ class _ZipRead:
                 roles.update(script_roles(module, text.decode("utf-8", "replace")))
         return roles
 
-    def storage(self, folder: str, owner: _zip.Member, pid: object) -> StorageRef:
+    def storage(self, pid: object, folder: str, owner: _zip.Member) -> StorageRef:
         """The storage a persistent id names, declared (once) to the builder."""
         b = self.builder
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
@@ -367,8 +366,9 @@ class _ZipRead:
                 f"but the member holds {m.file_size}", m.header_offset,
             )
         if not b.has_storage(name):
-            b.add_storage(name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
-                          compressed=m.method != _STORED, dtype=dtype,
-                          crc32=m.crc if m.crc or not m.file_size else None)  # crc_recorded
-        return StorageRef(name, dtype, numel, location if type(location) is str
-                          else str(location))
+            b.add_storage(
+                name, m.data_offset, m.compress_size, logical_nbytes=m.file_size,
+                compressed=m.method != _zip.STORED, dtype=dtype,
+                crc32=m.crc if _zip.crc_recorded(m) else None,
+            )
+        return StorageRef(name, dtype, numel, str(location))
