@@ -420,6 +420,16 @@ static PyObject *make_tuple(PyTypeObject *type, PyObject **items, Py_ssize_t n) 
     return t;
 }
 
+/* make_tuple's tuple appended to ``out``: 0, or -1 with an exception set. */
+static int append_tuple(PyObject *out, PyTypeObject *type, PyObject **items, Py_ssize_t n) {
+    PyObject *t = make_tuple(type, items, n);
+    if (t == NULL)
+        return -1;
+    int failed = PyList_Append(out, t) < 0;
+    Py_DECREF(t);
+    return failed ? -1 : 0;
+}
+
 /* The ZIP64 extra field as _zip._zip64_extra reads it; 0 where that would raise. */
 static int zip64_extra(const unsigned char *e, Py_ssize_t len, uint64_t *file_size,
                        uint64_t *compress_size, uint64_t *header_offset) {
@@ -536,12 +546,7 @@ static PyObject *central_records(PyObject *self, PyObject *args) {
             PyLong_FromLong(method), PyLong_FromUnsignedLong(crc), PyLong_FromLong(flags),
             PyLong_FromLong(volume),
         };
-        PyObject *entry = make_tuple(entry_type, items, 9);
-        if (entry == NULL)
-            goto done;
-        int failed = PyList_Append(out, entry) < 0;
-        Py_DECREF(entry);
-        if (failed)
+        if (append_tuple(out, entry_type, items, 9) < 0)
             goto done;
         q += len;
         consumed += len;
@@ -696,12 +701,7 @@ static PyObject *local_headers(PyObject *self, PyObject *args) {
             Py_NewRef(PyTuple_GET_ITEM(info, 4)), Py_NewRef(PyTuple_GET_ITEM(info, 5)),
             Py_NewRef(PyTuple_GET_ITEM(info, 6)),
         };
-        PyObject *member = make_tuple(member_type, items, 7);
-        if (member == NULL)
-            goto done;
-        int failed = PyList_Append(out, member) < 0;
-        Py_DECREF(member);
-        if (failed)
+        if (append_tuple(out, member_type, items, 7) < 0)
             goto done;
     }
 finish:
