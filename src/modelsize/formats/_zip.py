@@ -569,8 +569,8 @@ def check_members(
 def account_headers(builder: InventoryBuilder, items: list[Member], file: int = 0) -> None:
     """Declare every local header as metadata (the central directory is left to gap filling)."""
     metadata = Category.METADATA
-    builder.add_regions(file, [(m.header_offset, m.data_offset - m.header_offset, metadata,
-                                f"zip header of {m.name}") for m in items])
+    builder.add_regions(file, ((m.header_offset, m.data_offset - m.header_offset, metadata,
+                                f"zip header of {m.name}") for m in items))
 
 
 if _compiled is not None and hasattr(_compiled, "setup_zip"):  # (not an older build of it)

@@ -135,7 +135,6 @@ class _ZipRead:
             raise b.corrupt("zip archive has no data.pkl member (not a torch.save checkpoint)")
         self.archive = data_pkl.name[: -len("data.pkl")]
         scripted = any(n.startswith(self.archive + "code/") for n in self.members)
-        _zip.account_headers(b, items)
         if not _zip.crc_recorded(data_pkl):
             b.notes.append(
                 f"{data_pkl.name} records no CRC-32 (saved with compute_crc32=False): the "
@@ -162,6 +161,9 @@ class _ZipRead:
             done.add(constants.name)
         if scripted:
             b.facts["torchscript"] = "yes"
+        # declared after the pickles: their regions (one a member) are not alive beside the
+        # parse's tree and memo, the peak of a file of many tensors
+        _zip.account_headers(b, items)
 
         charged: list[_zip.Member] = []  # graph or metadata, not read: CRC-checked below
         for m in items:
