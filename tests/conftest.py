@@ -10,9 +10,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
+# Bytecode written and reused, whatever the machine's PYTHONDONTWRITEBYTECODE says: without it
+# every CLI subprocess of the suite compiles modelsize's modules again, and every worker
+# rewrites and compiles every test module again on every run (7 s of collection a worker).
+# Set before modelsize is imported, and for the workers and subprocesses started after.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-from modelsize.inventory import Inventory
+import pytest  # noqa: E402
+
+from modelsize.inventory import Inventory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Kernel probes' answers (modelsize.estimation.probe_cache) go to a folder of this run, shared

@@ -1,9 +1,12 @@
-"""Replayed repeated blocks (``estimation/block_replay.py``) give the full trace, byte for byte.
+"""Replayed repeated blocks (``estimation/block_replay.py``) and decode steps
+(``estimation/decode_replay.py``) give the full trace, byte for byte.
 
 The families of :mod:`tests.estimation.generators` rebuilt with enough layers that blocks
 are replayed (two of a kind run for real, the last of a kind runs for real as a check, the
 ones between are replayed), each traced twice: every op of every layer and every step
-dispatched (``fast=False``), and with blocks and decode steps replayed. Everything the
+dispatched (``fast=False``), and with blocks and decode steps replayed, as an estimate of a
+real model runs (each test checks that both were replayed: test_generate_fast.py proves the
+decode replay alone, on two-layer models, for the families not here). Everything the
 estimate is made of must be equal (the bytes live after every op, every allocation record,
 the ops, the scratch, the phases, the peak, the cache), and so must the estimate itself
 (categories, peak, its phase, the final cache, bytes per token by layer kind).
@@ -23,7 +26,14 @@ from modelsize.estimation import trace as trace_module
 from modelsize.estimation.generate import GenerateProgram, estimate_generate, trace_generate
 from tests.estimation import generators as gen
 from tests.estimation.generators import FAMILIES
-from tests.estimation.test_generate_fast import NEW, PROMPT, _both, _state
+from tests.estimation.test_generate_fast import (
+    BLOCK_FAMILIES,
+    NEW,
+    PROMPT,
+    _both,
+    _state,
+    assert_steps_replayed,
+)
 
 #: Layer counts per family: enough that at least one block of each repeated kind sits between
 #: the two recorded ones and the last one (hybrids repeat each kind every second or third
@@ -52,21 +62,18 @@ def deep(family: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return deeper, inputs
 
 
-_BLOCK_FAMILIES = ["llama", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe",
-                   "mamba", "jamba", "qwen3_next", "falcon", "t5", "bart", "whisper"]
-
-
 #: Families whose estimates are compared too (test_the_estimate_is_the_full_traces, which
 #: compares their traces as this test does: each pair of traces is made once).
 _ESTIMATED = ["llama", "gemma3", "deepseek_v3", "jamba", "whisper"]
 
 
-@pytest.mark.parametrize("family", [f for f in _BLOCK_FAMILIES if f not in _ESTIMATED])
+@pytest.mark.parametrize("family", [f for f in BLOCK_FAMILIES if f not in _ESTIMATED])
 def test_replayed_blocks_equal_the_full_trace(family: str) -> None:
     model, inputs = deep(family)
     _, fast = _both(model, inputs, NEW)
     assert fast.blocks.replayed > 0, fast.blocks
     assert not fast.decode.retraces, fast.decode.note
+    assert_steps_replayed(fast)
 
 
 @pytest.mark.parametrize(("family", "options"), [
@@ -89,6 +96,7 @@ def test_replayed_blocks_with_other_caches_and_searches(
     model, inputs = deep(family)
     _, fast = _both(model, inputs, NEW, **options)
     assert fast.blocks.replayed > 0, fast.blocks
+    assert_steps_replayed(fast)
 
 
 def test_left_padding() -> None:
@@ -96,10 +104,12 @@ def test_left_padding() -> None:
     inputs = gen.tokens(prompt=PROMPT, left_pad=5)
     _, fast = _both(model, inputs, NEW)
     assert fast.blocks.replayed > 0
+    assert_steps_replayed(fast)
     # a tiny static cache's tensors are zeros with real values: the layers that write into
     # them (forgetting the values, which a replay would not) run for real
     _, fast = _both(model, inputs, NEW, cache_implementation="static")
     assert fast.blocks.refused == ["LlamaDecoderLayer writes into a tensor with a real value"]
+    assert_steps_replayed(fast)
 
 
 @pytest.mark.parametrize("family", _ESTIMATED)
@@ -124,6 +134,7 @@ def test_the_estimate_is_the_full_traces(family: str, monkeypatch: pytest.Monkey
     assert not full_trace.decode.replayed
     assert fast_trace.blocks.replayed > 0, fast_trace.blocks
     assert not fast_trace.decode.retraces, fast_trace.decode.note
+    assert_steps_replayed(fast_trace)
     for d in (fast, full):
         d.pop("trace_seconds")
         d["generation"].pop("decode_trace")
