@@ -127,7 +127,7 @@ def _batch_norm_backward(mode: Any, func: Any, args: Sequence[Any],
                          kwargs: dict[str, Any]) -> Any:
     """``aten.native_batch_norm_backward``: ``grad_input`` in ``input``'s memory format."""
     out = cast(tuple[Any, ...],
-               FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs))
+               FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs))
     grad_input = out[0]
     x = bind(func, args, kwargs)["input"]
     if grad_input is None or x.dim() not in (4, 5):
@@ -143,7 +143,7 @@ def _layer_norm_backward(mode: Any, func: Any, args: Sequence[Any],
                          kwargs: dict[str, Any]) -> Any:
     """``aten.native_layer_norm_backward``: a contiguous ``grad_input``."""
     out = cast(tuple[Any, ...],
-               FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs))
+               FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs))
     grad_input = out[0]
     if grad_input is None or grad_input.is_contiguous():
         return out
@@ -175,7 +175,7 @@ def _sparse(mode: Any, sparse_dim: int, dense_dim: int, size: Sequence[int],
 def _sparse_coo(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``_sparse_coo_tensor_with_dims_and_tensors``: as the fake kernel does; the real values
     of the indices are kept beside the result when the trace has them."""
-    out = FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+    out = FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs)
     values = getattr(mode, "real_values", None)
     indices = bind(func, args, kwargs)["indices"]
     real = values.value_of(indices) if values is not None else None
@@ -195,7 +195,7 @@ def _clone(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
     """
     x = args[0]
     if x.layout is not torch.sparse_coo:
-        return FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+        return FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs)
     with mode:
         indices, values = x._indices(), x._values()
         node = torch._C._current_autograd_node()
@@ -250,7 +250,7 @@ def _sparse_mask(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str, An
     mask's one-element ones; the result owns a copy of the mask's indices."""
     dense, mask = args[0], args[1]
     if mask.layout is not torch.sparse_coo or dense.layout is not torch.strided:
-        return FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+        return FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs)
     sparse_dim = mask.sparse_dim()
     with mode:  # the ones and the gathered values: scratch.py
         indices = mask._indices()
@@ -277,7 +277,7 @@ def _sparse_inplace(mode: Any, func: Any, args: Sequence[Any], kwargs: dict[str,
         notes = getattr(getattr(mode, "scratch", None), "notes", None)
         if notes is not None and SPARSE_INPLACE not in notes:
             notes.append(SPARSE_INPLACE)
-    return FakeTensorMode.__torch_dispatch__(mode, func, (), tuple(args), kwargs)
+    return FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs)
 
 
 #: ATen overload -> the rule that replaces its fake implementation.

@@ -54,7 +54,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
 )
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, MissingDependencyError, ModelSizeError, UsageError
@@ -78,6 +77,7 @@ from modelsize.estimation.trace import (
     _module_names,
     _swapped_state,
     fake_state,
+    leaves,
     map_inputs,
     training_flags,
     user_code,
@@ -244,7 +244,7 @@ class _GenerationValues(RealValues):
 
     def _routed(self, args: Any) -> bool:
         return bool(self.from_routing) and any(
-            isinstance(x, FakeTensor) and x in self.from_routing for x in tree_leaves(args))
+            isinstance(x, FakeTensor) and x in self.from_routing for x in leaves(args))
 
     def _reads(self, args: Any, kwargs: Any) -> None:
         if self._routed((args, kwargs)):
@@ -264,7 +264,7 @@ class _GenerationValues(RealValues):
         if func in _CHOICE and self._real_args(func, args, kwargs) is None:
             inside = bool(self.mode.modules)
             with _disable_current_modes():
-                for f in tree_leaves(out):
+                for f in leaves(out):
                     if isinstance(f, FakeTensor):
                         self._set(f, self._chosen(f, inside))
                         if inside:
@@ -276,7 +276,7 @@ class _GenerationValues(RealValues):
             return
         super()._follow(func, args, kwargs, out)
         if self._routed((args, kwargs)):
-            for f in tree_leaves(out):
+            for f in leaves(out):
                 if isinstance(f, FakeTensor):
                     self.from_routing[f] = True
 

@@ -360,4 +360,4 @@ def _quanto_input_dequantize(mode: Any, func: Any, args: Sequence[Any],
     x = args[0]
     if isinstance(x, torch.Tensor) and not x.is_quantized and _called_from_quanto():
         return x
-    return FakeTensorMode.__torch_dispatch__(mode, func, (), args, kwargs)
+    return FakeTensorMode.dispatch(mode, func, (), args, kwargs)

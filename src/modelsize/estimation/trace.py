@@ -48,7 +48,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, UsageError
@@ -700,6 +700,25 @@ _VALUE_FACTORIES = frozenset({
     _ATEN.eye, _ATEN.lift_fresh, _ATEN.lift_fresh_copy, _ATEN.zeros_like, _ATEN.ones_like,
     _ATEN.full_like,
 })
+def leaves(x: Any) -> list[Any]:
+    """The leaves of an op's arguments or outputs (nested tuples, lists and dicts), in
+    order: :func:`torch.utils._pytree.tree_leaves` for what ops take and return, without
+    its generic node lookups (a trace calls this for most ops)."""
+    t = type(x)
+    if t is tuple or t is list or t is torch.Size:
+        out: list[Any] = []
+        for y in x:
+            ty = type(y)
+            if ty is tuple or ty is list or ty is dict or ty is torch.Size:
+                out += leaves(y)
+            elif y is not None:
+                out.append(y)
+        return out
+    if isinstance(x, dict):
+        return leaves(tuple(x.values()))
+    return [] if x is None else [x]
+
+
 #: A real twin is computed for an op only while its outputs stay under this many bytes.
 VALUE_LIMIT = 16 * 2**20
 
@@ -718,6 +737,10 @@ class RealValues(TorchDispatchMode):
 
     A value the twins cannot give raises :class:`ValueReadError` naming the model's line.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as CountingFakeMode: no wrapper around __torch_dispatch__
 
     def __init__(self) -> None:
         super().__init__()
@@ -817,7 +840,7 @@ class RealValues(TorchDispatchMode):
 
     def _follow(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         real = self._real_args(func, args, kwargs)
-        if real is not None and sum(p.untyped_storage().nbytes() for t in tree_leaves(out)
+        if real is not None and sum(p.untyped_storage().nbytes() for t in leaves(out)
                                     if isinstance(t, FakeTensor) for p in parts(t)
                                     ) > self.value_limit:
             real = None
@@ -826,12 +849,12 @@ class RealValues(TorchDispatchMode):
             for t in written:
                 self._forget(t)
             if self._random(func, args, kwargs):
-                fakes = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
+                fakes = [t for t in leaves(out) if isinstance(t, FakeTensor)]
                 for t in (*fakes, *written):
                     self.random[t] = True
             return
         real_out = self._run_real(func, real)
-        for f, r in zip(tree_leaves(out), tree_leaves(real_out), strict=False):
+        for f, r in zip(leaves(out), leaves(real_out), strict=False):
             if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor):
                 self._set(f, r)
 
@@ -840,7 +863,7 @@ class RealValues(TorchDispatchMode):
         seeded = self._op(func)[0]
         if not seeded and not self.random:
             return False
-        fakes = [x for x in tree_leaves((args, kwargs)) if isinstance(x, FakeTensor)]
+        fakes = [x for x in leaves((args, kwargs)) if isinstance(x, FakeTensor)]
         if not seeded and not any(
                 x in self.random for x in fakes):
             return False
@@ -854,7 +877,7 @@ class RealValues(TorchDispatchMode):
         out: list[torch.Tensor] = []
         for i in idx:
             v = args[i] if i < len(args) else kwargs.get(names[i])
-            out += [t for t in tree_leaves(v) if isinstance(t, FakeTensor)]
+            out += [t for t in leaves(v) if isinstance(t, FakeTensor)]
         return out
 
     def _forget(self, t: torch.Tensor) -> None:

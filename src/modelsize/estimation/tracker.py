@@ -53,12 +53,51 @@ from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _DispatchCacheKey
 from torch.autograd.function import BackwardCFunction
 
 from modelsize.estimation import kernels, quant_kernels, quantized, rng
 from modelsize.estimation.fake_rules import RULES
 from modelsize.estimation.scratch import ScratchModels
+
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+_KEY_MARK = ("modelsize", "flat key")  # equal to nothing FakeTensorMode puts in a key
+#: argument types that go into a key as themselves (FakeTensorMode's key holds them too)
+_PLAIN = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device,
+                    torch.layout, torch.memory_format})
+_STRIDED = torch.strided
+
+
+def _flat_key(mode: FakeTensorMode, args: Any, key: list[Any]) -> bool:
+    """Append ``args`` (a tuple, list or dict) to ``key``, each item after its type; False
+    where an item is not a strided fake tensor of ``mode``, a plain value or a container of
+    them (``key`` is then of no use)."""
+    append = key.append
+    if isinstance(args, dict):
+        append(dict)
+        append(len(args))
+        append(tuple(args))
+        args = args.values()
+    for a in args:
+        t = type(a)
+        if t is FakeTensor:
+            if a.fake_mode is not mode or a.constant is not None or a.layout is not _STRIDED:
+                return False
+            append(FakeTensor)
+            append((a.dtype, a.shape, a.stride(), a.device, a.storage_offset(),
+                    a.untyped_storage().nbytes(), a.requires_grad, a.is_conj(), a.is_neg(),
+                    a.is_inference(), a.is_quantized))
+        elif t in _PLAIN:
+            append(t)
+            append(a)
+        elif t is tuple or t is list or t is torch.Size:
+            append(t)
+            append(len(a))
+            if not _flat_key(mode, a, key):
+                return False
+        else:
+            return False
+    return True
 
 
 class Origin(str, Enum):
@@ -373,11 +412,38 @@ class CountingFakeMode(FakeTensorMode):
             rng.release()
             kernels.release()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No torch.compile runs inside a trace's dispatch: without the wrapper Dynamo puts
+        # around every mode's __torch_dispatch__, each op saves two eval-frame switches.
+        return False
+
     def _cached_dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         if not kernels.runs_as_kernel(func, self.device_type):
             # a cache hit would skip the parts a real run allocates
             return self._dispatch_impl(func, types, args, kwargs)
         return super()._cached_dispatch_impl(func, types, args, kwargs)
+
+    def _cache_key(self, state: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        """The fake-tensor dispatch cache's key for this call, made in one pass.
+
+        FakeTensorMode's own key flattens a 17-field record per tensor through generic
+        recursion: a third of a trace's time. Where every argument is one of this mode's
+        strided fake tensors or a plain value (any trace without symbolic shapes), the key
+        is built here from the same facts: the op, the global state FakeTensorMode reads,
+        and each tensor's dtype, shape, strides, device, storage offset and size,
+        requires_grad and conj/neg/inference bits (its layout is strided and its memory
+        format follows from its shape and strides). The marker keeps these keys apart from
+        FakeTensorMode's in the cache every fake mode of the process shares. Anything else
+        takes FakeTensorMode's key.
+        """
+        if self.shape_env is None:
+            key = [func, torch.get_default_dtype(), torch._C._get_default_device(),
+                   torch.is_inference_mode_enabled(),
+                   torch._C._get_dispatch_mode(_PROXY) is not None, _KEY_MARK]
+            if _flat_key(self, args, key) and (not kwargs or _flat_key(self, kwargs, key)):
+                return _DispatchCacheKey(tuple(key))
+        return super()._cache_key(state, func, args, kwargs)
 
     def _real_path(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """The in-place op a real run's backward runs where this one would copy, if any."""
@@ -526,8 +592,8 @@ class CountingFakeMode(FakeTensorMode):
             if not isinstance(t, FakeTensor):
                 continue
             if id(t) in seen and id(t) not in inputs:
-                items[i] = super().__torch_dispatch__(
-                    torch.ops.aten.empty_strided.default, (FakeTensor,),
+                items[i] = FakeTensorMode.dispatch(
+                    self, torch.ops.aten.empty_strided.default, (FakeTensor,),
                     (t.shape, t.stride()), {"dtype": t.dtype, "layout": t.layout,
                                             "device": t.device})
             seen.add(id(t))
@@ -557,7 +623,7 @@ class CountingFakeMode(FakeTensorMode):
             if rule is not None:
                 out = rule(self, func, args, kwargs or {})
             else:
-                out = super().__torch_dispatch__(func, types, args, kwargs or {})
+                out = FakeTensorMode.dispatch(self, func, types, args, kwargs or {})
                 if type(out) is tuple and len({id(x) for x in out}) < len(out):
                     out = self._unshared(out, args, kwargs)
         finally:
