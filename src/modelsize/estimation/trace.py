@@ -48,7 +48,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from modelsize.errors import EstimateError, UsageError
@@ -700,6 +700,10 @@ _VALUE_FACTORIES = frozenset({
     _ATEN.eye, _ATEN.lift_fresh, _ATEN.lift_fresh_copy, _ATEN.zeros_like, _ATEN.ones_like,
     _ATEN.full_like,
 })
+class _NoTwin(Exception):
+    """A tensor argument has no real twin."""
+
+
 def leaves(x: Any) -> list[Any]:
     """The leaves of an op's arguments or outputs (nested tuples, lists and dicts), in
     order: :func:`torch.utils._pytree.tree_leaves` for what ops take and return, without
@@ -815,21 +819,30 @@ class RealValues(TorchDispatchMode):
                 for y in x:
                     if isinstance(y, FakeTensor) and (not values or y not in values):
                         return None
-        flat, spec = tree_flatten((args, kwargs))
-        real: list[Any] = []
-        tensors = 0
-        for x in flat:
+        found = [0]
+        value_of = self.value_of
+
+        def real(x: Any) -> Any:  # x with its tensors' twins (tree_map, for op arguments)
+            t = type(x)
+            if t is tuple or t is list:
+                return t(real(y) for y in x)
+            if t is dict:
+                return {k: real(y) for k, y in x.items()}
             if isinstance(x, torch.Tensor):
-                v = self.value_of(x)
+                v = value_of(x)
                 if v is None:
-                    return None
-                tensors += 1
-                real.append(v)
-            else:
-                real.append(x)
-        if not tensors and not factory:
+                    raise _NoTwin
+                found[0] += 1
+                return v
+            return x
+
+        try:
+            out = real(args), real(dict(kwargs))
+        except _NoTwin:
             return None
-        return tree_unflatten(real, spec)
+        if not found[0] and not factory:
+            return None
+        return out
 
     def _run_real(self, func: Any, real: tuple[Any, Any]) -> Any:
         args, kwargs = real
