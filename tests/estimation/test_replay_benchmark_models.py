@@ -5,6 +5,7 @@ repeated blocks is exact where it is used, and changes nothing where it is not).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import warnings
@@ -53,18 +54,29 @@ def test_the_list_is_the_benchmarks() -> None:
     assert [c.name for c in _accuracy().CASES] == CASE_NAMES
 
 
+@functools.lru_cache(maxsize=1)
+def _model(name: str) -> Any:
+    """The benchmark's model ``name``, built once for its four traces (a trace leaves the
+    model's parameters, buffers, gradients and modes as they were; building GPT-2 or BERT
+    draws 110M+ random weights, seconds each). One at a time: the cases run in order."""
+    case = next(c for c in _accuracy().CASES if c.name == name)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return case.build()
+
+
 @pytest.mark.parametrize("mode", ["train", "infer"])
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_replayed_and_full_traces_are_identical(name: str, mode: str) -> None:
     bench = _accuracy()
     case = next(c for c in bench.CASES if c.name == name)
+    model = _model(name)
     out: dict[bool, dict[str, Any]] = {}
     summary = ""
     for replay in (True, False):
-        torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = case.build()
             torch.manual_seed(0)
             inputs = case.inputs(1)
             # The benchmark's program (AdamW for-loop, fp32; or one forward), one training
