@@ -700,6 +700,8 @@ _VALUE_FACTORIES = frozenset({
     _ATEN.eye, _ATEN.lift_fresh, _ATEN.lift_fresh_copy, _ATEN.zeros_like, _ATEN.ones_like,
     _ATEN.full_like,
 })
+
+
 class _NoTwin(Exception):
     """A tensor argument has no real twin."""
 
@@ -819,10 +821,11 @@ class RealValues(TorchDispatchMode):
                 for y in x:
                     if isinstance(y, FakeTensor) and (not values or y not in values):
                         return None
-        found = [0]
+        found = 0
         value_of = self.value_of
 
         def real(x: Any) -> Any:  # x with its tensors' twins (tree_map, for op arguments)
+            nonlocal found
             t = type(x)
             if t is tuple or t is list:
                 return t(real(y) for y in x)
@@ -832,7 +835,7 @@ class RealValues(TorchDispatchMode):
                 v = value_of(x)
                 if v is None:
                     raise _NoTwin
-                found[0] += 1
+                found += 1
                 return v
             return x
 
@@ -840,7 +843,7 @@ class RealValues(TorchDispatchMode):
             out = real(args), real(dict(kwargs))
         except _NoTwin:
             return None
-        if not found[0] and not factory:
+        if not found and not factory:
             return None
         return out
 
