@@ -50,6 +50,7 @@ wrapper around the modes' ``__torch_dispatch__`` (nothing is compiled inside a t
 from __future__ import annotations
 
 import bisect
+import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -469,7 +470,7 @@ class CountingFakeMode(FakeTensorMode):
             return made
         t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad,
                                         dispatch_device=True, device_for_backend_keys=device)
-        if self._allow_unsafe_data_ptr_access:
+        if getattr(self, "_allow_unsafe_data_ptr_access", False):
             torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
         else:
             torch._C._set_throw_on_mutable_data_ptr(t)
@@ -754,6 +755,18 @@ class CountingFakeMode(FakeTensorMode):
             self.peak_scratch = extra
             self.peak_scratch_op = str(func) if extra else ""
         return out
+
+
+# The shortcuts replace FakeTensorMode methods that are private to PyTorch: each stays only
+# where FakeTensorMode's method has the parameters it has in torch 2.13; with any other
+# signature (another torch of the supported range) FakeTensorMode's own method runs.
+for _name, _params in (("_cache_key", ["self", "state", "func", "args", "kwargs"]),
+                       ("_get_output_tensor_from_cache_entry",
+                        ["self", "state", "entry", "key", "func", "args"])):
+    _theirs = getattr(FakeTensorMode, _name, None)
+    if _theirs is None or list(inspect.signature(_theirs).parameters) != _params:
+        delattr(CountingFakeMode, _name)
+del _name, _params, _theirs
 
 
 # -- what autograd keeps for the backward ---------------------------------------------------
