@@ -1,10 +1,12 @@
 """The counting mode's shortcuts through FakeTensorMode's dispatch change nothing it returns.
 
-``CountingFakeMode`` makes the fake-tensor dispatch cache's key in one pass and builds a cache
-hit's output tensor from a template (tracker.py). Each is compared here with FakeTensorMode's
-own code: the keys tell apart exactly the calls FakeTensorMode's keys tell apart, the outputs
-are the same tensors (type, metadata, storage, attributes, dispatch keys), and whole traces
-made with and without the shortcuts are identical, op by op and allocation by allocation.
+``CountingFakeMode`` makes the fake-tensor dispatch cache's key in one pass, builds a cache
+hit's output tensor from a template, and makes ``torch.tensor(x)``'s fake constant without
+the generic conversion (tracker.py). Each is compared here with FakeTensorMode's own code: the
+keys tell apart exactly the calls FakeTensorMode's keys tell apart, the outputs are the same
+tensors (type, metadata, storage, attributes, dispatch keys; a constant's value, memo and
+invalidation), and whole traces made with and without the shortcuts are identical, op by op
+and allocation by allocation.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch._subclasses.fake_tensor import (
     _CacheKeyState,
 )
 
-from modelsize.estimation.tracker import _KEY_MARK, CountingFakeMode
+from modelsize.estimation import tracker
+from modelsize.estimation.tracker import _KEY_MARK, CountingFakeMode, FunctionModesOff
 from tests.estimation.replay_helpers import ids, llama, snapshot
 
 aten = torch.ops.aten
@@ -31,9 +34,10 @@ _SHORTCUTS = ("_cache_key", "_get_output_tensor_from_cache_entry")
 
 
 def _theirs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route the counting mode through FakeTensorMode's own key and output code."""
+    """Route the counting mode through FakeTensorMode's own key, output and lift code."""
     for name in _SHORTCUTS:
         monkeypatch.setattr(CountingFakeMode, name, getattr(FakeTensorMode, name))
+    monkeypatch.setattr(tracker, "SHORTCUTS", {})
 
 
 def _calls(mode: CountingFakeMode) -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
@@ -162,3 +166,102 @@ def test_a_trace_is_the_same_without_the_shortcuts(program: dict[str, Any],
         theirs = _trace(lambda: llama(3), ids(), **program)
     for key in theirs:
         assert ours[key] == theirs[key], key
+
+
+def _lifted() -> list[torch.Tensor]:
+    """Real tensors as ``torch.tensor`` hands them to ``lift_fresh``: ones FakeTensorMode makes
+    constants, and ones the shortcut leaves to it."""
+    strided = torch.zeros(2)[1:]  # a view at a storage offset (its copy is not)
+    return [torch.tensor(0.0), torch.tensor(3, dtype=torch.int64), torch.tensor(True),
+            torch.tensor([2.5], dtype=torch.float64), torch.tensor([], dtype=torch.float16),
+            torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(1 + 2j), strided,
+            torch.tensor([1.0, 2.0]), torch.tensor(1.0, requires_grad=True)]
+
+
+def test_lift_fresh_makes_the_constant_fake_tensor_mode_makes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tracker.SHORTCUTS  # installed on this torch
+    made = []
+    taken: list[Any] = []  # the lifts the shortcut leaves to FakeTensorMode
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: Any, func: Any, *rest: Any) -> Any:
+        if func is aten.lift_fresh.default:
+            taken.append(func)
+        return dispatch(self, func, *rest)
+
+    for theirs in (False, True):
+        mode = CountingFakeMode()
+        with monkeypatch.context() as m:
+            if theirs:
+                _theirs(m)
+            else:
+                m.setattr(FakeTensorMode, "dispatch", counted)
+            xs = _lifted()
+            with mode:
+                outs = [aten.lift_fresh.default(x) for x in xs]
+                consts = [None if t.constant is None else
+                          (t.constant.dtype, t.constant.shape, t.constant.tolist()) for t in outs]
+                memo = [t.constant is not None and mode.fake_tensor_converter._get_memo(
+                    t.constant) is t for t in outs]
+                refs = mode.fake_tensor_converter.constant_storage_mapping.values()
+                mapped = [t.constant is not None and any(r() is t for rs in refs for r in rs)
+                          for t in outs]
+                facts = [_facts(t) for t in outs]
+                views = [aten.unsqueeze.default(t, 0) for t in outs]  # constants propagated
+                shared = [v.untyped_storage()._cdata == t.untyped_storage()._cdata
+                          for v, t in zip(views, outs, strict=True)]
+                facts += [_facts(v) for v in views]
+                for t in outs:  # a write into a constant: FakeTensorMode's bookkeeping
+                    if t.dtype is not torch.bool and t.numel():
+                        t.add_(1)
+                after = [t.constant for t in outs]
+        made.append((facts, consts, memo, mapped, after, mode, shared))
+    (f1, c1, m1, p1, a1, mode1, s1), (f2, c2, m2, p2, a2, mode2, s2) = made
+    assert s1 == s2 and all(s2)  # a view of a constant shares the fake's storage
+    for u, v in zip(f1, f2, strict=True):
+        assert [x for x in u if not isinstance(x, list) and x is not mode1] == [
+            x for x in v if not isinstance(x, list) and x is not mode2]
+        du, dv = dict(u[11]), dict(v[11])
+        assert du.keys() == dv.keys()
+        for k in du:
+            if k == "fake_mode":
+                assert du[k] is mode1 and dv[k] is mode2
+            elif k == "constant":
+                assert (du[k] is None) == (dv[k] is None)
+            else:
+                assert du[k] == dv[k], k
+    assert c1 == c2
+    assert len(taken) == 2  # two elements; requiring grad
+    assert sum(c is not None for c in c1) == 9  # two elements: no constant
+    assert m1 == m2 and p1 == p2
+    assert [c is None for c in a1] == [c is None for c in a2]
+
+
+def test_function_modes_off_for_the_bookkeeping_and_back_in_order() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    outer, inner = Counting(), Counting()
+    x = torch.ones(2)
+    with outer, inner:
+        with FunctionModesOff():
+            x + 1
+            _ = x.shape
+        assert outer.calls == inner.calls == 0
+        with pytest.raises(ValueError), FunctionModesOff():
+            raise ValueError
+        stack = [torch._C._get_function_stack_at(i)
+                 for i in range(torch._C._len_torch_function_stack())]
+        assert stack == [outer, inner]
+        x + 1
+    assert inner.calls == 1 and outer.calls == 1

@@ -53,10 +53,50 @@ def test_strided_shard_check_runs_only_where_it_can_do_something() -> None:
     assert calls == []
     strided = SimpleNamespace(args_spec=[
         SimpleNamespace(placements=(Shard(0),)),
-        SimpleNamespace(placements=(_StridedShard(0, split_factor=2),))])
+        SimpleNamespace(placements=(_StridedShard(0, split_factor=2),),
+                        use_strided_shard_as_shard_order=False)])
     for child in range(3):
         check(child, strided)
     assert calls == [0, 1, 2]
+
+
+@pytest.mark.parametrize("flags", [
+    [None], [False], [True], [False, False], [True, False], [False, True], [False, None],
+    [None, False], [None, None], [True, None, False], ["plain", False], [False, "plain", True]])
+def test_strided_shard_check_fixes_children_as_dtensor_does(flags: list[Any]) -> None:
+    import copy
+
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    orig = _sharding_prop._propagate_use_strided_shard_flag
+
+    def spec(flag: Any) -> SimpleNamespace:
+        if flag == "plain":
+            return SimpleNamespace(placements=(Shard(0), Replicate()),
+                                   use_strided_shard_as_shard_order=None, shard_order=None)
+        return SimpleNamespace(placements=(_StridedShard(0, split_factor=2), Shard(1)),
+                               use_strided_shard_as_shard_order=flag, shard_order="old")
+
+    schema = SimpleNamespace(args_spec=[spec(f) for f in flags])
+    children = [SimpleNamespace(strategies=[SimpleNamespace(
+        output_specs=(spec(f), None, spec("plain")) if k % 2 else (spec(f),),
+        input_specs=[spec(g) for g in (False, True, None, "plain")])
+        for f in (None, False, True)]) for k in range(3)]
+    theirs, ours = copy.deepcopy(children), copy.deepcopy(children)
+    for child in theirs:
+        orig(child, schema)
+    check = parallel_trace._OncePerSchema(orig)
+    for child in ours:
+        check(child, schema)
+
+    def state(children: Any) -> Any:
+        return repr([(s.use_strided_shard_as_shard_order, s.shard_order)
+                     for c in children for st in c.strategies
+                     for s in (*st.output_specs, *st.input_specs) if s is not None])
+
+    assert state(ours) == state(theirs)
+    assert state(ours) != state(children) or all(f in (None, "plain") for f in flags)
 
 
 def _allocations(monkeypatch: pytest.MonkeyPatch | None, world: int) -> list[tuple[Any, ...]]:

@@ -57,7 +57,7 @@ from modelsize.estimation.segments import (
     replay,
     slots_of,
 )
-from modelsize.estimation.tracker import CountingFakeMode, Origin
+from modelsize.estimation.tracker import CountingFakeMode, FunctionModesOff, Origin
 
 #: Attribute names that hold a block's index (its slot in the cache).
 INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
@@ -395,19 +395,21 @@ class BlockReplay:
             self.templates.clear()
             self.slots.clear()
             self.phase = phase
-        entry = self.recorder.enter(inputs, cache, index=info.index, full=False,
-                                    slots=self.slots.get((phase, info.signature)))
-        pre, pre_shape = self.recorder.pre(entry)
-        valued, keep = self._valued(entry)
-        del entry
+        with FunctionModesOff():
+            entry = self.recorder.enter(inputs, cache, index=info.index, full=False,
+                                        slots=self.slots.get((phase, info.signature)))
+            pre, pre_shape = self.recorder.pre(entry)
+            valued, keep = self._valued(entry)
+            del entry
         key = (phase, info.signature, pre_shape, tuple(pre), valued)
         template = self.templates.get(key)
         if template is not None and template.confirmed and not info.last:
             plan = template.first.plan
             assert plan is not None
             try:
-                out = replay(mode, plan, template.first.body, inputs=inputs, root=cache,
-                             index=info.index, prefix=info.name, values=self.values)
+                with FunctionModesOff():
+                    out = replay(mode, plan, template.first.body, inputs=inputs, root=cache,
+                                 index=info.index, prefix=info.name, values=self.values)
             except Mismatch as exc:
                 raise BlockRetrace(f"{info.name}: {exc}") from None
             template.pending.append(info.name)
@@ -467,14 +469,16 @@ class BlockReplay:
             self.slots.clear()
             self.phase = phase
         slots = self.slots.get((phase, info.signature))
-        entry = self.recorder.enter(inputs, cache, index=info.index, full=False, slots=slots)
-        pre, pre_shape = self.recorder.pre(entry)
-        valued, _keep = self._valued(entry)
-        before = entry.state
-        del entry
-        params = list(block.parameters())
-        key = ("train", phase, info.signature, pre_shape, tuple(pre), valued,
-               tuple(p.grad is None for p in params))
+        with FunctionModesOff():
+            entry = self.recorder.enter(inputs, cache, index=info.index, full=False,
+                                        slots=slots)
+            pre, pre_shape = self.recorder.pre(entry)
+            valued, _keep = self._valued(entry)
+            before = entry.state
+            del entry
+            params = list(block.parameters())
+            grads = tuple(p.grad is None for p in params)
+        key = ("train", phase, info.signature, pre_shape, tuple(pre), valued, grads)
         tpl = self.train_templates.get(key)
         if tpl is not None and tpl.confirmed and info.tail >= 3:
             replayed = train_replay.ReplayedBlock(
@@ -482,7 +486,8 @@ class BlockReplay:
                 functools.partial(self._backward_of, tpl, info.name), root=cache,
                 index=info.index)
             try:
-                out = replayed.run()
+                with FunctionModesOff():
+                    out = replayed.run()
             except train_replay.Mismatch as exc:
                 raise BlockRetrace(f"{info.name}: {exc}") from None
             tpl.pending.append(info.name)
@@ -495,9 +500,10 @@ class BlockReplay:
         try:
             if self.value_events != events:
                 raise Refused(f"{type(block).__name__} writes into a tensor with a real value")
-            rec = train_replay.record_forward(mode, block, info.name, inputs, out, start,
-                                              root=cache, index=info.index, slots=slots,
-                                              before=before)
+            with FunctionModesOff():
+                rec = train_replay.record_forward(mode, block, info.name, inputs, out, start,
+                                                  root=cache, index=info.index, slots=slots,
+                                                  before=before)
         except Refused as exc:
             why = f"{type(block).__name__}: {exc}"
             if why not in self.summary.refused:

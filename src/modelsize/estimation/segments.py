@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
 
 from modelsize.estimation.tracker import Allocation, CountingFakeMode
 
@@ -736,10 +735,10 @@ def _materialize(mode: CountingFakeMode, nbytes: int,
                  ) -> list[torch.Tensor]:
     """Fake tensors over one new storage of ``nbytes``, one per view (no op dispatched)."""
     out: list[torch.Tensor] = []
-    with _disable_current_modes():
+    with torch._C._DisableTorchDispatch():  # plain meta tensors: no mode is to see them
         storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
         for dtype, device, shape, stride, offset in views:
             meta = torch.empty(0, dtype=dtype, device="meta")
             meta.set_(storage, offset, shape, stride)
-            out.append(mode.fake_tensor_converter.from_meta_and_device(mode, meta, device))
+            out.append(mode.new_fake(meta, device))
     return out
