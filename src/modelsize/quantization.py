@@ -203,13 +203,21 @@ def count(n: int) -> str:
 # Layouts
 
 
-@dataclass(frozen=True, slots=True)
+# Siblings, Found and Layout are plain slotted classes, not dataclasses: they are internal and
+# never changed once made, and defining a dataclass costs about a millisecond of every inspect
+# (this module is imported by it).
+
+
 class Siblings:
     """The tensors around an anchor: ``get("scales")`` is the record named base + "scales"."""
 
-    base: str
-    records: Mapping[str, TensorRecord]
-    config: Mapping[str, Any]
+    __slots__ = ("base", "config", "records")
+
+    def __init__(self, base: str, records: Mapping[str, TensorRecord],
+                 config: Mapping[str, Any]) -> None:
+        self.base = base
+        self.records = records
+        self.config = config
 
     def get(self, suffix: str) -> TensorRecord | None:
         """The record named ``base + suffix``, if any."""
@@ -220,30 +228,36 @@ class Siblings:
         return self.base[:-1] if self.base.endswith(".") else self.base
 
 
-@dataclass(frozen=True, slots=True)
 class Found:
     """What a layout's matcher returns: the weight, and which of its tensors are counted."""
 
-    name: str
-    label: str
-    shape: tuple[int, ...]
-    parameters: int
-    counted: tuple[TensorRecord, ...]
-    uncounted: tuple[TensorRecord, ...] = ()
+    __slots__ = ("counted", "label", "name", "parameters", "shape", "uncounted")
+
+    def __init__(self, name: str, label: str, shape: tuple[int, ...], parameters: int,
+                 counted: tuple[TensorRecord, ...],
+                 uncounted: tuple[TensorRecord, ...] = ()) -> None:
+        self.name = name
+        self.label = label
+        self.shape = shape
+        self.parameters = parameters
+        self.counted = counted
+        self.uncounted = uncounted
 
 
 Matcher = Callable[[TensorRecord, Siblings], "Found | None"]
 
 
-@dataclass(frozen=True, slots=True)
 class Layout:
     """A quantized layout: the suffix of the tensor that identifies it, and its matcher."""
 
-    key: str
-    anchor: str
-    match: Matcher
-    spec: str
-    """Where the layout is defined (a file in the tool's source)."""
+    __slots__ = ("anchor", "key", "match", "spec")
+
+    def __init__(self, key: str, anchor: str, match: Matcher, spec: str) -> None:
+        self.key = key
+        self.anchor = anchor
+        self.match = match
+        #: Where the layout is defined (a file in the tool's source).
+        self.spec = spec
 
 
 def _tensor_bytes(t: TensorRecord) -> int:

@@ -37,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``modelsize inspect``."""
     from modelsize.inspection import inspect
     from modelsize.report.files import check_output_file
-    from modelsize.report.text import render_inspect
 
     check_output_file(args.html)
     text = str(args.path)
@@ -68,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         dump(data, sys.stdout.write)  # the tensor list written as it is made
         sys.stdout.write("\n")
     else:
+        from modelsize.report.text import render_inspect  # (textwrap: not for --json)
+
         sys.stdout.write(render_inspect(report, top=10 if args.top is None else args.top))
         if cost is not None:
             from modelsize.report.loadcost_text import render_load_cost

@@ -275,6 +275,28 @@ class _Tensor:
         self.extras: list[tuple[str, object]] = []
 
 
+#: Distinct (size, stride) pairs whose layout a walk remembers (most tensors share a few).
+_MAX_LAYOUTS = 1 << 16
+
+
+def _layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int, bool]:
+    """(elements, span in elements, contiguous) of a strided view with as many strides as
+    dimensions (the span counts from its first element; 0 for an empty view)."""
+    n = math.prod(shape)
+    contiguous = True
+    span = 0
+    if n:
+        span = expected = 1
+        for d, s in zip(reversed(shape), reversed(stride), strict=True):
+            span += (d - 1) * s
+            if d != 1 and s != expected:
+                contiguous = False
+            expected *= d
+    return n, span, contiguous
+
+
+#: What ``torch.save`` calls to rebuild a tensor (since torch 0.4).
+_V2 = "torch._utils._rebuild_tensor_v2"
 #: Values that hold nothing to walk.
 _LEAVES = (str, bytes, int, float, complex, Blob, Global)
 
@@ -366,6 +388,20 @@ def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
 _FACTS: dict[tuple[bool, Category | None, bool], tuple[bool, Category | None, bool]] = {}
 
 
+def _by_name(key: str, dtype: str) -> Category:
+    """The category of a tensor that no context forces and that is no parameter: what its
+    last key part and its dtype say."""
+    last = key.rsplit(".", 1)[-1].lower()
+    if last in _WEIGHT_NAMES or last.endswith("_weight") or dtype in _QUANTIZED:
+        return Category.WEIGHTS
+    if last in _BUFFER_NAMES:
+        return Category.BUFFERS
+    if last in _MASK_NAMES and dtype in ("bool", "uint8"):
+        return Category.BUFFERS
+    dt = DTYPES.get(dtype)
+    return Category.WEIGHTS if dt is not None and dt.floating else Category.BUFFERS
+
+
 def _ints(obj: object, what: str) -> tuple[int, ...]:
     if type(obj) is tuple and len(obj) <= MAX_DIMS:
         # The common case, checked without building anything: a tuple of plain ints >= 0.
@@ -441,6 +477,8 @@ class _Walker:
         self.todo: list[tuple[object, _Path, _Ctx]] = []
         #: The path of the root when it is a mapping (its keys are containers), else None.
         self.root_path: _Path | None = None
+        #: (size, stride) -> its :func:`_layout`, for the common tensors' checks.
+        self.layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int, bool]] = {}
 
     # -- recognising tensors ----------------------------------------------------------
     def tensor(self, call: Call) -> _Tensor | None:
@@ -564,20 +602,13 @@ class _Walker:
             return ctx.forced
         if t.parameter or t.requires_grad:
             return Category.WEIGHTS
-        last = path.key.rsplit(".", 1)[-1].lower()
-        if last in _WEIGHT_NAMES or last.endswith("_weight") or t.dtype in _QUANTIZED:
-            return Category.WEIGHTS
-        if last in _BUFFER_NAMES:
-            return Category.BUFFERS
-        if last in _MASK_NAMES and t.dtype in ("bool", "uint8"):
-            return Category.BUFFERS
-        dt = DTYPES.get(t.dtype)
-        return Category.WEIGHTS if dt is not None and dt.floating else Category.BUFFERS
+        return _by_name(path.key, t.dtype)
 
     def is_optimizer_state(self, value: object) -> bool:
         """Cached per object: a dict shared under many keys is inspected once."""
         if isinstance(value, Call):
-            if global_name(value.func) not in _MAPPING_CALLS:
+            func = value.func
+            if (func.qualname if isinstance(func, Global) else "") not in _MAPPING_CALLS:
                 return False  # builds no mapping (a tensor): not cached, there is one per tensor
         elif not isinstance(value, dict):
             return False
@@ -739,6 +770,53 @@ class _Walker:
         self.builder.add_plain_tensor(name, t.dtype, shape, n * size, cat, ref.key, offset * size,
                                       None if contiguous else stride, tags, container)
 
+    def plain_tensor(self, call: Call, path: _Path, ctx: _Ctx) -> bool:
+        """Declare the tensor of a ``_rebuild_tensor_v2`` call in its common form (a storage
+        of whole-byte elements that is no legacy view, a storage offset, size and stride
+        tuples of plain ints), as :meth:`tensor` and :meth:`declare` would, without the
+        :class:`_Tensor` between them; ``False``, declaring nothing, for any other form (the
+        general path then takes it, with its checks and messages)."""
+        a = call.args
+        if type(a) is not tuple or len(a) < 4:
+            return False
+        ref, offset, shape, stride = a[0], a[1], a[2], a[3]
+        if (type(ref) is not StorageRef or ref.base or ref.view_numel is not None
+                or type(offset) is not int or offset < 0
+                or type(shape) is not tuple or type(stride) is not tuple
+                or len(shape) != len(stride) or len(shape) > MAX_DIMS):
+            return False
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return False
+        for d in stride:
+            if type(d) is not int or d < 0:
+                return False
+        dtype = ref.dtype
+        dt = DTYPES.get(dtype)
+        if dt is None or dt.block != 1:
+            return False
+        requires_grad = len(a) > 4 and a[4] is True
+        name = path.name() or "tensor"
+        cat = ctx.forced
+        if cat is None:
+            cat = Category.WEIGHTS if requires_grad else _by_name(path.key, dtype)
+        self.summary.tensors += 1
+        container = self.container(path)
+        size = dt.block_bytes
+        layout = self.layouts.get((shape, stride))
+        if layout is None:
+            layout = _layout(shape, stride)
+            if len(self.layouts) < _MAX_LAYOUTS:
+                self.layouts[(shape, stride)] = layout
+        n, span, contiguous = layout
+        if n:
+            end = (offset + span) * size
+            if end > ref.numel * size:
+                raise _past_storage(_Tensor(dtype, shape, stride, ref, offset), name, end, ref)
+        self.builder.add_plain_tensor(name, dtype, shape, n * size, cat, ref.key, offset * size,
+                                      None if contiguous else stride, ctx.tags, container)
+        return True
+
     # -- walking ----------------------------------------------------------------------
     def walk(self, root: object, prefix: tuple[str, ...] = ()) -> None:
         path = _Path()
@@ -754,6 +832,8 @@ class _Walker:
         self.todo = todo = [(root, path, top)]
         seen = self.seen
         tensor_ids = self.tensor_ids
+        plain_tensor = self.plain_tensor
+        v2: object = None  # the pickle's Global for _rebuild_tensor_v2, once met
         while todo:
             value, path, ctx = todo.pop()
             if value is None or isinstance(value, _LEAVES):
@@ -779,7 +859,13 @@ class _Walker:
                 continue
             if isinstance(value, Call):
                 # Tensors first, and without a generator: they are most of what is walked (and
-                # a tensor is no mapping: it has no optimizer keys).
+                # a tensor is no mapping: it has no optimizer keys). The common one first.
+                func = value.func
+                if func is v2 or (type(func) is Global and func.qualname == _V2):
+                    v2 = func
+                    if plain_tensor(value, path, ctx):
+                        tensor_ids.add(ident)
+                        continue
                 t = self.tensor(value)
                 if t is not None:
                     tensor_ids.add(ident)
@@ -789,7 +875,46 @@ class _Walker:
                 items = mapping_items(value)
                 if items:
                     self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
-            todo.extend(reversed(list(self.children(value, path, ctx))))
+            children = self.child_list(value, path, ctx)
+            children.reverse()
+            # Its leading tensors in the common form are declared here, in order: they are
+            # what the loop would take next, and a tensor has nothing under it to walk. (Each
+            # is let go of once declared, as the loop lets go of what it took.)
+            while children:
+                child, cpath, cctx = children[-1]
+                if type(child) is not Call:
+                    break
+                func = child.func
+                if not (func is v2 or (type(func) is Global and func.qualname == _V2)):
+                    break
+                v2 = func
+                ident = id(child)
+                if ident in seen or not plain_tensor(child, cpath, cctx):
+                    break
+                seen.add(ident)
+                tensor_ids.add(ident)
+                children.pop()
+            todo.extend(children)
+            del children
+
+    def child_list(self, value: object, path: _Path, ctx: _Ctx) -> list[tuple[object, _Path, _Ctx]]:
+        """:meth:`children` as a list; a mapping's made without a generator (the common
+        case: a state dict's keys)."""
+        items: list[tuple[object, object]] | None = None
+        if isinstance(value, Call):
+            if self.module_state(value) is None:
+                items = mapping_items(value)
+        elif isinstance(value, dict):
+            items = mapping_items(value) or []
+        if items is None:
+            return list(self.children(value, path, ctx))
+        enter = self.enter
+        out = []
+        for k, v in items:
+            key = k.value if isinstance(k, UnhashableKey) else k
+            out.append((v, _Path(path, key if type(key) is str else _key_text(key)),
+                        enter(ctx, key, v)))
+        return out
 
     def children(
         self, value: object, path: _Path, ctx: _Ctx

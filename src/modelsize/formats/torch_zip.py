@@ -26,6 +26,7 @@ from modelsize.errors import printable
 from modelsize.formats import _zip
 from modelsize.formats._limits import ParseBudget
 from modelsize.formats._pickle import (
+    Global,
     PickleError,
     PickleScan,
     looks_like_pickle,
@@ -110,6 +111,8 @@ class _ZipRead:
         self.roles: ScriptRoles = {}
         #: Members read whole, so already checked against their CRC-32.
         self.read_whole: set[str] = set()
+        #: Storage class -> (dtype, bytes per element), for each class a persistent id named.
+        self.types: dict[Global, tuple[str, int]] = {}
 
     def run(self) -> Inventory:
         b = self.builder
@@ -342,6 +345,22 @@ class _ZipRead:
 
     def storage(self, pid: object, folder: str, owner: _zip.Member) -> StorageRef:
         """The storage a persistent id names, declared (once) to the builder."""
+        if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
+            # The common form first, its checks the same as below's (one call per tensor).
+            storage_type, key, location, numel = pid[1], pid[2], pid[3], pid[4]
+            known = self.types.get(storage_type) if type(storage_type) is Global else None
+            if known is not None and type(key) is str and type(numel) is int and numel >= 0:
+                member = self.members.get(f"{self.archive}{folder}/{key}")
+                if member is not None and numel * known[1] == member.file_size:
+                    if not self.builder.has_storage(member.name):
+                        self.builder.add_storage(
+                            member.name, member.data_offset, member.compress_size,
+                            logical_nbytes=member.file_size,
+                            compressed=member.method != _zip.STORED, dtype=known[0],
+                            crc32=member.crc if _zip.crc_recorded(member) else None,
+                        )
+                    return StorageRef(member.name, known[0], numel,
+                                      location if type(location) is str else str(location))
         b = self.builder
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
             raise b.corrupt(
@@ -356,6 +375,8 @@ class _ZipRead:
             raise b.corrupt(
                 f"{owner.name}: storage key {describe(key)} / size {describe(numel)} invalid"
             )
+        if type(storage_type) is Global:
+            self.types[storage_type] = (dtype, storage_itemsize(dtype))
         name = f"{self.archive}{folder}/{key}"
         m = self.members.get(name)
         if m is None:
