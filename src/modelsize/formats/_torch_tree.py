@@ -752,18 +752,12 @@ class _Walker:
         storage that is no legacy view, not pickled array bytes (most tensors of a file). The
         same checks and the same record, contiguity found as the span is."""
         shape, stride, offset = t.shape, t.stride, t.offset
-        n = math.prod(shape)
-        contiguous = True
+        if stride is None:
+            n = span = math.prod(shape)
+            contiguous = True
+        else:  # (strided() checked that they have as many dimensions)
+            n, span, contiguous = _layout(shape, stride)
         if n:
-            if stride is None:
-                span = n
-            else:  # (strided() checked that they have as many dimensions)
-                span = expected = 1
-                for d, s in zip(reversed(shape), reversed(stride), strict=True):
-                    span += (d - 1) * s
-                    if d != 1 and s != expected:
-                        contiguous = False
-                    expected *= d
             end = (offset + span) * size
             if end > ref.numel * ref.itemsize:
                 raise _past_storage(t, name, end, ref)
