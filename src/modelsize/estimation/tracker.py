@@ -831,10 +831,23 @@ def _lift_fresh(mode: CountingFakeMode, func: Any, args: Any, kwargs: dict[str, 
 #: Ops whose FakeTensorMode path a faster one replaces (same outputs): checked after
 #: fake_rules.RULES.
 SHORTCUTS: dict[Any, Callable[..., Any]] = {}
-if all(hasattr(_fake_tensor.FakeTensorConverter, n)
-       for n in ("set_tensor_memo", "add_constant_storage_mapping")) and isinstance(
-        getattr(_fake_tensor, "CONSTANT_NUMEL_LIMIT", None), int) and all(
-        hasattr(_fake_tensor.MetaConverter(), n) for n in ("storage_memo", "describer")):
+
+
+def _lift_fresh_fits() -> bool:
+    """Whether this torch's FakeTensorMode has the pieces :func:`_lift_fresh` fills in (those
+    of torch 2.13); any other takes FakeTensorMode's own path."""
+    converter = getattr(_fake_tensor, "FakeTensorConverter", None)
+    meta = getattr(_fake_tensor, "MetaConverter", None)
+    if converter is None or meta is None or not isinstance(
+            getattr(_fake_tensor, "CONSTANT_NUMEL_LIMIT", None), int):
+        return False
+    made = meta()
+    return (all(hasattr(converter, n) for n in ("set_tensor_memo", "add_constant_storage_mapping"))
+            and isinstance(getattr(made, "storage_memo", None), dict | weakref.WeakValueDictionary)
+            and hasattr(getattr(made, "describer", None), "get_storage_id"))
+
+
+if _lift_fresh_fits():
     SHORTCUTS[torch.ops.aten.lift_fresh.default] = _lift_fresh
 
 
