@@ -416,11 +416,13 @@ class BlockReplay:
             self.summary.replayed += 1
             return out
         modules = list(block.modules())
-        entry = self.recorder.enter(inputs, cache, index=info.index, modules=modules)
+        with FunctionModesOff():
+            entry = self.recorder.enter(inputs, cache, index=info.index, modules=modules)
         events = self.value_events
         out = original(*args, **kwargs)
-        segment = self.recorder.record(entry, cache, out, index=info.index, prefix=info.name,
-                                       modules=modules)
+        with FunctionModesOff():
+            segment = self.recorder.record(entry, cache, out, index=info.index,
+                                           prefix=info.name, modules=modules)
         del entry
         self.summary.real += 1
         if self.value_events != events:

@@ -211,7 +211,6 @@ def parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return ()
 
 
-
 class FunctionModesOff:
     """The torch-function modes switched off for a stretch of the trace's own bookkeeping (a
     replayed block): popped on entry, pushed back in their order on exit.
