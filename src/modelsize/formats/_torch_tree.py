@@ -892,8 +892,8 @@ class _Walker:
             del children
 
     def child_list(self, value: object, path: _Path, ctx: _Ctx) -> list[tuple[object, _Path, _Ctx]]:
-        """:meth:`children` as a list; a mapping's made without a generator (the common
-        case: a state dict's keys)."""
+        """:meth:`children` as a list; a mapping's straight from :meth:`mapping_children`
+        (the common case: a state dict's keys)."""
         items: list[tuple[object, object]] | None = None
         if isinstance(value, Call):
             if self.module_state(value) is None:
@@ -902,13 +902,7 @@ class _Walker:
             items = mapping_items(value) or []
         if items is None:
             return list(self.children(value, path, ctx))
-        enter = self.enter
-        out = []
-        for k, v in items:
-            key = k.value if isinstance(k, UnhashableKey) else k
-            out.append((v, _Path(path, key if type(key) is str else _key_text(key)),
-                        enter(ctx, key, v)))
-        return out
+        return self.mapping_children(items, path, ctx)
 
     def children(
         self, value: object, path: _Path, ctx: _Ctx
@@ -946,11 +940,16 @@ class _Walker:
 
     def mapping_children(
         self, items: Sequence[tuple[object, object]], path: _Path, ctx: _Ctx
-    ) -> Iterator[tuple[object, _Path, _Ctx]]:
+    ) -> list[tuple[object, _Path, _Ctx]]:
+        """Each value of ``items`` with its path and context, as a list (no generator: a
+        state dict's keys are most of what is walked)."""
+        enter = self.enter
+        out = []
         for k, v in items:
             key = k.value if isinstance(k, UnhashableKey) else k
-            sub = _Path(path, key if type(key) is str else _key_text(key))
-            yield v, sub, self.enter(ctx, key, v)
+            out.append((v, _Path(path, key if type(key) is str else _key_text(key)),
+                        enter(ctx, key, v)))
+        return out
 
     def module_state_of(self, value: object) -> tuple[str, dict[Any, Any], bool] | None:
         """:meth:`module_state` of any value (``None`` for what is not a rebuild call)."""
