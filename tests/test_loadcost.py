@@ -46,6 +46,51 @@ def test_numpy_ways_are_measured(tmp_path: Path) -> None:
     assert out["import_cost"][0]["peak_rss_bytes"] > 0
 
 
+def test_one_child_per_way_and_the_import_cost_from_the_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelsize import loadcost
+
+    children: list[str] = []
+    run = loadcost._run_child
+
+    def counted(imports: str, load: str, *rest: object) -> object:
+        children.append(load)
+        return run(imports, load, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loadcost, "_run_child", counted)
+    cost = measure_load_cost(read(_npy(tmp_path)))
+    assert len(children) == 2 and all(children)  # no child that only imports
+    (imp,) = cost.imports
+    assert imp.peak_rss_bytes > 0 and imp.seconds > 0
+    assert all(w.total_peak_rss_bytes is not None and w.total_peak_rss_bytes >= imp.peak_rss_bytes
+               for w in cost.ways)
+
+
+def test_a_framework_that_fails_to_import_is_one_failure_per_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from modelsize import loadcost
+
+    plan = loadcost._plan
+
+    def broken(inv: object) -> object:
+        ways, paths, notes = plan(inv)  # type: ignore[arg-type]
+        return [replace(w, imports="import numpy\nraise ImportError('no numpy here')")
+                for w in ways], paths, notes
+
+    monkeypatch.setattr(loadcost, "_plan", broken)
+    children: list[str] = []
+    run = loadcost._run_child
+    monkeypatch.setattr(loadcost, "_run_child",
+                        lambda i, load, *rest: children.append(load) or run(i, load, *rest))
+    cost = measure_load_cost(read(_npy(tmp_path)))
+    assert len(children) == 1  # the second way is not tried again
+    assert [w.status for w in cost.ways] == [WayStatus.FAILED] * 2
+    assert all(w.note == "importing numpy failed: ImportError: no numpy here" for w in cost.ways)
+    assert cost.imports == ()
+
+
 def test_torch_ways(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     path = tmp_path / "m.pt"

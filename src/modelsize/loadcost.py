@@ -5,7 +5,7 @@ Each way runs in a fresh subprocess with the real framework (``torch.load`` with
 vs building the model and ``load_weights``, NumPy ``load`` vs ``mmap_mode``...). The child
 reports its peak RSS (``ru_maxrss``) and wall time right after importing the framework and
 again after loading: the difference is what the load itself costs. The framework's own import
-cost is measured in a child of its own that only imports it, and reported beside. The
+cost is the first of its children's (printed before it loads), reported beside. The
 cheapest way is the safe way with the smallest peak RSS (then the fastest).
 
 Safety: a way that would unpickle without restrictions (``torch.load(weights_only=False)``,
@@ -53,6 +53,7 @@ paths = json.loads(sys.argv[1])
 held = []
 {imports}
 t1, p1 = time.perf_counter(), peak()
+print(json.dumps({{"import_peak": p1, "import_seconds": t1 - t0}}), flush=True)
 {load}
 t2, p2 = time.perf_counter(), peak()
 print(json.dumps({{"import_peak": p1, "import_seconds": t1 - t0, "peak": p2,
@@ -110,7 +111,8 @@ class WayResult:
 
 @dataclass(frozen=True)
 class ImportCost:
-    """Peak RSS and time of a child that only imports a framework (``code``: its imports)."""
+    """Peak RSS and time of a framework's imports (``code``), as the first child that loads with
+    it measured them: right after its imports, before it loads."""
 
     framework: str
     code: str
@@ -313,27 +315,43 @@ class _Sample:
     seconds: float
 
 
-def _run_child(imports: str, load: str, paths: list[str], timeout: float) -> _Sample | str:
-    """What one child measured, or the reason it failed."""
+def _run_child(imports: str, load: str, paths: list[str], timeout: float
+               ) -> tuple[_Sample | str, tuple[int, float] | None]:
+    """What one child measured, or the reason it failed; and its imports' peak and seconds,
+    which it prints as soon as they are done (None: the imports failed, or it printed
+    nothing)."""
     code = _CHILD.format(imports=imports, load=load)
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code, json.dumps(paths)],
             capture_output=True, text=True, timeout=timeout,
         )
-    except subprocess.TimeoutExpired:
-        return f"did not finish within {timeout:.0f} s"
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (
+            exc.stdout or "")
+        return f"did not finish within {timeout:.0f} s", _imported(out)
     except OSError as exc:
-        return f"could not start a subprocess ({exc})"
+        return f"could not start a subprocess ({exc})", None
+    imported = _imported(proc.stdout)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        return printable(lines[-1] if lines else f"exit status {proc.returncode}", 300)
+        return printable(lines[-1] if lines else f"exit status {proc.returncode}", 300), imported
     try:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         return _Sample(int(out["import_peak"]), float(out["import_seconds"]),
-                       int(out["peak"]), float(out["seconds"]))
+                       int(out["peak"]), float(out["seconds"])), imported
     except (ValueError, IndexError, KeyError, TypeError):
-        return "the subprocess printed no measurement"
+        return "the subprocess printed no measurement", imported
+
+
+def _imported(stdout: str) -> tuple[int, float] | None:
+    """The imports' peak and seconds a child printed first, or None."""
+    first = stdout.split("\n", 1)[0]
+    try:
+        got = json.loads(first)
+        return int(got["import_peak"]), float(got["import_seconds"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def measure_load_cost(
@@ -381,23 +399,29 @@ def measure_load_cost(
             skip(f"not run: loading {inv.file_bytes} bytes needs more than the {available} "
                  "bytes of memory available")
             continue
-        if way.imports not in imports:
-            got = _run_child(way.imports, "", [], timeout)
-            imports[way.imports] = got if isinstance(got, str) else ImportCost(
-                way.framework, way.imports, got.peak, got.seconds)
-        base = imports[way.imports]
+        base = imports.get(way.imports)
         if isinstance(base, str):
             results.append(WayResult(way.name, way.framework, WayStatus.FAILED,
                                      note=f"importing {way.framework} failed: {base}",
                                      unsafe=unsafe))
             continue
-        sample = _run_child(way.imports, way.load, paths, timeout)
+        # One child per way; the first of a framework's children also gives its import cost
+        # (it prints its imports' peak and time before it loads).
+        sample, imported = _run_child(way.imports, way.load, paths, timeout)
+        if imported is not None:
+            imports.setdefault(way.imports, ImportCost(way.framework, way.imports, *imported))
+        elif isinstance(sample, str) and base is None:
+            imports[way.imports] = sample
+            results.append(WayResult(way.name, way.framework, WayStatus.FAILED,
+                                     note=f"importing {way.framework} failed: {sample}",
+                                     unsafe=unsafe))
+            continue
         if isinstance(sample, str):
             results.append(WayResult(way.name, way.framework, WayStatus.FAILED, note=sample,
                                      unsafe=unsafe))
             continue
         # The import's share is measured in the same child (right after its imports), which
-        # is steadier than subtracting the import-only child's numbers.
+        # is steadier than subtracting another child's numbers.
         results.append(WayResult(
             way.name, way.framework, WayStatus.MEASURED,
             peak_rss_bytes=sample.peak - sample.import_peak,
