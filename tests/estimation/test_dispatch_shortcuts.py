@@ -34,10 +34,15 @@ _SHORTCUTS = ("_cache_key", "_get_output_tensor_from_cache_entry")
 
 
 def _theirs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route the counting mode through FakeTensorMode's own key, output and lift code."""
+    """Route the counting mode through FakeTensorMode's own key, output, lift, foreach and
+    metadata-query code."""
+    from modelsize.estimation import trace
+
     for name in _SHORTCUTS:
         monkeypatch.setattr(CountingFakeMode, name, getattr(FakeTensorMode, name))
     monkeypatch.setattr(tracker, "SHORTCUTS", {})
+    monkeypatch.setattr(tracker, "_META_QUERIES", {})
+    monkeypatch.setattr(trace, "_META_QUERIES", {})
 
 
 def _calls(mode: CountingFakeMode) -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
@@ -155,6 +160,7 @@ def _trace(make: Callable[[], Any], inputs: Any, **program: Any) -> dict[str, An
 @pytest.mark.parametrize("program", [
     {"mode": "train", "steps": 2},
     {"mode": "train", "steps": 1, "amp": torch.bfloat16, "optimizer": "adamw"},
+    {"mode": "train", "steps": 2, "optimizer": "adamw", "device": "cuda"},  # foreach AdamW
     {"mode": "infer"},
 ])
 def test_a_trace_is_the_same_without_the_shortcuts(program: dict[str, Any],
@@ -265,3 +271,102 @@ def test_function_modes_off_for_the_bookkeeping_and_back_in_order() -> None:
         assert stack == [outer, inner]
         x + 1
     assert inner.calls == 1 and outer.calls == 1
+
+
+def _foreach_calls(mode: CountingFakeMode) -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+    """Foreach calls the shortcuts take (an optimizer's) and ones they leave to FakeTensorMode:
+    broadcasting, mixed dtypes, integers, constants, a single tensor, transposed inputs."""
+    fake = mode.from_tensor
+
+    def fakes(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32,
+              device: str = "cuda") -> list[Any]:
+        return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+
+    shapes = ((4, 8), (8,), (), (3, 2, 5))
+    a, b, c = fakes(*shapes), fakes(*shapes), fakes(*shapes)
+    h = fakes(*shapes, dtype=torch.bfloat16)
+    cpu = fakes(*shapes, device="cpu")
+    scalars = [0.5, 2, True, 1e-8]
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = [
+        (aten._foreach_add_.Scalar, (a, 1), {}),
+        (aten._foreach_add_.List, (a, b), {"alpha": 0.1}),
+        (aten._foreach_mul_.Scalar, (h, 0.9), {}),
+        (aten._foreach_lerp_.Scalar, (a, b, 0.1), {}),
+        (aten._foreach_addcmul_.Scalar, (a, b, c), {"value": 0.001}),
+        (aten._foreach_addcdiv_.ScalarList, (a, b, c, scalars), {}),
+        (aten._foreach_div_.ScalarList, (cpu, scalars), {}),
+        (aten._foreach_sqrt.default, (a,), {}),
+        (aten._foreach_sqrt.default, (h,), {}),
+        (aten._foreach_add.Scalar, (a, 1e-8), {}),
+        (aten._foreach_mul.List, (cpu, cpu), {}),
+        (aten._foreach_addcdiv.ScalarList, (a, b, c, scalars), {}),
+        (aten._foreach_neg.default, (h,), {}),
+        # left to FakeTensorMode:
+        (aten._foreach_add_.List, (fakes((4, 8)), fakes((1, 8))), {}),  # broadcast
+        (aten._foreach_add.List, (fakes((4, 8)), fakes((1, 8))), {}),
+        (aten._foreach_add.List, (a, h), {}),  # mixed dtypes
+        (aten._foreach_add.Scalar, (fakes((4,), dtype=torch.int64), 2), {}),
+        (aten._foreach_mul.Scalar, (fakes((4,), dtype=torch.int64), 0.5), {}),
+        (aten._foreach_sqrt.default, ([fake(torch.zeros(4, 8)).t()],), {}),
+        (aten._foreach_mul.Tensor, (a, fake(torch.tensor(2.0))), {}),
+        (aten._foreach_add.Scalar, ([torch.tensor(1.0)], 1), {}),  # a constant
+    ]
+    return calls
+
+
+def test_foreach_shortcuts_return_what_fake_tensor_mode_returns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer's foreach ops: nothing for the in-place ones, new tensors with the same
+    facts for the others; what the shortcuts do not cover goes to FakeTensorMode."""
+    taken: list[Any] = []
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: Any, func: Any, *rest: Any) -> Any:
+        if "_foreach_" in str(func):
+            taken.append(func)
+        return dispatch(self, func, *rest)
+
+    results = []
+    for theirs in (False, True):
+        mode = CountingFakeMode()
+        with monkeypatch.context() as m:
+            if theirs:
+                _theirs(m)
+            else:
+                m.setattr(FakeTensorMode, "dispatch", counted)
+            with mode:
+                calls = _foreach_calls(mode)
+                outs = [func(*args, **kwargs) for func, args, kwargs in calls]
+        results.append([None if o is None else [_facts(t)[:-1] for t in o] for o in outs])
+    ours, theirs = results
+    for u, v, call in zip(ours, theirs, calls, strict=True):
+        assert (u is None) == (v is None), call[0]
+        if u is not None:
+            for x, y in zip(u, v, strict=True):
+                assert x[:11] == y[:11], call[0]
+                assert [k for k, _ in x[11]] == [k for k, _ in y[11]], call[0]
+    assert [str(f) for f in taken] == [str(f) for f, _, _ in calls[13:]]
+    assert all(f in tracker.SHORTCUTS for f, _, _ in calls[:13])
+
+
+def test_metadata_queries_answer_as_fake_tensor_mode_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """C++ code asks a fake tensor its device, sizes and strides through the dispatcher
+    (grouping an optimizer's tensors): answered before the counting mode's bookkeeping."""
+    assert set(tracker._META_QUERIES) >= {torch.ops.prim.device.default}
+    got = []
+    for theirs in (False, True):
+        mode = CountingFakeMode()
+        with monkeypatch.context() as m:
+            if theirs:
+                _theirs(m)
+            with mode:
+                xs = [torch.empty(3, dtype=d, device=dev)
+                      for d in (torch.float32, torch.bfloat16) for dev in ("cuda", "cpu")]
+                tick = mode.tick
+                grouped = torch._C._group_tensors_by_device_and_dtype([xs], False)
+                got.append(({k: [len(v) for v in vs] for k, (vs, _) in grouped.items()},
+                            [(torch.ops.prim.device.default(x), x.size(), x.stride())
+                             for x in xs], mode.tick - tick))
+    assert got[0] == got[1]
+    assert len(got[0][0]) == 4 and got[0][2] == 0  # four groups; nothing counted

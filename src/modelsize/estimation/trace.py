@@ -55,6 +55,7 @@ from modelsize.errors import EstimateError, UsageError
 from modelsize.estimation import quantized
 from modelsize.estimation.optimizers import Implementation, OptimizerSpec, make_factory
 from modelsize.estimation.tracker import (
+    _META_QUERIES,
     Allocation,
     CountingFakeMode,
     Origin,
@@ -806,6 +807,8 @@ class RealValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        if func in _META_QUERIES:  # a fake tensor's device, sizes, ...: no value to follow
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if func is _ATEN._local_scalar_dense.default:
             real = self.value_of(args[0])
