@@ -807,7 +807,10 @@ class RealValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        if func in _META_QUERIES:  # a fake tensor's device, sizes, ...: no value to follow
+        query = _META_QUERIES.get(func)
+        if query is not None:  # a fake tensor's device, sizes, ...: no value to follow
+            if len(args) == 1 and type(args[0]) is FakeTensor and not kwargs:
+                return query(args)  # FakeTensorMode's answer, without the modes below
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if func is _ATEN._local_scalar_dense.default:
