@@ -19,6 +19,7 @@ import contextlib
 import gc
 import itertools
 import math
+import operator
 import os
 import re
 import zlib
@@ -1257,6 +1258,17 @@ _CHUNK = 1 << 20
 _NEAR = _PROBE
 #: Candidates whose chunks are held side by side; more are compared by hashes of their chunks.
 _MAX_SIDE_BY_SIDE = 8
+#: Bytes at the start of a candidate that tell it apart before its probes are digested
+#: (32 float32 values: after one optimizer step, the layer norms of two layers can agree in
+#: their first 8).
+_HEAD = 128
+#: Small candidates are read in windows where a window holds at least this many on average
+#: (a read of a few nearby storages costs more than a short read of each).
+_PER_WINDOW = 8
+#: The offset part of a place, ``(file << 64) | offset``.
+_OFFSET = (1 << 64) - 1
+_offset_of = operator.attrgetter("offset")
+_file_of = operator.attrgetter("file")
 
 
 def _itemsize(dtype: str) -> int:
@@ -1279,6 +1291,30 @@ def _samples(nbytes: int) -> tuple[tuple[int, int], ...]:
         return ((0, nbytes),)
     mid = nbytes // 2
     return ((0, _PROBE), (mid, mid + _PROBE), (nbytes - _PROBE, nbytes))
+
+
+def _windows(at: list[int], nbytes: int) -> list[tuple[int, int]] | None:
+    """Runs ``(first, stop)`` of the storages at ``at`` (sorted ``(file << 64) | offset``, each
+    ``nbytes`` long) that one read covers: storages less than :data:`_NEAR` apart in one file,
+    the read at most :data:`_CHUNK` bytes. None where the windows would hold fewer than
+    :data:`_PER_WINDOW` storages on average: reading each storage's head alone is cheaper."""
+    gaps = list(map(operator.sub, itertools.islice(at, 1, None), at))
+    limit = nbytes + _NEAR
+    ends = [len(at)]
+    breaks = sum(map(limit.__lt__, gaps))
+    if (breaks + 1) * _PER_WINDOW > len(at):
+        return None
+    if breaks:
+        ends[:0] = itertools.compress(range(1, len(at)), map(limit.__lt__, gaps))
+    del gaps
+    windows: list[tuple[int, int]] = []
+    j = 0
+    for end in ends:
+        while j < end:
+            stop = bisect.bisect_right(at, at[j] + _CHUNK - nbytes, j + 1, end)
+            windows.append((j, stop))
+            j = stop
+    return windows if len(windows) * _PER_WINDOW <= len(at) else None
 
 
 class _FileReader:
@@ -1317,6 +1353,10 @@ class _FileReader:
             data += more
         return data
 
+    def _pread_at(self, place: int, nbytes: int, what: StorageRecord) -> bytes:
+        """``nbytes`` at ``place``, ``(file << 64) | offset`` (see :meth:`probe_groups`)."""
+        return self._pread(place >> 64, place & _OFFSET, nbytes, what)
+
     def read(self, key: str, start: int, stop: int) -> bytes:
         """Bytes ``start..stop`` of a storage (at most a chunk)."""
         st = self.storages[key]
@@ -1324,59 +1364,67 @@ class _FileReader:
 
     def probe_groups(self, keys: list[str]) -> list[list[str]]:
         """The groups (of two or more, in order) of same-sized ``keys`` whose probes (see
-        :func:`_samples`) have equal CRC-32s: only they can hold equal bytes.
+        :func:`_samples`) look equal: only they can hold equal bytes.
 
-        Probes are read in file order; small storages lying near each other are read together
-        (a million 8-byte tensors cost a few hundred reads, not a million).
+        Storages are first told apart by (the hashes of) their first :data:`_HEAD` bytes, which
+        is all it takes for trained weights: one short read each, in file order, where small
+        storages lying near each other are read together (a million 8-byte tensors cost a few
+        reads, not a million). Only storages whose head another shares are read further: their
+        probes' CRC-32 decides.
         """
-        sts = [self.storages[k] for k in keys]
+        sts = list(map(self.storages.__getitem__, keys))
         nbytes = sts[0].nbytes
         samples = _samples(nbytes)
-        digests = [0] * len(sts)
-        places = [(st.file << 64) | st.offset for st in sts]
-        order = sorted(range(len(sts)), key=places.__getitem__)
-        del places
-        crc32 = zlib.crc32
-        if len(samples) == 1:
-            # Whole storages: consecutive ones are read in windows of up to _CHUNK bytes.
-            j = 0
-            while j < len(order):
-                first = sts[order[j]]
-                stop = j + 1
-                end = first.offset + nbytes
-                while stop < len(order):
-                    nxt = sts[order[stop]]
-                    if (nxt.file != first.file or nxt.offset - end > _NEAR
-                            or nxt.offset + nbytes - first.offset > _CHUNK):
-                        break
-                    end = nxt.offset + nbytes
-                    stop += 1
-                window = memoryview(self._pread(first.file, first.offset, end - first.offset,
-                                                first))
-                for i in order[j:stop]:
-                    at = sts[i].offset - first.offset
-                    digests[i] = crc32(window[at : at + nbytes])
-                j = stop
+        # Where each storage lies, (file << 64) | offset, and the storages in file order.
+        places = list(map(_offset_of, sts))
+        files = {0} if len(self.builder.files) == 1 else set(map(_file_of, sts))
+        if files != {0}:
+            places = list(map(operator.or_, [f << 64 for f in map(_file_of, sts)], places))
+        if all(map(operator.le, places, itertools.islice(places, 1, None))):
+            order, at = list(range(len(sts))), places
         else:
-            # First the start of each; the middle and end only of those whose start another
-            # shares (a checkpoint's 24 layers of trained weights differ in their first 4 KiB:
-            # one read each, not three). A start no other shares is kept apart from the full
-            # digests by bit 32.
-            (a0, b0), rest = samples[0], samples[1:]
-            for i in order:
-                st = sts[i]
-                digests[i] = crc32(self._pread(st.file, st.offset + a0, b0 - a0, st))
-            shared = Counter(digests)
-            for i in order:
-                crc = digests[i]
-                if shared[crc] < 2:
-                    digests[i] = crc | 1 << 32
+            order = sorted(range(len(sts)), key=places.__getitem__)
+            at = list(map(places.__getitem__, order))
+        del places
+        head = min(nbytes, _HEAD)
+        windows = _windows(at, nbytes) if len(samples) == 1 else None
+        # The heads' hashes, in file order (ints: a million candidates hold no million heads).
+        found: list[int] = []
+        if windows is not None:
+            # Small storages lying close: their heads read in windows of up to _CHUNK bytes.
+            for j, stop in windows:
+                base = at[j]
+                data = self._pread_at(base, at[stop - 1] + head - base, sts[order[j]])
+                found += [hash(data[p - base : p - base + head]) for p in at[j:stop]]
+        else:
+            found = self._hashes(at, head, sts, order, files)
+        if len(set(found)) == len(found):
+            return []  # every head differs (nearly always): no two storages can be equal
+        digests: list[object] = [0] * len(sts)
+        for i, h in zip(order, found, strict=True):
+            digests[i] = h
+        # Heads met twice or more: the CRC-32 of every probe decides (read again, in order).
+        shared = Counter(found)
+        crc32 = zlib.crc32
+        if windows is not None:
+            for j, stop in windows:
+                inside = [k for k in range(j, stop) if shared[found[k]] > 1]
+                if not inside:
                     continue
-                st = sts[i]
-                for a, b in rest:
-                    crc = crc32(self._pread(st.file, st.offset + a, b - a, st), crc)
-                digests[i] = crc
-        first_with: dict[int, int] = {}
+                base = at[inside[0]]
+                window = memoryview(self._pread_at(base, at[inside[-1]] + nbytes - base,
+                                                   sts[order[inside[0]]]))
+                for k in inside:
+                    p = at[k] - base
+                    digests[order[k]] = (found[k], crc32(window[p : p + nbytes]))
+        else:
+            for k, i in enumerate(order):
+                if shared[found[k]] > 1:
+                    crc = 0
+                    for a, b in samples:
+                        crc = crc32(self._pread_at(at[k] + a, b - a, sts[i]), crc)
+                    digests[i] = (found[k], crc)
+        first_with: dict[object, int] = {}
         groups: dict[int, list[str]] = {}
         for i, digest in enumerate(digests):
             j = first_with.setdefault(digest, i)
@@ -1387,6 +1435,24 @@ class _FileReader:
                 else:
                     same.append(keys[i])
         return list(groups.values())
+
+    def _hashes(self, at: list[int], head: int, sts: list[StorageRecord], order: list[int],
+                files: set[int]) -> list[int]:
+        """The hashes of the first ``head`` bytes at each of ``at`` (storages ``sts[order[k]]``
+        of ``files``), one read each; the heads themselves are not kept."""
+        pread = os.pread
+        if files == {0}:
+            fd = self._fd(0)
+            found = [hash(h) for p in at if len(h := pread(fd, head, p)) == head]
+        else:
+            fd_of = self._fd
+            found = [hash(h) for p in at
+                     if len(h := pread(fd_of(p >> 64), head, p & _OFFSET)) == head]
+        if len(found) < len(at):
+            # A short read: the file ends early, or shrank since it was opened. Read again
+            # (completing short reads) to name the first storage that ends early.
+            found = [hash(self._pread_at(p, head, sts[i])) for p, i in zip(at, order, strict=True)]
+        return found
 
     def identical(self, keys: list[str]) -> list[list[str]]:
         """The groups (of two or more, in order) of same-sized ``keys`` with equal bytes.

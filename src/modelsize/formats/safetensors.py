@@ -121,6 +121,33 @@ def classify_name(name: str, floating: bool) -> tuple[Category, tuple[str, ...]]
     return Category.BUFFERS, tags
 
 
+#: What classify_name answers for nearly every tensor: one tuple shared by all of them.
+_WEIGHTS: tuple[Category, tuple[str, ...]] = (Category.WEIGHTS, ())
+
+
+def classify_names(names: Sequence[str], floating: Sequence[bool]
+                   ) -> list[tuple[Category, tuple[str, ...]]]:
+    """:func:`classify_name` of each name, the same answers, in one pass.
+
+    The words that make a tensor anything but a floating weight (:data:`_SPECIAL_HINTS`,
+    :data:`_BUFFER_NAMES`) are looked for in all the names at once: where none holds one
+    (most checkpoints), a floating tensor is a weight without its name being taken apart.
+    """
+    # One lowered string: str.lower maps each character alone (but a final sigma, which no
+    # word here holds), and no word spans the newline between two names.
+    blob = "\n".join(names).lower()
+    if any(hint in blob for hint in _SPECIAL_HINTS):
+        return list(map(classify_name, names, floating))
+    found = [word for word in _BUFFER_NAMES if word in blob]
+    del blob
+    if not found:
+        return [_WEIGHTS if f else classify_name(name, f)
+                for name, f in zip(names, floating, strict=True)]
+    search = re.compile("|".join(map(re.escape, sorted(found)))).search
+    return [_WEIGHTS if f and search(name.lower()) is None else classify_name(name, f)
+            for name, f in zip(names, floating, strict=True)]
+
+
 # -- one safetensors file ----------------------------------------------------------------------
 
 
@@ -495,7 +522,7 @@ def account_file(builder: InventoryBuilder, file: int = 0, prefix: str = "") -> 
         builder.add_whole_tensors(
             file, start, [prefix + name for name in names] if prefix else names, names,
             dtypes, header.shapes, header.begins, header.ends,
-            list(map(classify_name, names, map(floating.__getitem__, dtypes))),
+            classify_names(names, list(map(floating.__getitem__, dtypes))),
         )
         _account_stray(builder, header, file)
     fmt = header.metadata.get("format")
