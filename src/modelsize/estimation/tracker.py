@@ -68,7 +68,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensorConfig,
     FakeTensorMode,
     _DispatchCacheKey,
-    in_kernel_invocation_manager,
 )
 from torch.autograd.function import BackwardCFunction
 from torch.utils._mode_utils import no_dispatch
@@ -472,7 +471,7 @@ class CountingFakeMode(FakeTensorMode):
         if (meta is None or entry.inplace_idx is not None or self.shape_env is not None
                 or meta.layout is not _STRIDED or FakeTensorConfig.debug):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
-        with in_kernel_invocation_manager(self):
+        with torch._C._DisableTorchDispatch():  # a meta tensor, its storage: no fake op runs
             empty = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype,
                                         device="meta", requires_grad=meta.requires_grad)
             if meta.is_conj:
