@@ -1,16 +1,19 @@
 /* modelsize._pickleops: the frequent opcodes of modelsize's pickle parser, compiled (optional).
  *
- * setup(Global, Call, PersistentId, plain_calls, safe_calls, max_depth, max_hash_cost)
- *     Once, at import of modelsize.formats._pickle: the placeholder classes and the judgement's
- *     sets of callables.
+ * setup(Global, Call, PersistentId, plain_calls, safe_calls, max_depth, max_hash_cost, call)
+ *     Once, at import of modelsize.formats._pickle: the placeholder classes, the judgement's
+ *     sets of callables, and ``Call(None, ())``: a Call made here is that one with its func and
+ *     args replaced (its slots filled in directly: running Call.__init__, a Python function,
+ *     was a fifth of this loop's time on a checkpoint, which makes two calls a tensor).
  *
- * run(data, size, pos, limit, stack, metastack, memo, far, depths, texts, persistent_load)
- *     -> (pos, stack, ran, found, texts, exc)
+ * run(data, size, pos, limit, stack, metastack, memo, far, depths, texts, persistent_load
+ *     [, keep[, shared]]) -> (pos, stack, ran, found, texts, exc)
  *
  *   Runs at most ``limit`` opcodes of the pickle in ``data[:size]`` from ``pos`` on the state of
  *   a modelsize.formats._pickle._Machine (its stack, MARK stack, memo, depth records, last two
- *   strings), exactly as that machine's inline loop runs them, and stops *before* the first
- *   opcode it does not take on, leaving it to the Python loop:
+ *   strings, which memo entries to keep, its short tuples of ints), exactly as that machine's
+ *   inline loop runs them, and stops *before* the first opcode it does not take on, leaving it
+ *   to the Python loop:
  *
  *   - it takes on only the opcodes the Python loop runs inline (memo, small ints, MARK, tuples,
  *     strings, BINPERSID, REDUCE, dicts, lists), and of those only the plain case: an opcode
@@ -36,6 +39,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "structmember.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -43,14 +47,40 @@ static PyObject *GlobalType, *CallType, *PersistentIdType, *plain_calls, *safe_c
 static PyObject *str_qualname, *str_builtins_bytes;
 static Py_ssize_t max_depth, max_hash_cost;
 
+/* Call's slots: their offsets, which hold func and args, and the Call the others come from. */
+#define MAX_CALL_SLOTS 16
+static Py_ssize_t call_slots[MAX_CALL_SLOTS], n_call_slots, call_func_at, call_args_at;
+static PyObject *call_proto;
+
+/* The slots of Call (a class with __slots__ only, each an object slot) from its members. */
+static int read_call_slots(PyTypeObject *t) {
+    n_call_slots = 0;
+    call_func_at = call_args_at = -1;
+    if (t->tp_dictoffset != 0 || t->tp_members == NULL) return -1;
+    for (PyMemberDef *m = t->tp_members; m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY) || n_call_slots == MAX_CALL_SLOTS)
+            return -1;
+        call_slots[n_call_slots++] = m->offset;
+        if (strcmp(m->name, "func") == 0) call_func_at = m->offset;
+        if (strcmp(m->name, "args") == 0) call_args_at = m->offset;
+    }
+    return call_func_at < 0 || call_args_at < 0 ? -1 : 0;
+}
+
 static PyObject *setup(PyObject *self, PyObject *args) {
-    PyObject *g, *c, *p, *plain, *safe;
+    PyObject *g, *c, *p, *plain, *safe, *proto;
     Py_ssize_t depth, cost;
-    if (!PyArg_ParseTuple(args, "OOOOOnn", &g, &c, &p, &plain, &safe, &depth, &cost))
+    if (!PyArg_ParseTuple(args, "OOOOOnnO", &g, &c, &p, &plain, &safe, &depth, &cost, &proto))
         return NULL;
     if (!PyType_Check(g) || !PyType_Check(c) || !PyType_Check(p) ||
-        !PyFrozenSet_CheckExact(plain) || !PyFrozenSet_CheckExact(safe)) {
-        PyErr_SetString(PyExc_TypeError, "setup(Global, Call, PersistentId, frozenset, frozenset, int, int)");
+        !PyFrozenSet_CheckExact(plain) || !PyFrozenSet_CheckExact(safe) ||
+        Py_TYPE(proto) != (PyTypeObject *)c) {
+        PyErr_SetString(PyExc_TypeError,
+                        "setup(Global, Call, PersistentId, frozenset, frozenset, int, int, Call)");
+        return NULL;
+    }
+    if (read_call_slots((PyTypeObject *)c) < 0) {
+        PyErr_SetString(PyExc_TypeError, "setup(): Call must have object slots only, func and args among them");
         return NULL;
     }
     Py_XSETREF(GlobalType, Py_NewRef(g));
@@ -58,9 +88,24 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     Py_XSETREF(PersistentIdType, Py_NewRef(p));
     Py_XSETREF(plain_calls, Py_NewRef(plain));
     Py_XSETREF(safe_calls, Py_NewRef(safe));
+    Py_XSETREF(call_proto, Py_NewRef(proto));
     max_depth = depth;
     max_hash_cost = cost;
     Py_RETURN_NONE;
+}
+
+/* Call(func, args): the prototype with func and args in their place (new reference). */
+static PyObject *new_call(PyObject *func, PyObject *args) {
+    PyTypeObject *t = (PyTypeObject *)CallType;
+    PyObject *call = t->tp_alloc(t, 0);
+    if (call == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n_call_slots; i++) {
+        Py_ssize_t at = call_slots[i];
+        PyObject *v = at == call_func_at ? func : at == call_args_at ? args
+                      : *(PyObject **)((char *)call_proto + at);
+        *(PyObject **)((char *)call + at) = Py_XNewRef(v);
+    }
+    return call;
 }
 
 static inline uint32_t u32(const unsigned char *p) {
@@ -103,11 +148,32 @@ static inline int hashed_nested(PyObject *o) {
     return t == &PyTuple_Type || t == &PyFrozenSet_Type || t == (PyTypeObject *)PersistentIdType;
 }
 
-/* _Machine.nested, its first half: depth and hashing cost of a tuple of ``items``.
+/* Items of an unrecorded tuple that may hold tuples (_pickle._SHALLOW). */
+#define SHALLOW 8
+
+/* _pickle._unrecorded: depth and hashing cost of a non-empty tuple that has no depth record:
+ * flat (1, length + 1), or a short tuple of flat tuples (2, ...). */
+static void unrecorded(PyObject *t, Py_ssize_t *depth, Py_ssize_t *cost) {
+    Py_ssize_t n = PyTuple_GET_SIZE(t);
+    *depth = 1;
+    *cost = n + 1;
+    if (n > SHALLOW) return;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyTuple_GET_ITEM(t, i);
+        if (Py_TYPE(x) == &PyTuple_Type && PyTuple_GET_SIZE(x) > 0) {
+            *depth = 2;
+            *cost += PyTuple_GET_SIZE(x) + 1;
+        }
+    }
+}
+
+/* _Machine.nested, its first half: depth and hashing cost of a tuple of ``items``, and whether
+ * it may go unrecorded at depth 2 (*shallow: short, its nested items all flat tuples).
  * 0 on success, -1 on error (exception set). */
 static int measure(PyObject *depths, PyObject *const *items, Py_ssize_t k,
-                   Py_ssize_t *depth_out, Py_ssize_t *cost_out) {
+                   Py_ssize_t *depth_out, Py_ssize_t *cost_out, int *shallow_out) {
     Py_ssize_t depth = 1, cost = 1;
+    int shallow = k <= SHALLOW;
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *c = items[i];
         cost += 1;
@@ -124,19 +190,26 @@ static int measure(PyObject *depths, PyObject *const *items, Py_ssize_t k,
             if ((d == -1 || co == -1) && PyErr_Occurred()) return -1;
             if (d >= depth) depth = d + 1;
             cost += co;
+            shallow = 0;
         } else if (Py_TYPE(c) == &PyTuple_Type && PyTuple_GET_SIZE(c) > 0) {
-            if (depth < 2) depth = 2;
-            cost += PyTuple_GET_SIZE(c) + 1;
+            Py_ssize_t d, co;
+            unrecorded(c, &d, &co);
+            if (d >= depth) depth = d + 1;
+            cost += co;
+            if (d > 1) shallow = 0;
         }
     }
     *depth_out = depth;
     *cost_out = cost;
+    *shallow_out = shallow;
     return 0;
 }
 
-/* _Machine.nested, its second half: record the tuple ``t`` if it must be. */
-static int record(PyObject *depths, PyObject *t, Py_ssize_t depth, Py_ssize_t cost) {
-    if (depth <= 1 && PyTuple_GET_SIZE(t) > 0) return 0;
+/* _Machine.nested, its second half: record the tuple ``t`` if it must be (not flat, not
+ * shallow). */
+static int record(PyObject *depths, PyObject *t, Py_ssize_t depth, Py_ssize_t cost,
+                  int shallow) {
+    if (PyTuple_GET_SIZE(t) > 0 && (depth <= 1 || (depth == 2 && shallow))) return 0;
     if (cost > max_hash_cost) cost = max_hash_cost + 1;
     PyObject *key = PyLong_FromVoidPtr(t);
     if (key == NULL) return -1;
@@ -151,11 +224,37 @@ static int record(PyObject *depths, PyObject *t, Py_ssize_t depth, Py_ssize_t co
     return r;
 }
 
-/* A tuple of the k items at ``items``, measured and recorded; NULL with *bail set where the
- * Python loop must run the opcode (too deep), NULL without it on error. */
-static PyObject *make_tuple(PyObject *depths, PyObject *const *items, Py_ssize_t k, int *bail) {
+/* _pickle._SHARED_LEN, _MAX_SHARED: the short tuples of ints made once (see share). */
+#define SHARED_LEN 8
+#define MAX_SHARED 4096
+
+/* _Machine.share: ``t`` (a new reference, stolen), or the equal tuple of ints ``shared`` holds
+ * (new reference); NULL on error. */
+static PyObject *share(PyObject *shared, PyObject *t) {
+    Py_ssize_t k = PyTuple_GET_SIZE(t);
+    if (shared == NULL || k == 0 || k > SHARED_LEN) return t;
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(t, i))) return t;
+    PyObject *found = PyDict_GetItemWithError(shared, t);  /* borrowed */
+    if (found != NULL) {
+        Py_DECREF(t);
+        return Py_NewRef(found);
+    }
+    if (PyErr_Occurred() || (PyDict_GET_SIZE(shared) < MAX_SHARED &&
+                             PyDict_SetItem(shared, t, t) < 0)) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* A tuple of the k items at ``items``, measured, recorded and shared; NULL with *bail set where
+ * the Python loop must run the opcode (too deep), NULL without it on error. */
+static PyObject *make_tuple(PyObject *depths, PyObject *shared, PyObject *const *items,
+                            Py_ssize_t k, int *bail) {
     Py_ssize_t depth, cost;
-    if (measure(depths, items, k, &depth, &cost) < 0) return NULL;
+    int shallow;
+    if (measure(depths, items, k, &depth, &cost, &shallow) < 0) return NULL;
     if (depth > max_depth) {
         *bail = 1;
         return NULL;
@@ -163,11 +262,11 @@ static PyObject *make_tuple(PyObject *depths, PyObject *const *items, Py_ssize_t
     PyObject *t = PyTuple_New(k);
     if (t == NULL) return NULL;
     for (Py_ssize_t i = 0; i < k; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(items[i]));
-    if (record(depths, t, depth, cost) < 0) {
+    if (record(depths, t, depth, cost, shallow) < 0) {
         Py_DECREF(t);
         return NULL;
     }
-    return t;
+    return share(shared, t);
 }
 
 static inline int plain_key(PyObject *k) {
@@ -199,10 +298,21 @@ static PyObject *text_to(Text *t) {
 }
 
 static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "run() takes 11 arguments");
+    if (nargs < 11 || nargs > 13) {
+        PyErr_SetString(PyExc_TypeError, "run() takes 11 to 13 arguments");
         return NULL;
     }
+    /* keep[i]: whether memo entry i is ever read (memo_reads); none given: all are kept */
+    PyObject *keep = nargs > 11 ? args[11] : Py_None;
+    /* the short tuples of ints made so far (_Machine.tuples); none given: none shared */
+    PyObject *shared = nargs > 12 && args[12] != Py_None ? args[12] : NULL;
+    if ((keep != Py_None && !PyBytes_CheckExact(keep)) ||
+        (shared != NULL && !PyDict_CheckExact(shared))) {
+        PyErr_SetString(PyExc_TypeError, "run(): keep must be bytes or None, shared a dict or None");
+        return NULL;
+    }
+    const char *kept = keep == Py_None ? NULL : PyBytes_AS_STRING(keep);
+    Py_ssize_t n_kept = keep == Py_None ? 0 : PyBytes_GET_SIZE(keep);
     if (GlobalType == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "modelsize._pickleops.setup() was not called");
         return NULL;
@@ -238,6 +348,10 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_INCREF(stack);  /* the current stack: owned here, swapped by MARK and its ends */
     Py_ssize_t ran = 0, found = 0;
     int failed = 0;
+    /* The last global REDUCE called with arguments ([0]) and without ([1]), held while this
+     * runs, and whether it was a plain call: a checkpoint calls the same two a tensor. */
+    PyObject *judged[2] = {NULL, NULL};
+    int judged_plain[2] = {0, 0};
 
     while (ran < limit) {
         Py_ssize_t op = pos;
@@ -253,8 +367,11 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             Py_ssize_t width = c == 0x72 ? 4 : c == 0x71 ? 1 : 0;
             if (p + width > size || n == 0 || PyDict_GET_SIZE(far) != 0) goto leave;
             /* MEMOIZE's index is the memo's length: always the next one */
-            if (width && argument(d + p, width) != PyList_GET_SIZE(memo)) goto leave;
-            if (PyList_Append(memo, PyList_GET_ITEM(stack, n - 1)) < 0) goto error;
+            Py_ssize_t idx = PyList_GET_SIZE(memo);
+            if (width && argument(d + p, width) != idx) goto leave;
+            PyObject *entry = kept == NULL || (idx < n_kept && kept[idx]) ? PyList_GET_ITEM(stack, n - 1)
+                                                                           : Py_None;
+            if (PyList_Append(memo, entry) < 0) goto error;
             p += width;
             break;
         }
@@ -355,28 +472,34 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             PyObject *func = PyList_GET_ITEM(stack, n - 2);
             PyObject *fargs = PyList_GET_ITEM(stack, n - 1);
             if (Py_TYPE(func) != (PyTypeObject *)GlobalType || !PyTuple_CheckExact(fargs)) goto leave;
-            PyObject *name = PyObject_GetAttr(func, str_qualname);
-            if (name == NULL) goto error;
-            int plain = PySet_Contains(plain_calls, name);
-            if (plain == 0 && PyTuple_GET_SIZE(fargs) == 0) {
-                plain = PySet_Contains(safe_calls, name);
-                if (plain == 1) {
-                    int eq = PyObject_RichCompareBool(name, str_builtins_bytes, Py_EQ);
-                    plain = eq < 0 ? -1 : !eq;
+            int empty = PyTuple_GET_SIZE(fargs) == 0, plain;
+            if (func == judged[empty]) {
+                plain = judged_plain[empty];  /* the same global as last time: its answer */
+            } else {
+                PyObject *name = PyObject_GetAttr(func, str_qualname);
+                if (name == NULL) goto error;
+                plain = PySet_Contains(plain_calls, name);
+                if (plain == 0 && empty) {
+                    plain = PySet_Contains(safe_calls, name);
+                    if (plain == 1) {
+                        int eq = PyObject_RichCompareBool(name, str_builtins_bytes, Py_EQ);
+                        plain = eq < 0 ? -1 : !eq;
+                    }
                 }
+                Py_DECREF(name);
+                if (plain < 0) goto error;
+                Py_XSETREF(judged[empty], Py_NewRef(func));
+                judged_plain[empty] = plain;
             }
-            Py_DECREF(name);
-            if (plain < 0) goto error;
             if (!plain) goto leave;
-            PyObject *pair[2] = {func, fargs};
-            PyObject *call = PyObject_Vectorcall(CallType, pair, 2, NULL);
+            PyObject *call = new_call(func, fargs);
             if (call == NULL) goto error;
             if (PyList_SetItem(stack, n - 2, call) < 0 || drop(stack, 1) < 0) goto error;
             break;
         }
         case 0x74: { /* TUPLE */
             if (PyList_GET_SIZE(metastack) == 0) goto leave;
-            PyObject *t = make_tuple(depths, ((PyListObject *)stack)->ob_item, n, &bail);
+            PyObject *t = make_tuple(depths, shared, ((PyListObject *)stack)->ob_item, n, &bail);
             if (t == NULL) {
                 if (bail) goto leave;
                 goto error;
@@ -393,7 +516,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         case 0x87: { /* TUPLE3 */
             Py_ssize_t k = c - 0x84;
             if (n < k) goto leave;
-            PyObject *t = make_tuple(depths, ((PyListObject *)stack)->ob_item + n - k, k, &bail);
+            PyObject *t = make_tuple(depths, shared, ((PyListObject *)stack)->ob_item + n - k, k, &bail);
             if (t == NULL) {
                 if (bail) goto leave;
                 goto error;
@@ -467,6 +590,8 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         break;
     }
     PyBuffer_Release(&view);
+    Py_XDECREF(judged[0]);
+    Py_XDECREF(judged[1]);
 
     PyObject *exc = Py_None;
     if (failed) {
@@ -499,12 +624,158 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return result;
 }
 
+/* memo_reads(data, size, pos) -> bytes | None
+ *
+ * Which memo entries the pickle at data[pos:size] reads: one byte per memo-storing opcode
+ * (PUT, BINPUT, LONG_BINPUT, MEMOIZE) up to the pickle's STOP, byte i 1 where a BINGET or
+ * LONG_BINGET reads index i after i could have been stored (the memo holds at most one entry
+ * more per storing opcode). The parse stores None for the others: an object only the memo
+ * holds (torch.save memoizes every persistent id, and the key string in it) is let go of as
+ * soon as the stack does. None where the pickle reads its memo with GET, whose decimal
+ * argument only the parse reads: then every entry is kept.
+ *
+ * The opcodes are stepped over as the parse reads them (an argument of 1, 2, 4 or 8 bytes, a
+ * length and its bytes, one or two lines). The walk stops at STOP, at an unknown opcode and at
+ * an argument that runs past ``size``: where the parse ends too (or fails), so no read the
+ * parse makes is missed; one made past a point the parse fails at only keeps more. */
+static PyObject *memo_reads(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "memo_reads() takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t p = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *d = (const unsigned char *)view.buf;
+    if (size > view.len) size = view.len;
+    if (p < 0) p = size;
+    char *reads = NULL;
+    Py_ssize_t stores = 0, room = 0;
+    int text_get = 0;
+    while (p < size && !text_get) {
+        unsigned char c = d[p++];
+        Py_ssize_t skip = 0, lines = 0, len_width = 0, idx = -1;
+        switch (c) {
+        case '.':  /* STOP */
+            p = size;
+            continue;
+        case '(': case '0': case '1': case '2': case 'N': case 0x88: case 0x89: case ']':
+        case '}': case 0x8f: case ')': case 't': case 0x85: case 0x86: case 0x87: case 'l':
+        case 'd': case 0x91: case 'a': case 'e': case 's': case 'u': case 0x90: case 0x93:
+        case 'R': case 0x81: case 0x92: case 'o': case 'b': case 'Q': case 0x97: case 0x98:
+            break;
+        case 0x94:  /* MEMOIZE */
+            stores += 1;
+            break;
+        case 'p':  /* PUT */
+            stores += 1;
+            lines = 1;
+            break;
+        case 'g':  /* GET */
+            text_get = 1;
+            continue;
+        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P':
+            lines = 1;
+            break;
+        case 'c': case 'i':  /* GLOBAL, INST */
+            lines = 2;
+            break;
+        case 0x80: case 'K': case 'q': case 'h': case 0x82:  /* PROTO BININT1 BINPUT BINGET EXT1 */
+            skip = 1;
+            break;
+        case 'M': case 0x83:  /* BININT2 EXT2 */
+            skip = 2;
+            break;
+        case 'J': case 'r': case 'j': case 0x84:  /* BININT LONG_BINPUT LONG_BINGET EXT4 */
+            skip = 4;
+            break;
+        case 0x95: case 'G':  /* FRAME BINFLOAT */
+            skip = 8;
+            break;
+        case 0x8a: case 'U': case 0x8c: case 'C':  /* LONG1 SHORT_BINSTRING SHORT_BINUNICODE SHORT_BINBYTES */
+            len_width = 1;
+            break;
+        case 0x8b: case 'T':  /* LONG4 BINSTRING: a signed length */
+            len_width = -4;
+            break;
+        case 'X': case 'B':  /* BINUNICODE BINBYTES */
+            len_width = 4;
+            break;
+        case 0x8d: case 0x8e: case 0x96:  /* BINUNICODE8 BINBYTES8 BYTEARRAY8 */
+            len_width = 8;
+            break;
+        default:  /* no opcode: the parse fails here */
+            p = size;
+            continue;
+        }
+        if (c == 'q' || c == 'r') stores += 1;
+        if ((c == 'h' || c == 'j') && p + skip <= size) idx = c == 'h' ? d[p] : (Py_ssize_t)u32(d + p);
+        if (len_width) {
+            Py_ssize_t w = len_width < 0 ? 4 : len_width;
+            if (w > size - p) break;
+            uint64_t n = 0;
+            if (w == 1) n = d[p];
+            else if (w == 4) n = len_width < 0 ? (uint64_t)(int64_t)(int32_t)u32(d + p) : u32(d + p);
+            else for (int i = 7; i >= 0; i--) n = (n << 8) | d[p + i];
+            p += w;
+            if (len_width < 0 && (int64_t)n < 0) break;  /* a negative length: the parse fails */
+            if (n > (uint64_t)(size - p)) break;
+            skip = (Py_ssize_t)n;
+        }
+        while (lines > 0) {
+            const unsigned char *nl = memchr(d + p, '\n', (size_t)(size - p));
+            if (nl == NULL) {
+                p = size;
+                break;
+            }
+            p = nl - d + 1;
+            lines -= 1;
+        }
+        if (skip > size - p) break;
+        p += skip;
+        if (idx >= 0 && idx < stores) {
+            if (stores > room) {
+                Py_ssize_t more = stores > 2 * room ? stores : 2 * room;
+                char *grown = PyMem_Realloc(reads, (size_t)more);
+                if (grown == NULL) {
+                    PyMem_Free(reads);
+                    PyBuffer_Release(&view);
+                    return PyErr_NoMemory();
+                }
+                memset(grown + room, 0, (size_t)(more - room));
+                reads = grown;
+                room = more;
+            }
+            reads[idx] = 1;
+        }
+    }
+    PyBuffer_Release(&view);
+    PyObject *out = NULL;
+    if (text_get) {
+        out = Py_NewRef(Py_None);
+    } else {
+        out = PyBytes_FromStringAndSize(NULL, stores);
+        if (out != NULL) {
+            char *o = PyBytes_AS_STRING(out);
+            Py_ssize_t have = room < stores ? room : stores;
+            if (have > 0) memcpy(o, reads, (size_t)have);
+            if (stores > have) memset(o + have, 0, (size_t)(stores - have));
+        }
+    }
+    PyMem_Free(reads);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(Global, Call, PersistentId, plain_calls, safe_calls, max_depth, max_hash_cost)"},
+     "setup(Global, Call, PersistentId, plain_calls, safe_calls, max_depth, max_hash_cost, call)"},
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
-     "run(data, size, pos, limit, stack, metastack, memo, far, depths, texts, persistent_load)"
-     " -> (pos, stack, ran, found, texts, exc)"},
+     "run(data, size, pos, limit, stack, metastack, memo, far, depths, texts, persistent_load"
+     "[, keep[, shared]]) -> (pos, stack, ran, found, texts, exc)"},
+    {"memo_reads", (PyCFunction)(void (*)(void))memo_reads, METH_FASTCALL,
+     "memo_reads(data, size, pos) -> bytes | None: which memo entries the pickle reads"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -34,7 +34,7 @@ import codecs
 import functools
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +277,10 @@ class _Tensor:
 
 #: Distinct (size, stride) pairs whose layout a walk remembers (most tensors share a few).
 _MAX_LAYOUTS = 1 << 16
+#: Distinct keys whose facts a walk remembers.
+_MAX_KEY_FACTS = 1 << 14
+#: Size and stride tuples a walk remembers as checked (see _Walker.plain_layout).
+_MAX_CHECKED = 1 << 12
 
 
 def _layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int, bool]:
@@ -349,14 +353,23 @@ def mapping_items(obj: object) -> list[tuple[object, object]] | None:
     return None
 
 
+def _is_mapping(obj: object) -> bool:
+    """Whether :func:`mapping_items` of ``obj`` is not ``None`` (without making the pairs)."""
+    return isinstance(obj, dict) or (
+        isinstance(obj, Call) and global_name(obj.func) in _MAPPING_CALLS)
+
+
 def _is_optimizer_state(obj: object) -> bool:
     if isinstance(obj, dict):
         return "state" in obj and "param_groups" in obj
     items = mapping_items(obj)
     if items is None:
         return False
-    keys = {k for k, _ in items if isinstance(k, str)}
-    return "state" in keys and "param_groups" in keys
+    keys = {k for k, _ in items if isinstance(k, str) and k in _OPTIMIZER_STATE_KEYS}
+    return len(keys) == 2
+
+
+_OPTIMIZER_STATE_KEYS = frozenset({"state", "param_groups"})
 
 
 _SEPARATORS = re.compile(r"[._\-]")
@@ -373,6 +386,8 @@ def _is_ema(key: str) -> bool:
 
 def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
     """What a lower-cased key says by itself: (names optimizer state, category, EMA copy)."""
+    if not (k in _KEY_WORDS or "rng" in k or "ema" in k or k.endswith(".grad")):
+        return _NO_FACTS  # what most keys say: checked at once (a flat state dict's all differ)
     new: Category | None = None
     if k in _GRAD_KEYS or k.endswith(".grad"):
         new = Category.GRADIENTS
@@ -386,6 +401,9 @@ def _key_facts(k: str) -> tuple[bool, Category | None, bool]:
 
 
 _FACTS: dict[tuple[bool, Category | None, bool], tuple[bool, Category | None, bool]] = {}
+_NO_FACTS = _FACTS.setdefault((False, None, False), (False, None, False))
+#: Every key some fact of _key_facts names whole.
+_KEY_WORDS = _GRAD_KEYS | _ACTIVATION_KEYS | _RNG_KEYS | _OPTIMIZER_KEYS | _EMA_KEYS
 
 
 def _by_name(key: str, dtype: str) -> Category:
@@ -400,6 +418,14 @@ def _by_name(key: str, dtype: str) -> Category:
         return Category.BUFFERS
     dt = DTYPES.get(dtype)
     return Category.WEIGHTS if dt is not None and dt.floating else Category.BUFFERS
+
+
+def _naturals(values: tuple[object, ...]) -> bool:
+    """Whether every item of ``values`` is a plain ``int`` (no bool) >= 0."""
+    for d in values:  # noqa: SIM110 - a loop: all() of a generator costs twice as much
+        if type(d) is not int or d < 0:
+            return False
+    return True
 
 
 def _ints(obj: object, what: str) -> tuple[int, ...]:
@@ -461,24 +487,36 @@ def numpy_itemsize(dtype: object) -> int | None:
 
 class _Walker:
     def __init__(
-        self, builder: InventoryBuilder, blob_base: int | None, script_roles: ScriptRoles
+        self, builder: InventoryBuilder, blob_base: int | None, script_roles: ScriptRoles,
+        unshared: bool = False,
     ) -> None:
         self.builder = builder
+        #: No call sits at two places in the tree, and the caller needs it no more (see
+        #: :func:`classify`).
+        self.unshared = unshared
         self.blob_base = blob_base
         self.script_roles = script_roles
         self.summary = Summary()
+        #: Objects walked that are no tensors: met again, they are not walked again.
         self.seen: set[int] = set()
-        #: Objects of ``seen`` that are tensors: met again, they are declared again.
-        self.tensor_ids: set[int] = set()
+        #: The calls walked that are tensors (a call hashes by identity): met again, they are
+        #: declared again. The calls themselves, not their ids: no int object for each.
+        self.tensors: set[Call] = set()
         self.optimizer_keys: set[str] = set()
         self.optimizer_dicts: dict[int, bool] = {}
-        #: What each key says by itself (see :func:`_key_facts`): keys repeat thousands of times.
+        #: What each key says by itself (see :func:`_key_facts`): keys repeat thousands of times
+        #: (a module's ``weight``); up to :data:`_MAX_KEY_FACTS` keys are kept (a flat state
+        #: dict's are all distinct: keeping them would only cost memory).
         self.key_facts: dict[str | int, tuple[bool, Category | None, bool]] = {}
+        #: The pickle's Global for ``_rebuild_tensor_v2``, once met.
+        self.v2: object = None
         self.todo: list[tuple[object, _Path, _Ctx]] = []
         #: The path of the root when it is a mapping (its keys are containers), else None.
         self.root_path: _Path | None = None
         #: (size, stride) -> its :func:`_layout`, for the common tensors' checks.
         self.layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int, bool]] = {}
+        #: id(size) -> (size, stride, layout) of tuples checked by plain_layout.
+        self.checked: dict[int, tuple[object, object, tuple[int, int, bool]]] = {}
 
     # -- recognising tensors ----------------------------------------------------------
     def tensor(self, call: Call) -> _Tensor | None:
@@ -621,7 +659,9 @@ class _Walker:
         if type(key) is str or type(key) is int:  # not bool or float: True == 1 == 1.0
             facts = self.key_facts.get(key)
             if facts is None:
-                facts = self.key_facts[key] = _key_facts(str(key).lower())
+                facts = _key_facts(str(key).lower())
+                if len(self.key_facts) < _MAX_KEY_FACTS:
+                    self.key_facts[key] = facts
         else:
             facts = _key_facts(str(key).lower())
         optimizer_key, new, ema = facts
@@ -764,6 +804,27 @@ class _Walker:
         self.builder.add_plain_tensor(name, t.dtype, shape, n * size, cat, ref.key, offset * size,
                                       None if contiguous else stride, tags, container)
 
+    def plain_layout(self, shape: object, stride: object) -> tuple[int, int, bool] | None:
+        """:func:`_layout` of a tensor's size and stride in the common form (tuples of plain
+        ints >= 0, as many of each, at most :data:`MAX_DIMS`), else ``None``. Kept for the very
+        tuples checked (the parser makes each distinct short one once: a hit is a check and a
+        lookup less a tensor), and by value."""
+        found = self.checked.get(id(shape))
+        if found is not None and found[0] is shape and found[1] is stride:
+            return found[2]
+        if (type(shape) is not tuple or type(stride) is not tuple
+                or len(shape) != len(stride) or len(shape) > MAX_DIMS
+                or not _naturals(shape) or not _naturals(stride)):
+            return None
+        layout = self.layouts.get((shape, stride))
+        if layout is None:
+            layout = _layout(shape, stride)
+            if len(self.layouts) < _MAX_LAYOUTS:
+                self.layouts[(shape, stride)] = layout
+        if len(self.checked) < _MAX_CHECKED:
+            self.checked[id(shape)] = (shape, stride, layout)  # (they keep the id theirs)
+        return layout
+
     def plain_tensor(self, call: Call, path: _Path, ctx: _Ctx) -> bool:
         """Declare the tensor of a ``_rebuild_tensor_v2`` call in its common form (a storage
         of whole-byte elements that is no legacy view, a storage offset, size and stride
@@ -775,16 +836,11 @@ class _Walker:
             return False
         ref, offset, shape, stride = a[0], a[1], a[2], a[3]
         if (type(ref) is not StorageRef or ref.base or ref.view_numel is not None
-                or type(offset) is not int or offset < 0
-                or type(shape) is not tuple or type(stride) is not tuple
-                or len(shape) != len(stride) or len(shape) > MAX_DIMS):
+                or type(offset) is not int or offset < 0):
             return False
-        for d in shape:
-            if type(d) is not int or d < 0:
-                return False
-        for d in stride:
-            if type(d) is not int or d < 0:
-                return False
+        layout = self.plain_layout(shape, stride)
+        if layout is None:
+            return False
         dtype = ref.dtype
         dt = DTYPES.get(dtype)
         if dt is None or dt.block != 1:
@@ -797,11 +853,6 @@ class _Walker:
         self.summary.tensors += 1
         container = self.container(path)
         size = dt.block_bytes
-        layout = self.layouts.get((shape, stride))
-        if layout is None:
-            layout = _layout(shape, stride)
-            if len(self.layouts) < _MAX_LAYOUTS:
-                self.layouts[(shape, stride)] = layout
         n, span, contiguous = layout
         if n:
             end = (offset + span) * size
@@ -819,61 +870,77 @@ class _Walker:
         # A file holding just an optimizer state dict (torch.save(opt.state_dict()), HF's
         # optimizer.pt) is optimizer state from the root down.
         top = _Ctx()
-        if mapping_items(root) is not None and self.module_state_of(root) is None:
+        if _is_mapping(root) and self.module_state_of(root) is None:
             self.root_path = path
         if self.is_optimizer_state(root):
             top = _Ctx(Category.OPTIMIZER_STATE, optimizer=True)
         self.todo = todo = [(root, path, top)]
         seen = self.seen
-        tensor_ids = self.tensor_ids
+        tensors = self.tensors
         plain_tensor = self.plain_tensor
-        v2: object = None  # the pickle's Global for _rebuild_tensor_v2, once met
+        # The runs of a mapping's tensors are plain_tensor's work done in bulk: where it is
+        # replaced (a test of the general path), so are they.
+        runs = type(self).plain_tensor is _PLAIN_TENSOR
         while todo:
             value, path, ctx = todo.pop()
             if value is None or isinstance(value, _LEAVES):
                 continue
-            ident = id(value)  # one int object for both sets (3 MB of 100,000 tensors)
-            if ident in seen:
-                attribute = ctx.soft and ctx.forced is Category.ACTIVATIONS
-                if ident in tensor_ids and not attribute:
+            if type(value) is Call and value in tensors:
+                if not (ctx.soft and ctx.forced is Category.ACTIVATIONS):
                     # One tensor pickled under a second name through the memo (tied weights):
                     # a second view of the same bytes, so that no key of the file is lost. A
                     # module's plain attribute that refers to a tensor already declared (an
                     # LSTM's ``_flat_weights`` list of its own parameters) is no tensor of its
                     # own: ``state_dict()`` does not list it.
-                    t = self.tensor(value)  # type: ignore[arg-type]
+                    t = self.tensor(value)
                     if t is not None:
                         self.declare(t, path, ctx)
                 continue
-            seen.add(ident)
+            ident = id(value)
+            if ident in seen:
+                continue
             if type(value) is StorageRef:
                 # A storage saved by itself (torch.save({"s": t.untyped_storage()})): its
                 # elements are data, as a 1-D tensor of the storage's dtype.
+                seen.add(ident)
                 self.declare_storage(value, path, ctx)
                 continue
             if isinstance(value, Call):
                 # Tensors first, and without a generator: they are most of what is walked (and
                 # a tensor is no mapping: it has no optimizer keys). The common one first.
                 func = value.func
-                if func is v2 or (type(func) is Global and func.qualname == _V2):
-                    v2 = func
+                if func is self.v2 or (type(func) is Global and func.qualname == _V2):
+                    self.v2 = func
                     if plain_tensor(value, path, ctx):
-                        tensor_ids.add(ident)
+                        tensors.add(value)
                         continue
                 t = self.tensor(value)
                 if t is not None:
-                    tensor_ids.add(ident)
+                    tensors.add(value)
                     self.declare(t, path, ctx)
                     continue
+            seen.add(ident)
             if ctx.optimizer:
                 items = mapping_items(value)
                 if items:
                     self.optimizer_keys.update(k for k, _ in items if isinstance(k, str))
-            children = self.child_list(value, path, ctx)
+            rest = self.mapping_of(value)
+            if rest is not None and runs:
+                owner: dict[Any, Any] | list[Any] | None = None
+                if self.unshared:
+                    # Met once, and needed no more: the run lets go of each tensor it declares
+                    # (a mapping call's pairs are then the run's own list's alone).
+                    owner = value if type(value) is dict else rest if type(rest) is list else None
+                    if type(value) is Call:
+                        value.args, value.dictitems = (), ()
+                rest = self.plain_run(rest, path, ctx, owner)
+            children = (list(self.children(value, path, ctx)) if rest is None
+                        else self.mapping_children(rest, path, ctx))
             children.reverse()
             # Its leading tensors in the common form are declared here, in order: they are
             # what the loop would take next, and a tensor has nothing under it to walk. (Each
             # is let go of once declared, as the loop lets go of what it took.)
+            v2 = self.v2
             while children:
                 child, cpath, cctx = children[-1]
                 if type(child) is not Call:
@@ -881,28 +948,131 @@ class _Walker:
                 func = child.func
                 if not (func is v2 or (type(func) is Global and func.qualname == _V2)):
                     break
-                v2 = func
-                ident = id(child)
-                if ident in seen or not plain_tensor(child, cpath, cctx):
+                self.v2 = v2 = func
+                if child in tensors or id(child) in seen or not plain_tensor(child, cpath, cctx):
                     break
-                seen.add(ident)
-                tensor_ids.add(ident)
+                tensors.add(child)
                 children.pop()
             todo.extend(children)
             del children
 
-    def child_list(self, value: object, path: _Path, ctx: _Ctx) -> list[tuple[object, _Path, _Ctx]]:
-        """:meth:`children` as a list; a mapping's straight from :meth:`mapping_children`
-        (the common case: a state dict's keys)."""
-        items: list[tuple[object, object]] | None = None
+    def mapping_of(self, value: object) -> Iterable[tuple[object, object]] | None:
+        """The key/value pairs the walk takes as ``value``'s children when it is a mapping (a
+        dict's own items view: no list of them is made), else ``None``."""
+        if type(value) is dict:
+            return value.items()
         if isinstance(value, Call):
-            if self.module_state(value) is None:
-                items = mapping_items(value)
-        elif isinstance(value, dict):
-            items = mapping_items(value) or []
-        if items is None:
-            return list(self.children(value, path, ctx))
-        return self.mapping_children(items, path, ctx)
+            return mapping_items(value) if self.module_state(value) is None else None
+        if isinstance(value, dict):
+            return mapping_items(value) or []
+        return None
+
+    def plain_run(
+        self, items: Iterable[tuple[object, object]], path: _Path, ctx: _Ctx,
+        owner: dict[Any, Any] | list[Any] | None = None,
+    ) -> list[tuple[object, object]]:
+        """Declare the leading values of a mapping's ``items`` that are tensors in
+        :meth:`plain_tensor`'s common form under a ``str`` key, in order, as the walk would
+        declare them one by one (each through :meth:`enter` and :meth:`plain_tensor`, with the
+        same checks and the same record), without a path or a context for each (most of what
+        a state dict holds); return the items from the first that is not one (their keys as
+        the mapping holds them: :meth:`mapping_children` takes them so).
+
+        Where the tree is :attr:`unshared`, each tensor is let go of once declared (its call
+        then holds no arguments, and ``owner``, the dict ``items`` views or the list they are,
+        holds None in its place): the memory of its call, storage reference and hooks goes to
+        the records being made, not to more of the process's.
+        """
+        it = iter(items)
+        path.name()
+        depth, text = path.named or (0, "")
+        depth += 1
+        if depth > MAX_NAME_PARTS or text is None:
+            return list(it)  # names cut short: the general path makes them
+        container = self.container(_Path(path, ""))  # the same for every key under ``path``
+        key_facts, tensors, seen, unshared = (
+            self.key_facts, self.tensors, self.seen, self.unshared)
+        add, checked, plain_layout = self.builder.add_plain_tensor, self.checked, self.plain_layout
+        v2 = self.v2
+        ctx_forced, ctx_soft, ctx_tags = ctx.forced, ctx.soft, ctx.tags
+        ema_tags = ctx_tags if "ema" in ctx_tags else (*ctx_tags, "ema")
+        free = ctx_forced is None or ctx_soft
+        weights, optimizer_state = Category.WEIGHTS, Category.OPTIMIZER_STATE
+        sizes: dict[str, int] = {}  # dtype -> bytes an element, for dtypes of whole bytes
+        owner_dict = owner if type(owner) is dict else None
+        owner_list = owner if type(owner) is list else None
+        declared = 0
+        for pair in it:
+            key, value = pair
+            if type(key) is not str or type(value) is not Call:
+                break
+            func = value.func
+            if func is not v2:
+                if not (type(func) is Global and func.qualname == _V2):
+                    break
+                v2 = func
+            # (a call met once, unshared, is in neither)
+            if not unshared and (value in tensors or id(value) in seen):
+                break
+            # plain_tensor's checks
+            a = value.args
+            if type(a) is not tuple or len(a) < 4:
+                break
+            ref, offset, shape, stride = a[0], a[1], a[2], a[3]
+            if (type(ref) is not StorageRef or ref.base or ref.view_numel is not None
+                    or type(offset) is not int or offset < 0):
+                break
+            found = checked.get(id(shape))
+            if found is not None and found[0] is shape and found[1] is stride:
+                n, span, contiguous = found[2]
+            else:
+                layout = plain_layout(shape, stride)
+                if layout is None:
+                    break
+                n, span, contiguous = layout
+            dtype = ref.dtype
+            size = sizes.get(dtype)
+            if size is None:
+                dt = DTYPES.get(dtype)
+                if dt is None or dt.block != 1:
+                    break
+                size = sizes[dtype] = dt.block_bytes
+            # enter(ctx, key, value) (a tensor is no optimizer state dict), and the category
+            facts = key_facts.get(key)
+            if facts is None:
+                facts = _key_facts(key.lower())
+                if len(key_facts) < _MAX_KEY_FACTS:
+                    key_facts[key] = facts
+            cat = ctx_forced
+            if free:
+                if facts[0]:
+                    cat = optimizer_state
+                elif facts[1] is not None:
+                    cat = facts[1]
+            if cat is None:
+                cat = weights if len(a) > 4 and a[4] is True else _by_name(key, dtype)
+            name = (key if depth == 1 else f"{text}.{key}") or "tensor"
+            if n:
+                end = (offset + span) * size
+                if end > ref.numel * size:
+                    raise _past_storage(_Tensor(dtype, shape, stride, ref, offset), name, end,
+                                        ref)
+            add(name, dtype, shape, n * size, cat, ref.key, offset * size,
+                None if contiguous else stride, ema_tags if facts[2] else ctx_tags, container)
+            if unshared:
+                value.args = ()
+                if owner_dict is not None:
+                    owner_dict[key] = None
+                elif owner_list is not None:
+                    owner_list[declared] = None
+            else:
+                tensors.add(value)
+            declared += 1
+        else:
+            pair = None
+        self.v2 = v2
+        self.summary.tensors += declared
+        return [] if pair is None else [pair, *it]
 
     def children(
         self, value: object, path: _Path, ctx: _Ctx
@@ -939,7 +1109,7 @@ class _Walker:
             yield value.value, path, ctx
 
     def mapping_children(
-        self, items: Sequence[tuple[object, object]], path: _Path, ctx: _Ctx
+        self, items: Iterable[tuple[object, object]], path: _Path, ctx: _Ctx
     ) -> list[tuple[object, _Path, _Ctx]]:
         """Each value of ``items`` with its path and context, as a list (no generator: a
         state dict's keys are most of what is walked)."""
@@ -1050,6 +1220,10 @@ class _Walker:
         return None
 
 
+#: The walker's own plain_tensor (see :meth:`_Walker.walk`: its runs are that method's work).
+_PLAIN_TENSOR = _Walker.plain_tensor
+
+
 def _pid_has_type(pid: object) -> bool:
     return (
         isinstance(pid, PersistentId) and isinstance(pid.value, tuple) and len(pid.value) > 1
@@ -1072,6 +1246,7 @@ def classify(
     prefix: tuple[str, ...] = (),
     blob_base: int | None = None,
     script_roles: ScriptRoles | None = None,
+    unshared: bool = False,
 ) -> Summary:
     """Declare every tensor under ``root`` to ``builder`` with its category.
 
@@ -1082,9 +1257,15 @@ def classify(
     ``script_roles`` maps TorchScript class names to their parameter and buffer names (see
     :func:`script_roles`). Nonsense rebuild arguments raise the builder's
     :class:`~modelsize.errors.CorruptFileError`.
+
+    ``unshared`` is the caller's word that no call or container sits at two places in
+    ``root`` (:attr:`~modelsize.formats._pickle.PickleScan.shared` is False) and that it needs
+    the tree no more: a tensor of a state dict then drops its rebuild arguments once declared
+    (they are never read again), and the records being made take their memory (a quarter of
+    a pickle's tree of small tensors).
     """
     builder.layout = "pickle"
-    walker = _Walker(builder, blob_base, script_roles or {})
+    walker = _Walker(builder, blob_base, script_roles or {}, unshared)
     try:
         walker.walk(root, prefix)
     except _Invalid as exc:

@@ -56,6 +56,9 @@ _RECORDS = frozenset(
 )
 
 
+#: The compression methods torch's miniz reads.
+_METHODS = frozenset({_zip.STORED, _zip.DEFLATED})
+
 #: What ``std::stoull`` reads of a version record: blanks, a sign, digits (the rest ignored).
 _VERSION = re.compile(r"[ \t\n\v\f\r]*[+-]?(\d+)")
 
@@ -111,8 +114,13 @@ class _ZipRead:
         self.roles: ScriptRoles = {}
         #: Members read whole, so already checked against their CRC-32.
         self.read_whole: set[str] = set()
-        #: Storage class -> (dtype, bytes per element), for each class a persistent id named.
-        self.types: dict[Global, tuple[str, int]] = {}
+        #: Storage class (``module.name``) -> (dtype, bytes per element), for each class a
+        #: persistent id named.
+        self.types: dict[str, tuple[str, int]] = {}
+        #: The pickle being parsed: its member, its storages' folder, and their members' prefix.
+        self.owner: _zip.Member | None = None
+        self.folder = ""
+        self.prefix = ""
 
     def run(self) -> Inventory:
         b = self.builder
@@ -126,7 +134,7 @@ class _ZipRead:
         if disk is not None:
             raise b.corrupt(f"member {printable(disk.filename)!r} starts on disk {disk.volume}; "
                             "torch reads single-disk archives only", disk.header_offset)
-        odd = next((m for m in items if m.method not in (_zip.STORED, _zip.DEFLATED)), None)
+        odd = next((m for m in items if m.method not in _METHODS), None)
         if odd is not None:  # torch's miniz reads no other ("unsupported method")
             raise b.corrupt(f"member {odd.name!r} uses compression method {odd.method}; "
                             "torch reads stored and deflated members", odd.header_offset)
@@ -137,7 +145,8 @@ class _ZipRead:
         if data_pkl is None:
             raise b.corrupt("zip archive has no data.pkl member (not a torch.save checkpoint)")
         self.archive = data_pkl.name[: -len("data.pkl")]
-        scripted = any(n.startswith(self.archive + "code/") for n in self.members)
+        code = self.archive + "code/"
+        scripted = any(n.startswith(code) for n in self.members)
         if not _zip.crc_recorded(data_pkl):
             b.notes.append(
                 f"{data_pkl.name} records no CRC-32 (saved with compute_crc32=False): the "
@@ -169,8 +178,9 @@ class _ZipRead:
         _zip.account_headers(b, items)
 
         charged: list[_zip.Member] = []  # graph or metadata, not read: CRC-checked below
+        declared = b.has_storage
         for m in items:
-            if m.name in done or b.has_storage(m.name):
+            if m.name in done or declared(m.name):
                 continue
             rel = m.name[len(self.archive) :] if m.name.startswith(self.archive) else m.name
             if rel.startswith(("data/", "constants/")):
@@ -204,6 +214,10 @@ class _ZipRead:
                     self.scan_for_globals(m, scripted)  # e.g. TorchScript's traced_inputs.pkl
                 b.add_region(m.data_offset, m.compress_size, Category.OTHER, m.name)
         _zip.check_members(self.path, charged, b)
+        # The member table (tens of MB for 100,000 members) is let go of before the inventory
+        # is built: what build() makes then reuses its memory.
+        del items, charged
+        self.members = {}
         return b.build()
 
     def one_folder(self, items: list[_zip.Member]) -> None:
@@ -301,13 +315,10 @@ class _ZipRead:
         b = self.builder
         data, start, end = _zip.pickle_data(self.path, member, b)
         in_place = member.method == _zip.STORED
-
-        def persistent_load(pid: object) -> StorageRef:
-            return self.storage(pid, folder, member)
-
+        self.owner, self.folder, self.prefix = member, folder, f"{self.archive}{folder}/"
         budget = ParseBudget(self.path, member.name)
         try:
-            parsed = scan(data, offset=start, end=end, persistent_load=persistent_load,
+            parsed = scan(data, offset=start, end=end, persistent_load=self.storage,
                           budget=budget)
         except PickleError as exc:
             extra = f" (before that it calls {', '.join(exc.unsafe)})" if exc.unsafe else ""
@@ -328,8 +339,11 @@ class _ZipRead:
             b.notes.append(f"{member.name} holds bytes after its pickle's STOP")
         self.record_unsafe(scans, scripted)
         prefix = ("constants",) if folder == "constants" else ()
+        # The walk needs the tree only: the map of the file (whose pages the parse read count
+        # to this process's memory) is let go of first.
+        del data
         return classify(parsed.value, b, prefix=prefix, blob_base=0 if in_place else None,
-                        script_roles=self.roles)
+                        script_roles=self.roles, unshared=not parsed.shared)
 
     def read_script_roles(self, items: list[_zip.Member]) -> ScriptRoles:
         """Parameter/buffer names of every TorchScript class, from the ``code/`` sources."""
@@ -343,24 +357,29 @@ class _ZipRead:
                 roles.update(script_roles(module, text.decode("utf-8", "replace")))
         return roles
 
-    def storage(self, pid: object, folder: str, owner: _zip.Member) -> StorageRef:
-        """The storage a persistent id names, declared (once) to the builder."""
+    def storage(self, pid: object) -> StorageRef:
+        """The storage a persistent id of the pickle being parsed names, declared (once) to
+        the builder."""
         if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
             # The common form first, its checks the same as below's (one call per tensor).
             storage_type, key, location, numel = pid[1], pid[2], pid[3], pid[4]
-            known = self.types.get(storage_type) if type(storage_type) is Global else None
+            known = (self.types.get(storage_type.qualname) if type(storage_type) is Global
+                     else None)
             if known is not None and type(key) is str and type(numel) is int and numel >= 0:
-                member = self.members.get(f"{self.archive}{folder}/{key}")
+                member = self.members.get(self.prefix + key)
                 if member is not None and numel * known[1] == member.file_size:
-                    if not self.builder.has_storage(member.name):
-                        self.builder.add_storage(
-                            member.name, member.data_offset, member.compress_size,
-                            logical_nbytes=member.file_size,
-                            compressed=member.method != _zip.STORED, dtype=known[0],
+                    name, _, data_offset, compress_size, file_size, method, _ = member
+                    b = self.builder
+                    if not b.has_storage(name):
+                        b.add_storage(
+                            name, data_offset, compress_size, logical_nbytes=file_size,
+                            compressed=method != _zip.STORED, dtype=known[0],
                             crc32=member.crc if _zip.crc_recorded(member) else None,
                         )
-                    return StorageRef(member.name, known[0], numel,
+                    return StorageRef(name, known[0], numel,
                                       location if type(location) is str else str(location))
+        folder, owner = self.folder, self.owner
+        assert owner is not None  # set by read_pickle
         b = self.builder
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
             raise b.corrupt(
@@ -376,7 +395,8 @@ class _ZipRead:
                 f"{owner.name}: storage key {describe(key)} / size {describe(numel)} invalid"
             )
         if type(storage_type) is Global:
-            self.types[storage_type] = (dtype, storage_itemsize(dtype))
+            # its dtype is its qualname's (storage_dtype): classes of one name share an entry
+            self.types[storage_type.qualname] = (dtype, storage_itemsize(dtype))
         name = f"{self.archive}{folder}/{key}"
         m = self.members.get(name)
         if m is None:
