@@ -90,21 +90,31 @@ class InputTable:
         if st is not None and stat.S_ISDIR(st.st_mode):
             self._scan(root, _SCAN_DEPTH)
             return
+        folder = None
         if st is not None and stat.S_ISREG(st.st_mode):
-            self._record(str(root), st)
+            name = str(root)
+            if root.name not in ("", ".", "..") and name not in self._keys:
+                with contextlib.suppress(OSError):
+                    if not stat.S_ISLNK(os.lstat(name).st_mode):
+                        # Not a link: its key is its folder's with its name (one realpath,
+                        # the folder's, which the scan below needs too).
+                        folder = _real(root.parent)
+                        self._keys[name] = os.path.join(folder, root.name)
+            self._record(name, st)
             with contextlib.suppress(OSError):
-                self._open(str(root))  # the named file: open before the reader reads it
+                self._open(name)  # the named file: open before the reader reads it
         # Shards named by an index, a prefix's .index/.data-*: the files beside it that share
         # the name's first word (model.safetensors.index.json: model-00001-of-00002...).
         word = re.split(r"[.-]", root.name, maxsplit=1)[0]
-        self._scan(root.parent, 1, word)
+        self._scan(root.parent, 1, word, folder)
 
-    def _scan(self, root: Path, depth: int, prefix: str = "") -> None:
+    def _scan(self, root: Path, depth: int, prefix: str = "", real_root: str | None = None
+              ) -> None:
         todo, seen = [(root, 1)], 0
         while todo:
             folder, level = todo.pop()
             try:
-                real = _real(folder)
+                real = real_root if real_root is not None and folder is root else _real(folder)
                 with os.scandir(folder) as entries:
                     for entry in entries:
                         seen += 1

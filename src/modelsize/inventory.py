@@ -293,6 +293,10 @@ LAYOUT_PARTS = re.compile(
     r"|weight_format)(?=[./]|$)")
 
 
+#: Words one of which every name of :data:`LAYOUT_PARTS` holds.
+_LAYOUT_WORDS = ("quant", "shape", "g_idx", "_format")
+
+
 def is_layout_part(name: str) -> bool:
     """Whether ``name`` is one of :data:`LAYOUT_PARTS` (substrings tried first: a million
     names cost no regex search)."""
@@ -385,6 +389,14 @@ class InventoryBuilder:
         #: CRC-32 of a storage's bytes where the file records one (zip members).
         self._crc: dict[str, int] = {}
         self._tensors: list[TensorRecord] = []
+        #: How many storages (each with its tensor) :meth:`add_whole_tensors` declared: where
+        #: that is every storage and every tensor, tensor ``i`` is storage ``i``'s one view,
+        #: whole and contiguous, and :meth:`build` takes the shortcuts of that case.
+        self._whole = 0
+        #: (first tensor, count) of each add_whole_tensors call: its tensors come with their
+        #: stored bytes and storages with their charges, as build gives them in that case.
+        self._whole_spans: list[tuple[int, int]] = []
+        self._whole_charges: dict[Category, dict[int, Charges]] = {}
         #: (elements, bytes) per block of the tensors whose dtype is packed or not in the
         #: table (by index): what their strided views are counted in.
         self._blocks: dict[int, tuple[int, int]] = {}
@@ -575,16 +587,38 @@ class InventoryBuilder:
         before = len(storages)
         storage = _storage
         no_charges = _NO_CHARGES
-        for key, dtype, begin, end in zip(keys, dtypes, begins, ends, strict=True):
-            storages[key] = storage(key, file, start + begin, end - begin, end - begin, False,
-                                    dtype, no_charges, None)
+        # Each storage is charged here what build would charge it were it the one whole view's
+        # (its tensor stores its bytes below): Charges shared by a size and category.
+        shared = self._whole_charges
+        category: Category | None = None
+        same_size: dict[int, Charges] = {}
+        charges: Mapping[Category, int]
+        for key, dtype, begin, end, cls in zip(keys, dtypes, begins, ends, classes, strict=True):
+            nbytes = end - begin
+            if nbytes:
+                if cls[0] is not category:
+                    category = cls[0]
+                    same_size = shared.setdefault(category, {})
+                one = same_size.get(nbytes)
+                if one is None:
+                    one = Charges(category, nbytes)
+                    if len(same_size) < 1 << 16:
+                        same_size[nbytes] = one
+                charges = one
+            else:
+                charges = no_charges
+            storages[key] = storage(key, file, start + begin, nbytes, nbytes, False, dtype,
+                                    charges, None)
         if len(storages) != before + count:
             self._declared_twice(keys, begins, start, file, set())
         tensors = self._tensors
         first = len(tensors)
+        self._whole += count
+        self._whole_spans.append((first, count))
         tensor = _tensor
         tensors.extend([
-            tensor(name, dtype, shape, cls[0], end - begin, 0, key, 0, cls[1], None, None, "")
+            tensor(name, dtype, shape, cls[0], end - begin, end - begin, key, 0, cls[1], None,
+                   None, "")
             for name, dtype, shape, begin, end, key, cls in zip(
                 names, dtypes, shapes, begins, ends, keys, classes, strict=True)
         ])
@@ -632,7 +666,8 @@ class InventoryBuilder:
         # only view of storage i is tensor i, contiguous (a safetensors file: its million
         # storages are then neither mapped nor looked up by key).
         by_storage: dict[str, int | list[_View]] | None = None
-        if not (len(tensors) == len(storages) and all(
+        whole = self._whole == len(storages) == len(tensors)
+        if not whole and not (len(tensors) == len(storages) and all(
                 t.strides is None and t.storage == key
                 for t, key in zip(tensors, storages, strict=True))):
             by_storage = {}
@@ -657,7 +692,13 @@ class InventoryBuilder:
         unused = Category.UNUSED_STORAGE
         # Storages of one size and category share their (immutable) Charges.
         shared: dict[Category, dict[int, Charges]] = {c: {} for c in Category}
-        for index, (key, st) in enumerate(storages.items()):
+        if not whole:
+            # Other views or storages too: what add_whole_tensors stored is worked out anew.
+            for first, count in self._whole_spans:
+                for t in tensors[first:first + count]:
+                    _set_stored(t, 0)
+        # Where every storage is a whole tensor's, add_whole_tensors charged them.
+        for index, (key, st) in enumerate((storages if not whole else {}).items()):
             nbytes = st.nbytes
             found = index if by_storage is None else by_storage.get(key)
             charges: Mapping[Category, int]
@@ -867,20 +908,27 @@ class InventoryBuilder:
         constant but whose other bytes differ from that value goes unreported.
         """
         storages = self._storages
+        if by_storage is None and self._whole == len(storages) == len(self._tensors):
+            return self._confirm_duplicates(self._whole_candidates(), storages)
+        # Each storage with the first tensor viewing it (storage i's is tensor i where
+        # by_storage is None: a safetensors file's million storages are not looked up by key).
+        pairs: Iterable[tuple[str, StorageRecord, TensorRecord]]
+        if by_storage is None:
+            pairs = zip(storages, storages.values(), self._tensors, strict=True)
+        else:
+            pairs = self._first_views(by_storage)
+        return self._confirm_duplicates(self._signature_groups(pairs), storages)
+
+    def _signature_groups(self, pairs: Iterable[tuple[str, StorageRecord, TensorRecord]]
+                          ) -> list[tuple[str, list[str]]]:
+        """The candidate groups ``(dtype, keys)`` of :meth:`_find_duplicates` among
+        ``(key, storage, its first view)``, in order of each group's second storage."""
         # Signature -> its first storage's key; signatures met twice or more -> all their keys
         # (no list is made for the storages alone in their signature: nearly all of them).
         first_of: dict[tuple[Any, ...], str] = {}
         groups: dict[tuple[Any, ...], list[str]] = {}
         crc = self._crc
-        tensors = self._tensors
         itemsizes: dict[str, int] = {}
-        # Each storage with the first tensor viewing it (storage i's is tensor i where
-        # by_storage is None: a safetensors file's million storages are not looked up by key).
-        pairs: Iterable[tuple[str, StorageRecord, TensorRecord]]
-        if by_storage is None:
-            pairs = zip(storages, storages.values(), tensors, strict=True)
-        else:
-            pairs = self._first_views(by_storage)
         for key, st, first in pairs:
             if st.nbytes == 0:
                 continue
@@ -903,7 +951,62 @@ class InventoryBuilder:
         del first_of
         candidates = [(sig[3], keys) for sig, keys in groups.items()]
         del groups
-        return self._confirm_duplicates(candidates, storages)
+        return candidates
+
+    def _whole_candidates(self) -> list[tuple[str, list[str]]]:
+        """:meth:`_find_duplicates`' candidate groups, in its order, where tensor ``i`` is the
+        one whole view of storage ``i`` (see :meth:`add_whole_tensors`): storages are grouped by
+        size alone (an int: no signature tuple made and hashed per storage), then each group
+        of two or more is checked to share one dtype and shape, and split by them where it
+        does not; where names of layout parts occur, all go the general way."""
+        tensors = self._tensors
+        # Size -> its first tensor; sizes met twice or more -> their tensors (records already
+        # made, no index kept per storage) and where the second lies.
+        first_of: dict[int, TensorRecord] = {}
+        by_size: dict[int, list[TensorRecord]] = {}
+        second: dict[int, int] = {}
+        for i, t in enumerate(tensors):
+            n = t.nbytes
+            j = first_of.setdefault(n, t)
+            if j is not t:
+                same = by_size.get(n)
+                if same is None:
+                    by_size[n] = [j, t]
+                    second[n] = i
+                else:
+                    same.append(t)
+        del first_of
+        if not by_size:
+            return []
+        for found in by_size.values():
+            for k in range(0, len(found), 1 << 12):  # names joined a few thousand at a time
+                names = "\n".join([t.name for t in found[k : k + (1 << 12)]])
+                if any(word in names for word in _LAYOUT_WORDS):
+                    storages = self._storages
+                    return self._signature_groups(
+                        zip(storages, storages.values(), tensors, strict=True))
+        # Tensor i views storage i, whose key is its ``storage``.
+        groups: list[tuple[int, str, list[str]]] = []
+        position: dict[str, int] = {}
+        for n, found in by_size.items():
+            first = found[0]
+            dtype, shape = first.dtype, first.shape
+            if all([t.dtype == dtype and t.shape == shape for t in found]):
+                if n > _itemsize(dtype):
+                    groups.append((second[n], dtype, [t.storage for t in found]))  # type: ignore[misc]
+                continue
+            # Of one size, several dtypes or shapes ((1024, 4096) and (4096, 1024)): split.
+            split: dict[tuple[str, tuple[int, ...]], list[TensorRecord]] = {}
+            for t in found:
+                split.setdefault((t.dtype, t.shape), []).append(t)
+            if not position:
+                position = {t.storage: i for i, t in enumerate(tensors)}  # type: ignore[misc]
+            groups += [(position[same[1].storage], dtype,  # type: ignore[index]
+                        [t.storage for t in same])  # type: ignore[misc]
+                       for (dtype, _), same in split.items()
+                       if len(same) > 1 and n > _itemsize(dtype)]
+        groups.sort()  # in the order of each group's second storage, as the general way
+        return [(dtype, same) for _, dtype, same in groups]
 
     def _first_views(self, by_storage: Mapping[str, int | list[_View]]
                      ) -> Iterator[tuple[str, StorageRecord, TensorRecord]]:
