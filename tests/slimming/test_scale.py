@@ -5,9 +5,11 @@ to inspect).
 The file is the hostile-sizes reproducer at 200k tensors (each two float32 values of its
 own), written streamed. Each command runs in a fresh process whose own peak RSS (``VmHWM``)
 is measured; the limits are generous guards against blow-ups, never timings: a slim must stay
-under 1 GiB and within 64 MiB of what ``inspect`` of the same file peaks at (the input's
+under 1 GiB and within 96 MiB of what ``inspect`` of the same file peaks at (the input's
 inventory is the one thing both must hold; before, slim held a plan, a writer layout, a
-second inventory and a report object per tensor on top of it: +150 to +200 MiB here).
+second inventory and a report object per tensor on top of it: +150 to +200 MiB here). The
+margin was 64 MiB until inspect itself got leaner (issue 22: its peak here fell while slim's
+writer stayed what it was, leaving slim 63-64 MiB above it, at the margin).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ GiB, MiB = 1 << 30, 1 << 20
 #: A guard against hangs only.
 HANG = 600
 #: What slim may hold beyond what inspect holds for the same file.
-MARGIN = 64 * MiB
+MARGIN = 96 * MiB
 
 
 @pytest.fixture(scope="module")
