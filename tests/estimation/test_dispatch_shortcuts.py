@@ -45,6 +45,23 @@ def _theirs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trace, "_META_QUERIES", {})
 
 
+def _route(m: pytest.MonkeyPatch, theirs: bool, taken: list[Any],
+           noted: Callable[[Any], bool]) -> None:
+    """FakeTensorMode's own code (``theirs``), or the shortcuts, with the calls of ``noted``
+    ops that they leave to ``FakeTensorMode.dispatch`` appended to ``taken``."""
+    if theirs:
+        _theirs(m)
+        return
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: Any, func: Any, *rest: Any) -> Any:
+        if noted(func):
+            taken.append(func)
+        return dispatch(self, func, *rest)
+
+    m.setattr(FakeTensorMode, "dispatch", counted)
+
+
 def _calls(mode: CountingFakeMode) -> list[tuple[Any, tuple[Any, ...], dict[str, Any]]]:
     """Calls that differ in one fact each FakeTensorMode's key holds (and a few that do not
     differ at all: two tensors with the same metadata)."""
@@ -189,20 +206,10 @@ def test_lift_fresh_makes_the_constant_fake_tensor_mode_makes(
     assert tracker.SHORTCUTS  # installed on this torch
     made = []
     taken: list[Any] = []  # the lifts the shortcut leaves to FakeTensorMode
-    dispatch = FakeTensorMode.dispatch
-
-    def counted(self: Any, func: Any, *rest: Any) -> Any:
-        if func is aten.lift_fresh.default:
-            taken.append(func)
-        return dispatch(self, func, *rest)
-
     for theirs in (False, True):
         mode = CountingFakeMode()
         with monkeypatch.context() as m:
-            if theirs:
-                _theirs(m)
-            else:
-                m.setattr(FakeTensorMode, "dispatch", counted)
+            _route(m, theirs, taken, lambda func: func is aten.lift_fresh.default)
             xs = _lifted()
             with mode:
                 outs = [aten.lift_fresh.default(x) for x in xs]
@@ -319,21 +326,11 @@ def test_foreach_shortcuts_return_what_fake_tensor_mode_returns(
     """The optimizer's foreach ops: nothing for the in-place ones, new tensors with the same
     facts for the others; what the shortcuts do not cover goes to FakeTensorMode."""
     taken: list[Any] = []
-    dispatch = FakeTensorMode.dispatch
-
-    def counted(self: Any, func: Any, *rest: Any) -> Any:
-        if "_foreach_" in str(func):
-            taken.append(func)
-        return dispatch(self, func, *rest)
-
     results = []
     for theirs in (False, True):
         mode = CountingFakeMode()
         with monkeypatch.context() as m:
-            if theirs:
-                _theirs(m)
-            else:
-                m.setattr(FakeTensorMode, "dispatch", counted)
+            _route(m, theirs, taken, lambda func: "_foreach_" in str(func))
             with mode:
                 calls = _foreach_calls(mode)
                 outs = [func(*args, **kwargs) for func, args, kwargs in calls]
