@@ -66,6 +66,22 @@ def test_one_child_per_way_and_the_import_cost_from_the_first(
                for w in cost.ways)
 
 
+def test_a_framework_that_prints_on_import_still_gives_its_import_cost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from modelsize import loadcost
+
+    plan = loadcost._plan
+    monkeypatch.setattr(loadcost, "_plan", lambda inv: (
+        [replace(w, imports=w.imports + "\nprint('a banner')") for w in plan(inv)[0]],
+        *plan(inv)[1:]))
+    cost = measure_load_cost(read(_npy(tmp_path)))
+    assert [w.status for w in cost.ways] == [WayStatus.MEASURED] * 2
+    (imp,) = cost.imports
+    assert imp.peak_rss_bytes > 0
+
+
 def test_a_framework_that_fails_to_import_is_one_failure_per_way(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace

@@ -345,13 +345,16 @@ def _run_child(imports: str, load: str, paths: list[str], timeout: float
 
 
 def _imported(stdout: str) -> tuple[int, float] | None:
-    """The imports' peak and seconds a child printed first, or None."""
-    first = stdout.split("\n", 1)[0]
-    try:
-        got = json.loads(first)
-        return int(got["import_peak"]), float(got["import_seconds"])
-    except (ValueError, KeyError, TypeError):
-        return None
+    """The imports' peak and seconds a child printed first (after anything the framework's
+    import printed), or None."""
+    for line in stdout.splitlines():
+        if line.startswith('{"import_peak"'):
+            try:
+                got = json.loads(line)
+                return int(got["import_peak"]), float(got["import_seconds"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
 
 
 def measure_load_cost(
