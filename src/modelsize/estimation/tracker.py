@@ -902,12 +902,9 @@ def _foreach_new(mode: CountingFakeMode, func: Any, args: Any, kwargs: dict[str,
     lists = _foreach_lists(mode, args, kwargs)
     if lists is None or not all(t.is_contiguous() for ts in lists for t in ts):
         return FakeTensorMode.dispatch(mode, func, (), tuple(args), kwargs)
-    out = []
-    for t in lists[0]:
-        with no_dispatch():
-            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        out.append(mode.new_fake(meta, t.fake_device))
-    return out
+    with no_dispatch():
+        metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in lists[0]]
+    return [mode.new_fake(meta, t.fake_device) for meta, t in zip(metas, lists[0], strict=True)]
 
 
 def _foreach_overloads(name: str, returns_list: bool) -> list[Any]:
