@@ -7,10 +7,10 @@ spelling to these canonical names with :func:`canonical`, so reports speak one l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from modelsize._records import record
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class DType:
     """A canonical dtype and its storage size."""
 

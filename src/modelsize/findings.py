@@ -7,11 +7,11 @@ it. The explanation is the paragraph a report opens with: where the bytes went, 
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from modelsize._records import record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES
 from modelsize.inventory import Inventory, TensorRecord
@@ -40,7 +40,7 @@ class FindingKind(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Finding:
     """One problem: ``bytes`` is what fixing it saves; ``action`` the command that fixes it."""
 

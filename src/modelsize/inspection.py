@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import heapq
 import operator
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from modelsize import formats, inputs
+from modelsize._records import field, record, replace
 from modelsize.findings import Finding, explain, find
 from modelsize.inventory import Inventory, TensorRecord
 from modelsize.quantization import Quantization, analyze, config_for
@@ -17,7 +17,7 @@ from modelsize.report.json_stream import Lazy, materialized
 _stored = operator.attrgetter("stored_nbytes")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Report:
     """An inventory with its findings and the one-paragraph explanation."""
 

@@ -27,11 +27,11 @@ from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from modelsize._records import field, fields_of, record
 from modelsize.categories import PRECEDENCE, Category, empty_totals
 from modelsize.dtypes import DTYPES, DType, canonical, numel
 from modelsize.errors import AccountingError, CorruptFileError
@@ -47,7 +47,7 @@ SAMPLED_DUPLICATES: ContextVar[Callable[[InventoryBuilder, list[tuple[str, list[
 SAMPLED_DUPLICATES = ContextVar("modelsize_sampled_duplicates", default=None)
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class FileInfo:
     """One file of a (possibly multi-file) checkpoint."""
 
@@ -55,7 +55,7 @@ class FileInfo:
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Region:
     """A byte range of one file that holds no tensor data."""
 
@@ -95,7 +95,7 @@ class Charges(Mapping[Category, int]):
 _NO_CHARGES: Mapping[Category, int] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class StorageRecord:
     """A run of file bytes holding the data of one saved storage (or one tensor).
 
@@ -117,7 +117,7 @@ class StorageRecord:
     duplicate_of: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class TensorRecord:
     """One tensor as named in the file.
 
@@ -170,7 +170,7 @@ class TensorRecord:
         }
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Inventory:
     """Everything a reader learnt about a checkpoint, with totals derived once.
 
@@ -328,7 +328,7 @@ def _maker(cls: type[_Record]) -> Callable[..., _Record]:
     times faster, and the result is in every way the frozen record. Only for records without
     ``__post_init__``.
     """
-    names = list(cls.__dataclass_fields__)
+    names = list(fields_of(cls))
     if tuple(names) != cls.__slots__:  # type: ignore[attr-defined]
         raise TypeError(f"{cls.__name__}: fields and slots differ")
     twin = type(f"_{cls.__name__}Twin", (), {"__slots__": cls.__slots__})  # type: ignore[attr-defined]

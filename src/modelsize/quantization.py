@@ -31,10 +31,10 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical, numel
 from modelsize.inventory import Inventory, TensorRecord
@@ -48,7 +48,7 @@ _WIDE = frozenset({"float16", "bfloat16", "float32", "float64"})
 _CONFIG_LIMIT = 4 << 20
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class QuantizedWeight:
     """One logical weight and the stored tensors that make it."""
 
@@ -72,7 +72,7 @@ class QuantizedWeight:
         return self.counted_bytes * 8 / self.parameters if self.parameters else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class WeightGroup:
     """The weights stored alike (one layout and label), summed."""
 
@@ -96,7 +96,7 @@ class WeightGroup:
                 "quantized": self.quantized}
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Quantization:
     """Parameters and bits per weight of a checkpoint, overall and per group."""
 

@@ -14,9 +14,10 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import InitVar, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from modelsize._records import field, record
 from modelsize.errors import (
     CorruptFileError,
     InputError,
@@ -29,13 +30,16 @@ from modelsize.errors import (
 from modelsize.formats.base import Reader, Source, real_path
 from modelsize.inventory import Inventory
 
+if TYPE_CHECKING:
+    from dataclasses import InitVar
+
 __all__ = ["Reader", "Registry", "Source", "read", "registry"]
 
 
 Hint = Callable[[Source], bool]
 
 
-@dataclass
+@record
 class Entry:
     """A reader known by name before its module is imported.
 
@@ -58,7 +62,7 @@ class Entry:
         return self._reader
 
 
-@dataclass
+@record
 class Registry:
     """An ordered set of readers; the first whose ``sniff`` accepts a source reads it."""
 

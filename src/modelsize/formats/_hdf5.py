@@ -20,8 +20,9 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Protocol
+
+from modelsize._records import field, record
 
 __all__ = [
     "SIGNATURE",
@@ -96,7 +97,7 @@ class BytesBlob:
 
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Attribute:
     """One attribute: its value when small and textual, and where its bytes lie."""
 
@@ -105,7 +106,7 @@ class Attribute:
     ranges: tuple[tuple[int, int], ...]  # (blob offset, nbytes) of the value's bytes
 
 
-@dataclass
+@record
 class Dataset:
     """A dataset's type, shape and where its raw data lies in the blob."""
 
@@ -134,7 +135,7 @@ class Dataset:
         return sum(n for _, n in self.pieces)
 
 
-@dataclass
+@record
 class H5File:
     """What :func:`read_hdf5` found: groups (with attributes) and datasets, in walk order."""
 
@@ -145,7 +146,7 @@ class H5File:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
+@record
 class _Message:
     type: int
     offset: int

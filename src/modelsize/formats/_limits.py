@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from modelsize._records import record
 from modelsize.errors import LimitError, UsageError
 
 #: Deflate of real tensor data rarely gets past 3:1; a member claiming more than this many
@@ -47,7 +47,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 _VALUE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.I)
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Limit:
     """One resource limit: its environment variable, default and what it bounds."""
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from modelsize._records import record
 from modelsize.formats.onnx import GraphKind, GraphSite, NodeSite, Structure, TensorKind, TensorSite
 
 #: ``TensorProto.DataType`` of the float types the fold computes in (float, float16, double),
@@ -37,7 +37,7 @@ _DEFAULT = ("", "ai.onnx")
 _NOT_FLOATING = frozenset({2, 3, 4, 5, 6, 7, 9, 12, 13, 21, 22, 25, 26})
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class GraphSavings:
     """Lower bounds of what the exact graph passes save, and hints of what more they may."""
 
@@ -130,7 +130,7 @@ def graph_savings(structure: Structure) -> GraphSavings:
     return GraphSavings(debug, folds, fold_bytes, constant_nodes, len(ids))
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class _Const:
     """A constant: its tensor, the bytes its removal saves, whether it is an initializer (the
     fold replaces those in place; a Constant node's value is written anew beside it)."""

@@ -41,11 +41,11 @@ import mmap
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from modelsize._extensions import compiled
+from modelsize._records import record
 
 #: The compiled loop's module; ``None``: the Python loop runs every opcode (the same results).
 _ops = compiled("_pickleops")
@@ -243,7 +243,7 @@ class UnhashableKey:
         return f"UnhashableKey(value={self.value!r})"
 
 
-@dataclass
+@record
 class PickleScan:
     """The result of scanning one pickle.
 

@@ -23,8 +23,9 @@ import os
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import overload
+
+from modelsize._records import record
 
 __all__ = [
     "I32",
@@ -126,7 +127,7 @@ class ProtobufError(ValueError):
         super().__init__(f"{reason} (at byte {offset})")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Field:
     """One field of a message, with the bytes it occupies.
 

@@ -19,8 +19,8 @@ so a hostile file cannot make the reader loop, jump outside the table or allocat
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from modelsize._records import record
 from modelsize.formats._protobuf import Buffer, ProtobufError, read_varint
 
 __all__ = ["FOOTER_SIZE", "MAGIC", "BlockHandle", "SSTableError", "crc32c", "iter_table"]
@@ -42,7 +42,7 @@ class SSTableError(ValueError):
         super().__init__(f"{reason} (at byte {offset})")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class BlockHandle:
     """Where one block lies in the table (its trailer follows it)."""
 

@@ -35,9 +35,9 @@ import functools
 import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
 from modelsize.formats._pickle import (
@@ -151,7 +151,7 @@ class StorageRef:
         return numel * self.itemsize
 
 
-@dataclass
+@record
 class Summary:
     """What the walk learnt besides the tensors."""
 

@@ -18,10 +18,10 @@ import io
 import os
 import stat
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from modelsize._records import field, record
 from modelsize.errors import InputError, PathNotFoundError, printable
 from modelsize.inventory import Inventory
 
@@ -139,7 +139,7 @@ def check_tree(root: Path) -> None:
             continue  # an unreadable subfolder: the reader says so if it needs it
 
 
-@dataclass
+@record
 class Source:
     """What a reader may look at before committing to a path: cheap facts, computed once."""
 

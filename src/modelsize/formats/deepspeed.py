@@ -26,9 +26,9 @@ read from the file names and the bytes of each rank.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from modelsize._records import record
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats import _zip
@@ -70,7 +70,7 @@ DEEPSPEED_GLOBALS: frozenset[str] = frozenset(
 _MODEL_OPTIMIZER_KEYS = ("optimizer.", "lr_scheduler.")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class StatesFile:
     """One ``*_states.pt`` file and what its name says about it."""
 

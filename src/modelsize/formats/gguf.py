@@ -34,10 +34,10 @@ import os
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, printable
@@ -108,7 +108,7 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 _FACT_KEYS = ("general.architecture", "general.name", "general.file_type")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class TensorInfo:
     """One tensor info: ``dims`` in ggml order (fastest first), ``offset`` from the data start."""
 
@@ -119,7 +119,7 @@ class TensorInfo:
     info_offset: int
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class KeyValue:
     """One metadata pair: its bytes are ``start..end``, its value's ``value_start..end``."""
 
@@ -131,7 +131,7 @@ class KeyValue:
     value: object
 
 
-@dataclass
+@record
 class Layout:
     """Everything before the tensor data, as found in the file."""
 

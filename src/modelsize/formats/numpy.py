@@ -35,10 +35,10 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modelsize._records import record
 from modelsize.categories import Category
 from modelsize.dtypes import numel
 from modelsize.errors import CorruptFileError, printable
@@ -74,7 +74,7 @@ MAX_ITEMSIZE = 2**31 - 1
 MAX_ELEMENTS = 2**63 - 1
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class NpyDType:
     """A NumPy dtype as far as sizing needs: a name, bytes per element, whether it pickles."""
 
@@ -85,7 +85,7 @@ class NpyDType:
     structured: bool = False
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class NpyHeader:
     """A parsed ``.npy`` header; ``nbytes`` is its length including magic and version."""
 

@@ -21,11 +21,11 @@ read. External ``location`` s must stay inside the model's folder.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from enum import Enum
 from itertools import pairwise
 from pathlib import Path
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, printable
@@ -76,7 +76,7 @@ _MODEL_FIELDS = {
 }
 
 
-@dataclass
+@record
 class _Tensor:
     name: str
     dtype: str
@@ -110,7 +110,7 @@ class GraphKind(str, Enum):
     """The body of a model-local function."""
 
 
-@dataclass(eq=False)
+@record(eq=False)
 class GraphSite:
     """One graph of the model (or a function's body), as ``slim`` needs to rewrite it.
 
@@ -173,7 +173,7 @@ class GraphSite:
         return False
 
 
-@dataclass(eq=False)
+@record(eq=False)
 class NodeSite:
     """One ``NodeProto``: payload range, operator, the names it reads and writes."""
 
@@ -192,7 +192,7 @@ class NodeSite:
     attrs: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(eq=False)
+@record(eq=False)
 class TensorSite:
     """One ``TensorProto`` with a storage or not: the inventory's name for it, the name it has
     in its graph (``bare``: the initializer's name, or the output of the node holding it),
@@ -218,7 +218,7 @@ class TensorSite:
     external: bool = False
 
 
-@dataclass
+@record
 class Structure:
     """The graphs, nodes and tensors of a model by the offset of their payload."""
 
@@ -232,7 +232,7 @@ class Structure:
     bindings: set[str] = field(default_factory=set)
 
 
-@dataclass
+@record
 class _Model:
     graph_ranges: list[tuple[int, int]] = field(default_factory=list)
     tensors: list[_Tensor] = field(default_factory=list)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.formats._limits import ParseBudget
 from modelsize.formats._pickle import (
@@ -122,7 +122,7 @@ class PickleReader:
         return b.build()
 
 
-@dataclass
+@record
 class _Joblib:
     """Follows joblib's inline array data while the pickle is parsed."""
 

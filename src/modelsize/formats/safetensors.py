@@ -21,11 +21,11 @@ import re
 import struct
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
 from modelsize._extensions import compiled
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, DType, canonical
 from modelsize.errors import CorruptFileError, printable
@@ -161,7 +161,7 @@ class Entry(NamedTuple):
     end: int
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Header:
     """A parsed safetensors header: where the data starts and what lies in it.
 
@@ -574,7 +574,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("*.safetensors") if p.is_file())
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Index:
     """A sharded checkpoint's index: its weight map (tensor name -> shard file name) and the
     ``metadata.total_size`` it claims (None if absent or not an integer)."""

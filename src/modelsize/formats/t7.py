@@ -34,10 +34,10 @@ import mmap
 import re
 import struct
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from modelsize._records import field, record
 from modelsize.categories import PRECEDENCE, Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, printable
@@ -79,7 +79,7 @@ _RANK = {c: i for i, c in enumerate(PRECEDENCE)}
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class _Ctx:
     """Where an object is being read: its path and the category tensors found there get."""
 
@@ -89,7 +89,7 @@ class _Ctx:
     for_tensor: TensorObject | None = None  # reading the storage of this tensor
 
 
-@dataclass
+@record
 class StorageObject:
     """A ``torch.*Storage``: its object index, elements and where they lie in the file."""
 
@@ -103,7 +103,7 @@ class StorageObject:
     version: str | None = None  # "V 1"; None for files older than class versions
 
 
-@dataclass
+@record
 class TensorObject:
     """A ``torch.*Tensor``: its object index, the name and category of its best path, its
     view (sizes, strides, 0-based offset) and its storage."""
@@ -120,7 +120,7 @@ class TensorObject:
     version: str | None = None
 
 
-@dataclass
+@record
 class DirectStorage:
     """A storage held as a value itself (not through a tensor)."""
 
@@ -129,12 +129,12 @@ class DirectStorage:
     storage: StorageObject
 
 
-@dataclass
+@record
 class _Ref:
     index: int
 
 
-@dataclass
+@record
 class Objects:
     """What a parse found: every indexed object, the tensors and the directly held storages
     (in the order the inventory declares them)."""
@@ -365,7 +365,7 @@ def _parse_all(cur: Cursor) -> Objects:
     return objects
 
 
-@dataclass
+@record
 class Parsed:
     """A file's object graph as the reader found it, and how its scalars are written."""
 

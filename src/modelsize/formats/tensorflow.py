@@ -34,9 +34,9 @@ import os
 import re
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, UsageError, printable
@@ -120,7 +120,7 @@ _METRIC_EDGES = frozenset({"metrics", "_metrics", "compile_metrics"})
 # --------------------------------------------------------------------------------------
 # Where the files are
 # --------------------------------------------------------------------------------------
-@dataclass
+@record
 class Layout:
     """The files of one checkpoint or SavedModel, and what the non-bundle ones hold.
 
@@ -290,7 +290,7 @@ def _saved_model(directory: Path) -> Layout:
 # --------------------------------------------------------------------------------------
 # The bundle index
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@record(frozen=True)
 class Entry:
     """One ``BundleEntryProto``."""
 
@@ -438,7 +438,7 @@ def tensor_name(key: bytes) -> str:
 # --------------------------------------------------------------------------------------
 # What each variable is
 # --------------------------------------------------------------------------------------
-@dataclass
+@record
 class _Node:
     children: list[tuple[int, str]] = field(default_factory=list)
     attributes: list[tuple[str, str, str]] = field(default_factory=list)  # name, full, key

@@ -41,10 +41,10 @@ import math
 import mmap
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, numel
 from modelsize.errors import CorruptFileError, MissingDependencyError, UsageError, printable
@@ -143,7 +143,7 @@ class _Flat:
         return start + 4, count
 
 
-@dataclass
+@record
 class _Table:
     flat: _Flat
     pos: int
@@ -211,7 +211,7 @@ class _Table:
         return list(struct.unpack_from(f"<{count}i", self.flat.buf, first)) if count else []
 
 
-@dataclass
+@record
 class Constant:
     """A constant tensor: one with bytes in a buffer; ``name`` is the inventory's (prefixed by
     its subgraph's name past the first, made unique), ``(subgraph, index)`` where it is."""
@@ -229,7 +229,7 @@ class Constant:
     sparsity: int = 0
 
 
-@dataclass
+@record
 class _Model:
     tensors: list[Constant] = field(default_factory=list)
     #: buffer index -> (data offset, size) of buffers with bytes.

@@ -27,10 +27,10 @@ import math
 import re
 import struct
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
+from modelsize._records import record
 from modelsize.categories import Category
 from modelsize.dtypes import DTYPES, canonical
 from modelsize.errors import CorruptFileError, printable
@@ -107,14 +107,14 @@ def _size(obj: object, what: str) -> tuple[int, ...]:
     return tuple(obj)
 
 
-@dataclass
+@record
 class _Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     stored: bool = False
 
 
-@dataclass
+@record
 class _TensorMeta:
     fqn: str
     dtype: str
@@ -123,7 +123,7 @@ class _TensorMeta:
     chunks: list[_Chunk]
 
 
-@dataclass
+@record
 class _Item:
     fqn: str
     index: int | None
@@ -152,7 +152,7 @@ class _Window(SeekableBytes):
         return len(data)
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class _Member:
     name: str
     data_offset: int  # relative to the item's start
@@ -582,7 +582,7 @@ def chunk_name(fqn: str, offsets: tuple[int, ...], chunks: int) -> str:
     return fqn if chunks == 1 else f"{fqn}@{','.join(str(o) for o in offsets)}"
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class ChunkedTensor:
     """One tensor of the state dict as ``.metadata`` describes it: its full size and the boxes
     (``offsets``, ``sizes``) its chunks cover, each named in the inventory by ``names``."""

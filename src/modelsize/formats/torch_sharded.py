@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from modelsize._records import field, record
 from modelsize.categories import Category
 from modelsize.errors import CorruptFileError, printable
 from modelsize.formats._torch_tree import torch_storage_chunks
@@ -61,7 +61,7 @@ Recategorize = Callable[[TensorRecord], Category | None]
 # -- merging per-file inventories ------------------------------------------------------------
 
 
-@dataclass
+@record
 class Part:
     """One file's inventory inside a multi-file checkpoint.
 
@@ -77,7 +77,7 @@ class Part:
     allowed_globals: frozenset[str] = frozenset()
 
 
-@dataclass
+@record
 class SideFile:
     """A whole file counted in one category (an index, a config, a ``latest`` tag file)."""
 
@@ -86,7 +86,7 @@ class SideFile:
     label: str
 
 
-@dataclass
+@record
 class Merged:
     """What :func:`merge` needs besides the parts."""
 
