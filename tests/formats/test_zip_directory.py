@@ -85,3 +85,72 @@ def test_damaged_archives_fail_as_zipfile_fails(tmp_path: Path, seed: int) -> No
         assert _ours(path) == want, bytes(data)
         kinds.add(want[0] if isinstance(want, tuple) else "ok")
     assert {"ok", "BadZipFile"} <= kinds
+
+
+def test_the_format_numbers_are_zipfiles() -> None:
+    assert (_zip.STORED, _zip.DEFLATED) == (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+    assert _zip._MAX_EXTRACT_VERSION == zipfile.MAX_EXTRACT_VERSION
+
+
+def _with_zip64_end(data: bytes, rng: random.Random) -> bytes:
+    """``data`` (an archive without a comment) with a ZIP64 end record and locator put before
+    its end record: well-formed, or damaged in one of the ways zipfile tells apart."""
+    eocd = data[-22:]
+    count, size, offset = (int.from_bytes(eocd[10:12], "little"),
+                           int.from_bytes(eocd[12:16], "little"),
+                           int.from_bytes(eocd[16:20], "little"))
+    body = data[:-22]
+    sig64 = b"PK\x06\x06" if rng.random() < 0.8 else b"PK\x06\x05"
+    disk = 0 if rng.random() < 0.8 else rng.choice([1, 7])
+    record = (sig64 + (44).to_bytes(8, "little") + (45).to_bytes(2, "little") * 2
+              + bytes(8) + count.to_bytes(8, "little") * 2 + size.to_bytes(8, "little")
+              + offset.to_bytes(8, "little"))
+    loc_sig = b"PK\x06\x07" if rng.random() < 0.85 else b"PK\x06\x08"
+    disks = 1 if rng.random() < 0.85 else rng.choice([0, 2])
+    locator = (loc_sig + disk.to_bytes(4, "little") + len(body).to_bytes(8, "little")
+               + disks.to_bytes(4, "little"))
+    if rng.random() < 0.2:
+        record = record[: rng.randrange(len(record))]
+    return body + record + locator + eocd
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_end_records_are_found_as_zipfile_finds_them(tmp_path: Path, seed: int) -> None:
+    """``_end_record`` reads the common end records itself (zipfile not imported) and hands
+    every other one to zipfile: the same list, or the same failure, either way."""
+    rng = random.Random(seed)
+    path = tmp_path / "z.zip"
+    for i in range(300):
+        data = bytes(_archive(rng))
+        if i % 3 and data[-2:] == b"\0\0":
+            data = _with_zip64_end(data, rng)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data) + 1)]
+        with io.BytesIO(data) as fh:
+            try:
+                want: object = zipfile._EndRecData(fh)  # type: ignore[attr-defined]
+            except Exception as exc:
+                want = (type(exc).__name__, str(exc))
+        with io.BytesIO(data) as fh:
+            try:
+                got: object = _zip._end_record(fh)
+            except Exception as exc:
+                got = (type(exc).__name__, str(exc))
+        assert got == want, data[-120:]
+        path.write_bytes(data)
+        assert _ours(path) == _zipfile(path), data[-120:]
+
+
+def test_a_torch_checkpoint_is_read_without_zipfile(tmp_path: Path) -> None:
+    """A torch checkpoint is read without importing zipfile (nor shutil, bz2, lzma)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    torch.save({"w": torch.zeros(3)}, tmp_path / "a.pt")
+    code = ("import sys\nimport modelsize\nmodelsize.inspect(sys.argv[1])\n"
+            "print('zipfile' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.pt")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -11,7 +11,7 @@ import importlib
 import json
 import os
 import struct
-import zipfile
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,7 +100,7 @@ class Registry:
             reader = e.load()
             try:
                 claimed = reader.sniff(source)
-            except _DECODE_ERRORS:  # a head too broken to sniff is not this reader's
+            except _decode_errors():  # a head too broken to sniff is not this reader's
                 claimed = False
             if claimed:
                 return reader
@@ -189,9 +189,8 @@ def registry() -> Registry:
 
 # Low-level failures a reader may let through on a malformed file. MemoryError and
 # RecursionError are here on purpose: a hostile file must never end in a traceback.
-_DECODE_ERRORS = (
+_DECODE_ERRORS: tuple[type[BaseException], ...] = (
     struct.error,
-    zipfile.BadZipFile,
     zlib.error,
     json.JSONDecodeError,
     UnicodeDecodeError,
@@ -205,6 +204,13 @@ _DECODE_ERRORS = (
     MemoryError,
     NotImplementedError,  # zipfile on archive features it does not implement
 )
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    """:data:`_DECODE_ERRORS` and ``zipfile.BadZipFile`` once zipfile is imported (nothing
+    raises it before: the torch and safetensors paths do not import zipfile)."""
+    zipfile = sys.modules.get("zipfile")
+    return _DECODE_ERRORS if zipfile is None else (*_DECODE_ERRORS, zipfile.BadZipFile)
 
 
 def read(path: str | Path, registry_: Registry | None = None) -> Inventory:
@@ -228,7 +234,7 @@ def read(path: str | Path, registry_: Registry | None = None) -> Inventory:
         raise
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    except _DECODE_ERRORS as exc:
+    except _decode_errors() as exc:
         raise CorruptFileError(path, reader.name, f"{type(exc).__name__}: {exc}") from exc
 
 

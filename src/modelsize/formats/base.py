@@ -17,7 +17,6 @@ import errno
 import io
 import os
 import stat
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -203,7 +202,8 @@ class Source:
 
                 try:
                     self._zip_infos = _zip.directory(self.path)
-                except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+                except (_zip.bad_zip_class(), OSError, ValueError, EOFError,
+                        NotImplementedError):
                     # NotImplementedError: zipfile on a version field it does not know.
                     self._zip_infos = None
         return self._zip_infos
