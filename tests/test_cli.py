@@ -52,6 +52,29 @@ def test_version_and_help() -> None:
     assert proc.returncode == 0 and "inspect" in proc.stdout
 
 
+@pytest.mark.parametrize("columns", ["50", "120", "junk"])
+def test_help_wraps_to_the_terminal_width_as_shutil_finds_it(
+        columns: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's help formatter finds the width without shutil, as shutil would."""
+    import argparse
+    import shutil
+
+    from modelsize.cli import _columns, build_parser
+
+    monkeypatch.setenv("COLUMNS", columns)
+    assert _columns() == shutil.get_terminal_size().columns
+    parser = build_parser(["inspect"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["inspect", "--help"])
+    ours = capsys.readouterr().out
+    monkeypatch.setattr(argparse.ArgumentParser, "_get_formatter",
+                        lambda self: argparse.HelpFormatter(prog=self.prog))
+    with pytest.raises(SystemExit):
+        build_parser(["inspect"]).parse_args(["inspect", "--help"])
+    assert capsys.readouterr().out == ours
+    assert max(map(len, ours.splitlines())) <= max(_columns(), 60)
+
+
 def test_negative_top_is_refused(tmp_path: Path) -> None:
     """``inspect --top -1`` printed "(-1 of 32)" (issue 18, smaller ones)."""
     np = pytest.importorskip("numpy")

@@ -199,3 +199,24 @@ def test_a_folder_of_model_files_names_them(tmp_path: Path) -> None:
     proc = run_cli("inspect", ".", cwd=tmp_path)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "holds 1 model file (train.pt): give one" in proc.stderr
+
+
+@pytest.mark.parametrize(("name", "slot"), [
+    ("optimizer.state.0.exp_avg", "exp_avg"),
+    ("optimizer.state.12.momentum_buffer", "momentum_buffer"),
+    ("optimizer.state.3.12", "state"),
+    ("dense_kernel_momentum", "momentum"),
+    ("a.b.x_velocity_hat", "velocity_hat"),
+    ("opt._private.v", "v"),
+    ("opt.v._private", "v"),
+    ("optimizer_weights/Adam/m/dense/kernel:0", "m"),
+    ("dense/kernel/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE", "m"),
+    ("training/Adam/dense/kernel/m:0", "m"),
+    ("layer_norm", "norm"),
+])
+def test_slot_names(name: str, slot: str) -> None:
+    from modelsize.findings import _slot
+    from modelsize.inventory import TensorRecord
+
+    record = TensorRecord(name, "F32", (1,), Category.OPTIMIZER_STATE, 4)
+    assert _slot(record) == slot

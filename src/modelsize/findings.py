@@ -75,6 +75,8 @@ _GENERIC_NAME = {"step", "state", "param_groups", "lr", "iterations", "iteration
 #: Slot names Keras appends to a variable's name (``dense_kernel_momentum``), longest first.
 _KERAS_SLOTS = ("accumulated_delta_var", "accumulated_grad", "average_gradient", "velocity_hat",
                 "accumulator", "momentum", "velocity", "linear", "norm")
+#: ``_`` + each of :data:`_KERAS_SLOTS`: one ``endswith`` rules them all out.
+_KERAS_SUFFIXES = tuple("_" + s for s in _KERAS_SLOTS)
 #: Name components that say how a variable is stored, not what it is (TF object-graph keys).
 _PLUMBING = {"ATTRIBUTES", "VARIABLE_VALUE", "OBJECT_CONFIG_JSON"}
 
@@ -84,13 +86,21 @@ def _slot(t: TensorRecord) -> str:
     for tag in t.tags:
         if tag.startswith("slot="):
             return tag[5:]
+    name = t.name
+    if "/" not in name and ":" not in name:  # torch: optimizer.state.0.exp_avg
+        last = name.rpartition(".")[2]
+        if (last and not last.isdigit() and last not in _PLUMBING and not last.startswith("_")
+                and not last.endswith(_KERAS_SUFFIXES)):
+            return last
     parts = t.name.split("/")
     if parts[0] == "optimizer_weights" and len(parts) >= 4:
         return parts[2]  # tf.keras: optimizer_weights/Adam/m/dense/kernel:0
     for p in reversed(t.name.replace("/", ".").split(".")):
         p = p.split(":", 1)[0]  # TF variable names end in ":0"
         if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_"):
-            return next((s for s in _KERAS_SLOTS if p.endswith("_" + s)), p)
+            if not p.endswith(_KERAS_SUFFIXES):
+                return p
+            return next(s for s in _KERAS_SLOTS if p.endswith("_" + s))
     return "state"
 
 
