@@ -5,6 +5,9 @@ errors (largest absolute and relative, overflows) per block of 2**22 elements.
     python scripts/check_casts_exhaustive.py bfloat16   # about 1 minute here
     python scripts/check_casts_exhaustive.py float16    # about 10 minutes here
 
+float16 runs on the CPU's F16C conversion where it has one: run the float16 check a second time
+with ``MODELSIZE_NO_F16C=1`` for the portable loops.
+
 Too long for the test suite, which checks the values that matter
 (tests/slimming/test_cast_compiled.py); run this after changing ``_speedups.c``.
 """

@@ -105,3 +105,30 @@ def test_compiled_casts_need_no_numpy(tmp_path: Path, monkeypatch: pytest.Monkey
         assert modelsize.slim(f32, tmp_path / f"{dst}.pt", cast=dst).verified
     with pytest.raises(MissingDependencyError, match="numpy"):
         modelsize.slim(f64, tmp_path / "narrowed.pt", cast="float32")
+
+
+def test_portable_float16_loops_give_the_numpy_bytes_and_errors(tmp_path: Path) -> None:
+    """Where the CPU has F16C the float16 cast runs on it; ``MODELSIZE_NO_F16C`` makes the
+    extension use its portable loops (the path of every other CPU): the same bytes and errors
+    as NumPy on every case, in a process of its own."""
+    import pickle
+    import subprocess
+    import sys
+
+    src = tmp_path / "cases.pkl"
+    src.write_bytes(pickle.dumps([c.tobytes() for c in _cases()]))
+    code = ("import pickle, sys\nfrom modelsize import _speedups\n"
+            "cases = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+            "out = [_speedups.cast_f32_f16(c) for c in cases]\n"
+            "out.append(_speedups.cast_f32_f16(memoryview(cases[0])[4:4 + 4 * 1001]))\n"
+            "open(sys.argv[2], 'wb').write(pickle.dumps(out))\n")
+    import os
+
+    env = dict(os.environ, MODELSIZE_NO_F16C="1")
+    subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "out.pkl")],
+                   check=True, env=env)
+    got = pickle.loads((tmp_path / "out.pkl").read_bytes())
+    chunks = [c.tobytes() for c in _cases()]
+    chunks.append(chunks[0][4:4 + 4 * 1001])
+    for chunk, result in zip(chunks, got, strict=True):
+        assert _same(result, _numpy(chunk, "float16"))
