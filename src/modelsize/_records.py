@@ -129,9 +129,6 @@ def _twin(cls: type) -> type:
                                        default_factory=_theirs(f.default_factory),
                                        init=f.init, repr=f.repr, compare=f.compare,
                                        hash=f.hash)
-    for name in ("__post_init__",):
-        if name in cls.__dict__:
-            ns[name] = cls.__dict__[name]
     made: type = dataclasses.dataclass(eq=eq, frozen=frozen)(type(cls.__name__, (), ns))
     return made
 

@@ -81,6 +81,11 @@ _KERAS_SUFFIXES = tuple("_" + s for s in _KERAS_SLOTS)
 _PLUMBING = {"ATTRIBUTES", "VARIABLE_VALUE", "OBJECT_CONFIG_JSON"}
 
 
+def _meaningful(part: str) -> bool:
+    """Whether a name component can name a slot (not an index, plumbing or private)."""
+    return bool(part) and not part.isdigit() and part not in _PLUMBING and not part.startswith("_")
+
+
 def _slot(t: TensorRecord) -> str:
     """The slot a tensor stands for: last meaningful component of its name."""
     for tag in t.tags:
@@ -89,15 +94,14 @@ def _slot(t: TensorRecord) -> str:
     name = t.name
     if "/" not in name and ":" not in name:  # torch: optimizer.state.0.exp_avg
         last = name.rpartition(".")[2]
-        if (last and not last.isdigit() and last not in _PLUMBING and not last.startswith("_")
-                and not last.endswith(_KERAS_SUFFIXES)):
+        if _meaningful(last) and not last.endswith(_KERAS_SUFFIXES):
             return last
     parts = t.name.split("/")
     if parts[0] == "optimizer_weights" and len(parts) >= 4:
         return parts[2]  # tf.keras: optimizer_weights/Adam/m/dense/kernel:0
     for p in reversed(t.name.replace("/", ".").split(".")):
         p = p.split(":", 1)[0]  # TF variable names end in ":0"
-        if p and not p.isdigit() and p not in _PLUMBING and not p.startswith("_"):
+        if _meaningful(p):
             if not p.endswith(_KERAS_SUFFIXES):
                 return p
             return next(s for s in _KERAS_SLOTS if p.endswith("_" + s))
