@@ -11,7 +11,6 @@ import importlib
 import json
 import os
 import struct
-import sys
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -207,10 +206,11 @@ _DECODE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def _decode_errors() -> tuple[type[BaseException], ...]:
-    """:data:`_DECODE_ERRORS` and ``zipfile.BadZipFile`` once zipfile is imported (nothing
-    raises it before: the torch and safetensors paths do not import zipfile)."""
-    zipfile = sys.modules.get("zipfile")
-    return _DECODE_ERRORS if zipfile is None else (*_DECODE_ERRORS, zipfile.BadZipFile)
+    """:data:`_DECODE_ERRORS` and ``zipfile.BadZipFile`` (:func:`_zip.bad_zip_class`: the
+    torch and safetensors paths do not import zipfile, and nothing raises it before)."""
+    from modelsize.formats import _zip
+
+    return (*_DECODE_ERRORS, _zip.bad_zip_class())
 
 
 def read(path: str | Path, registry_: Registry | None = None) -> Inventory:

@@ -21,7 +21,7 @@ import os
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
@@ -92,9 +92,9 @@ def directory(path: Path | str | IO[bytes]) -> list[Entry]:
     :func:`_end_record`, zipfile's search.
     """
     if not isinstance(path, (str, os.PathLike)):
-        return _directory(path, _end_record)
+        return _directory(path)
     with open(path, "rb") as fp:
-        return _directory(fp, _end_record)
+        return _directory(fp)
 
 
 def bad_zip(message: str) -> Exception:
@@ -156,10 +156,9 @@ def _end_record(fp: IO[bytes]) -> list[Any] | None:
     return found
 
 
-def _directory(fp: IO[bytes], end_record: Callable[[IO[bytes]], list[Any] | None],
-               ) -> list[Entry]:
+def _directory(fp: IO[bytes]) -> list[Entry]:
     try:
-        endrec = end_record(fp)
+        endrec = _end_record(fp)
     except OSError:
         raise bad_zip("File is not a zip file") from None
     if not endrec:
